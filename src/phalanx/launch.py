@@ -1,0 +1,205 @@
+"""Starting and joining multi-process jobs, on torch's own launcher.
+
+* Under torchrun, ``phalanx run``, or SLURM, the processes already exist: :func:`detect_environment`
+  reads who we are and :func:`check_environment` compares it with what the code asked for.
+* Under plain ``python train.py`` with ``devices=N``, :func:`launch_script` re-runs the script in N
+  processes and :func:`launch_function` runs a function in N processes. Both use
+  ``torch.distributed.launcher.elastic_launch`` (the engine behind torchrun): the calling process
+  becomes the agent that supervises the ranks, kills the survivors when one fails, and returns the
+  failing rank's exit code. There is no home-made process management here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.errors import MisconfigurationError, PhalanxError
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """Who this process is inside an already-launched job."""
+
+    source: str  # "torchelastic" (torchrun / phalanx run / phalanx launch) or "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    agent_hosts_store: bool
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise MisconfigurationError(f"Environment variable {name} is required but not set.")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise MisconfigurationError(f"Environment variable {name}={value!r} is not an integer.") from None
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as ``node[003-007,9],gpu1``."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return "127.0.0.1"
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_environment() -> ClusterEnvironment | None:
+    """The launched job this process belongs to, or None when it runs on its own."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        world = _env_int("WORLD_SIZE")
+        local_world = _env_int("LOCAL_WORLD_SIZE", world)
+        return ClusterEnvironment(
+            source="torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+            rank=_env_int("RANK"),
+            world_size=world,
+            local_rank=_env_int("LOCAL_RANK", 0),
+            local_world_size=local_world,
+            node_rank=_env_int("GROUP_RANK", _env_int("NODE_RANK", _env_int("RANK") // max(local_world, 1))),
+            master_addr=env["MASTER_ADDR"],
+            master_port=_env_int("MASTER_PORT"),
+            agent_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        world = _env_int("SLURM_NTASKS")
+        job_id = _env_int("SLURM_JOB_ID", 0)
+        return ClusterEnvironment(
+            source="slurm",
+            rank=_env_int("SLURM_PROCID"),
+            world_size=world,
+            local_rank=_env_int("SLURM_LOCALID", 0),
+            local_world_size=_env_int("SLURM_NTASKS_PER_NODE", world) if "SLURM_NTASKS_PER_NODE" in env
+            and env["SLURM_NTASKS_PER_NODE"].isdigit() else world // max(_env_int("SLURM_NNODES", 1), 1),
+            node_rank=_env_int("SLURM_NODEID", 0),
+            master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_NODELIST", "127.0.0.1")),
+            master_port=_env_int("MASTER_PORT", 20000 + job_id % 20000),
+            agent_hosts_store=False,
+        )
+    return None
+
+
+def check_environment(env: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    """Fail fast when the launched job does not match ``Fabric(devices=..., num_nodes=...)``."""
+    expected = devices * num_nodes
+    if env.world_size != expected or env.local_world_size != devices:
+        how = {
+            "slurm": f"submit with `--nodes={num_nodes} --ntasks-per-node={devices}`",
+            "torchelastic": f"launch with `--nproc-per-node={devices} --nnodes={num_nodes}`",
+            "env": f"set WORLD_SIZE={expected} and LOCAL_WORLD_SIZE={devices}",
+        }[env.source]
+        raise MisconfigurationError(
+            f"The code asks for devices={devices}, num_nodes={num_nodes} ({expected} processes), but "
+            f"{env.source} started {env.world_size} process(es) with {env.local_world_size} per node. "
+            f"Either change devices/num_nodes to match, or {how}."
+        )
+    if not 0 <= env.rank < env.world_size:
+        raise MisconfigurationError(f"RANK={env.rank} is outside [0, WORLD_SIZE={env.world_size}).")
+
+
+def _threads_per_rank(nprocs: int) -> None:
+    # N ranks each using every core thrash the CPU; give each its share unless the user chose.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+
+
+def _launch_config(nprocs: int) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"phalanx-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+
+
+def _failure_summary(err: Any) -> tuple[str, int]:
+    failures = getattr(err, "failures", {}) or {}
+    parts, code = [], 1
+    for rank, failure in sorted(failures.items()):
+        exitcode = getattr(failure, "exitcode", 1)
+        parts.append(f"rank {rank} exited with code {exitcode}")
+        if exitcode and exitcode > 0:
+            code = exitcode
+    return "; ".join(parts) or str(err), code
+
+
+def script_command() -> list[str]:
+    """How to re-run the current program: ``python script.py args`` or ``python -m pkg args``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return ["-m", name, *sys.argv[1:]]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise MisconfigurationError(
+            "fabric.launch() with devices>1 re-runs your script in N processes, but this program is not a "
+            "script file (python -c or an interactive session). Put the code in a file, or use "
+            "fabric.launch(fn) with a module-level function, or start it with `phalanx run`."
+        )
+    return [os.path.abspath(script), *sys.argv[1:]]
+
+
+def launch_script(nprocs: int) -> int:
+    """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    command = script_command()
+    _threads_per_rank(nprocs)
+    try:
+        elastic_launch(_launch_config(nprocs), sys.executable)(*command)
+    except ChildFailedError as err:
+        summary, code = _failure_summary(err)
+        print(f"[phalanx] job failed: {summary}. The failing rank's traceback is above.", file=sys.stderr)
+        return code
+    return 0
+
+
+def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    fabric = factory()
+    fabric.launch()
+    return fn(fabric, *args)
+
+
+def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Run ``fn(fabric, *args)`` in ``nprocs`` processes; returns rank 0's return value."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    if getattr(fn, "__qualname__", "").count("<locals>") or getattr(fn, "__name__", "") == "<lambda>":
+        raise MisconfigurationError(
+            f"fabric.launch(fn) starts new processes that import `fn` by name, so it must be a module-level "
+            f"function; {fn!r} is a lambda or nested function."
+        )
+    _threads_per_rank(nprocs)
+    try:
+        results = elastic_launch(_launch_config(nprocs), _function_entry)(factory, fn, args)
+    except ChildFailedError as err:
+        summary, _ = _failure_summary(err)
+        raise PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}.") from err
+    return results.get(0)

@@ -1,0 +1,74 @@
+"""Metrics to ``metrics.csv`` (one row per step; columns grow as new metrics appear)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from phalanx.loggers.base import flatten_hparams, log_dir_of
+
+
+class CSVLogger:
+    """Writes ``<root_dir>/<name>/version_<n>/metrics.csv`` and ``hparams.json``."""
+
+    def __init__(
+        self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None,
+        flush_every: int = 100,
+    ) -> None:
+        self._root, self._name, self._version = Path(root_dir), name, version
+        self._log_dir: Path | None = None
+        self._rows: list[dict[str, Any]] = []
+        self._columns: list[str] = []
+        self._flush_every = flush_every
+
+    @property
+    def log_dir(self) -> Path:
+        # Resolved lazily, so only the rank that logs (rank 0) creates the folder.
+        if self._log_dir is None:
+            self._log_dir = log_dir_of(self._root, self._name, self._version)
+        return self._log_dir
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.log_dir / "metrics.csv"
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / "hparams.json").write_text(json.dumps(flatten_hparams(params), indent=2))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row: dict[str, Any] = {"step": step, **metrics}
+        for key in row:
+            if key not in self._columns:
+                self._columns.append(key)
+        self._rows.append(row)
+        if len(self._rows) >= self._flush_every:
+            self.save()
+
+    def save(self) -> None:
+        """Rewrite the file with all rows so far (atomic; columns may have grown)."""
+        if not self._rows and self.metrics_file.exists():
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        existing: list[dict[str, Any]] = []
+        if self.metrics_file.exists():
+            with open(self.metrics_file, newline="") as fh:
+                reader = csv.DictReader(fh)
+                existing = list(reader)
+                for col in reader.fieldnames or []:
+                    if col not in self._columns:
+                        self._columns.insert(0, col)
+        tmp = self.metrics_file.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(existing)
+            writer.writerows(self._rows)
+        os.replace(tmp, self.metrics_file)
+        self._rows = []
+
+    def finalize(self, status: str = "success") -> None:
+        self.save()

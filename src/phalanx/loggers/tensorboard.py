@@ -1,0 +1,54 @@
+"""Metrics to TensorBoard event files (tensorboard is imported only when this logger is used)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import MisconfigurationError
+from phalanx.loggers.base import flatten_hparams, log_dir_of
+
+
+class TensorBoardLogger:
+    """Writes event files to ``<root_dir>/<name>/version_<n>/``."""
+
+    def __init__(self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None) -> None:
+        self._root, self._name, self._version = Path(root_dir), name, version
+        self._log_dir: Path | None = None
+        self._writer: Any = None
+
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            self._log_dir = log_dir_of(self._root, self._name, self._version)
+        return self._log_dir
+
+    @property
+    def experiment(self) -> Any:
+        """The ``SummaryWriter`` (created on first use)."""
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise MisconfigurationError(
+                    "TensorBoardLogger needs the tensorboard package: pip install 'phalanx[tensorboard]'."
+                ) from err
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        flat = flatten_hparams(params)
+        self.experiment.add_text("hparams", "\n".join(f"{k}: {v}" for k, v in flat.items()))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            self.experiment.add_scalar(key, value, global_step=step)
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str = "success") -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,196 @@
+"""What every multi-process backend shares: joining the process group and guarded collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.collectives import Collectives, Lockstep, make_store_client, to_timedelta
+from phalanx.errors import GradientSyncError, MisconfigurationError
+from phalanx.launch import ClusterEnvironment, check_environment
+from phalanx.strategies.base import Strategy
+
+LOCKSTEP_MODES = ("default", "strict")
+
+
+def _default_guard_timeout() -> float:
+    return float(os.environ.get("PHALANX_GUARD_TIMEOUT", "15"))
+
+
+class ParallelStrategy(Strategy):
+    """Base of DDP/FSDP/DeepSpeed: one process per device, a process group, guarded collectives.
+
+    Args:
+        timeout: seconds a collective may wait for ranks that are alive and on their way (rank 0
+            writing a large checkpoint while the others wait is normal). Also the process group's
+            timeout for the data-plane collectives phalanx cannot pre-check.
+        guard_timeout: seconds after which a rank that is gone (no heartbeat), or stuck in a
+            collective the others will not join, makes the waiting ranks raise. Default 15, or
+            ``PHALANX_GUARD_TIMEOUT``.
+        lockstep: ``"default"`` compares operation names and tensor shapes before each collective;
+            ``"strict"`` also compares call sites (``PHALANX_LOCKSTEP=strict`` sets it too).
+        backend: process-group backend; ``gloo`` on CPU and ``nccl`` on CUDA when None.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 1800.0,
+        guard_timeout: float | None = None,
+        lockstep: str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.timeout = float(timeout)
+        self.guard_timeout = _default_guard_timeout() if guard_timeout is None else float(guard_timeout)
+        lockstep = lockstep or os.environ.get("PHALANX_LOCKSTEP", "default")
+        if lockstep not in LOCKSTEP_MODES:
+            raise MisconfigurationError(f"lockstep={lockstep!r}; choose one of {LOCKSTEP_MODES}.")
+        self.lockstep = lockstep
+        self.backend = backend
+        self._rank = 0
+        self._world_size = 1
+        self._local_rank = 0
+        self._node_rank = 0
+        self._guard: Lockstep | None = None
+        self._collectives: Collectives | None = None
+        self._owns_group = False
+
+    # ------------------------------------------------------------------ environment
+    def setup_environment(self, env: ClusterEnvironment | None) -> None:
+        if env is None:
+            if self.num_processes != 1:
+                raise MisconfigurationError(
+                    f"strategy={self.name!r} with {self.num_processes} processes needs a launched job: call "
+                    "fabric.launch() (it starts the processes), or start the script with `phalanx run` or torchrun."
+                )
+            env = ClusterEnvironment("local", 0, 1, 0, 1, 0, "127.0.0.1", 0, False)
+        else:
+            check_environment(env, self.devices, self.num_nodes)
+        self._rank, self._world_size = env.rank, env.world_size
+        self._local_rank, self._node_rank = env.local_rank, env.node_rank
+        if self.device_type == "cuda":
+            self._root_device = torch.device("cuda", env.local_rank)
+            torch.cuda.set_device(self._root_device)
+        backend = self.backend or ("nccl" if self.device_type == "cuda" else "gloo")
+        if dist.is_initialized():
+            raise MisconfigurationError(
+                "torch.distributed is already initialized in this process. Let phalanx create the process "
+                "group (remove your init_process_group call), or create one Fabric per process."
+            )
+        is_master = env.rank == 0 and not env.agent_hosts_store
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master, to_timedelta(self.timeout),
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("phalanx/pg", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=to_timedelta(self.timeout),
+        )
+        self._owns_group = True
+        hb_store = None
+        if env.world_size > 1:
+            hb_store = make_store_client(env.master_addr, store.port, self.timeout)
+        self._guard = Lockstep(
+            store,
+            env.rank,
+            env.world_size,
+            guard_timeout=self.guard_timeout,
+            timeout=self.timeout,
+            strict=self.lockstep == "strict",
+            heartbeat_store=hb_store,
+        )
+        self._collectives = Collectives(self._guard, self.root_device)
+
+    def teardown(self) -> None:
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    @property
+    def guard(self) -> Lockstep:
+        if self._guard is None:
+            raise MisconfigurationError("The process group is not set up yet: call fabric.launch() first.")
+        return self._guard
+
+    @property
+    def collectives(self) -> Collectives:
+        if self._collectives is None:
+            raise MisconfigurationError("The process group is not set up yet: call fabric.launch() first.")
+        return self._collectives
+
+    @property
+    def global_rank(self) -> int:
+        return self._rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self._node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str = "barrier") -> None:
+        self.collectives.barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.collectives.broadcast_object(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_gather(tensor)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.collectives.all_gather_object(obj)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return self.collectives.all_reduce(tensor, op)
+
+    def verify_in_sync(
+        self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0
+    ) -> None:
+        if not named:
+            return
+        # Two float64 fingerprints per tensor: enough to catch any real divergence, cheap to gather.
+        stats = torch.stack(
+            [torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in named]
+        ).to(self.root_device)
+        gathered = self.collectives.all_gather(stats, name=f"verify_in_sync({what})").cpu()
+        ref = gathered[0]
+        for r in range(1, gathered.shape[0]):
+            close = torch.isclose(gathered[r], ref, rtol=rtol, atol=atol).all(dim=1)
+            if not bool(close.all()):
+                i = int((~close).nonzero()[0])
+                raise GradientSyncError(
+                    f"{what} differ across ranks: first differing tensor is {named[i][0]!r} "
+                    f"(rank 0: sum={ref[i, 0]:.6g}, |sum|={ref[i, 1]:.6g}; rank {r}: sum={gathered[r, i, 0]:.6g}, "
+                    f"|sum|={gathered[r, i, 1]:.6g}). {int((~close).sum())} of {len(named)} tensors differ."
+                )
+
+    @contextlib.contextmanager
+    def _checkpoint_op(self, name: str) -> Iterator[None]:
+        # Enter together (so a save called on rank 0 alone fails fast), leave together (so nobody
+        # reads a checkpoint before rank 0 has renamed it into place).
+        with self.guard.guarded(name):
+            pass
+        yield
+        self.collectives.barrier(f"{name} (finish)")

@@ -1,0 +1,30 @@
+"""Small helpers shared across phalanx (no process state lives here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested structure of dicts, lists, tuples, named tuples and
+    dataclasses, returning a structure of the same shape."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: apply_to_tensors(v, fn) for k, v in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # named tuple
+        return type(data)(*(apply_to_tensors(v, fn) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(apply_to_tensors(v, fn) for v in data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changes = {f.name: apply_to_tensors(getattr(data, f.name), fn) for f in dataclasses.fields(data)}
+        return dataclasses.replace(data, **changes)
+    return data
+
+
+def move_to_device(data: Any, device: torch.device) -> Any:
+    return apply_to_tensors(data, lambda t: t.to(device, non_blocking=True))

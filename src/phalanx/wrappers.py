@@ -1,0 +1,185 @@
+"""The objects ``fabric.setup`` returns: thin proxies that route calls through the strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from phalanx.strategies.base import Strategy
+
+_OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy"})
+
+
+class FabricModule(nn.Module):
+    """Wraps a set-up module. ``model(x)`` and custom methods (``model.generate(x)``) run through the
+    strategy's forward (DDP's reducer, autocast, input conversion). Attributes and submodules
+    (``model.student``) resolve to the original module; gradients computed through them are still
+    averaged by the strategy (see :mod:`phalanx.strategies.ddp`)."""
+
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, strategy: Strategy) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        self._original_module = original_module
+        object.__setattr__(self, "_strategy", strategy)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module as it was passed to ``setup`` (now moved/converted/sharded in place)."""
+        return self._original_module
+
+    @property
+    def _phalanx_unwrapped(self) -> nn.Module:
+        return self._original_module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._strategy.precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            out = self._strategy.module_forward(self._forward_module, *args, **kwargs)
+        return precision.convert_output(out)
+
+    def _redirect_method(self, name: str) -> Callable[..., Any]:
+        """Call ``original.<name>`` *as* the forward, so the strategy sees it (DDP arms its reducer)."""
+        original = self._original_module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            method = getattr(original, name)
+            had_instance_forward = "forward" in original.__dict__
+            saved = original.__dict__.get("forward")
+
+            def as_forward(*a: Any, **k: Any) -> Any:
+                restore()  # nested self(...) calls inside the method must reach the real forward
+                return method(*a, **k)
+
+            def restore() -> None:
+                if had_instance_forward:
+                    original.__dict__["forward"] = saved
+                else:
+                    original.__dict__.pop("forward", None)
+
+            original.__dict__["forward"] = as_forward
+            try:
+                return self(*args, **kwargs)
+            finally:
+                restore()
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        original = self._original_module
+        attr = getattr(original, name)
+        if (
+            callable(attr)
+            and not isinstance(attr, nn.Module)
+            and getattr(attr, "__self__", None) is original
+            and name not in _PASSTHROUGH_METHODS
+            and not name.startswith("_")
+        ):
+            return self._redirect_method(name)
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            name in _OWN_MODULE_ATTRS
+            or name in self.__dict__
+            or "_original_module" not in self.__dict__.get("_modules", {})
+        ):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original_module, name, value)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._original_module[key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self._original_module)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._original_module)  # type: ignore[call-overload, no-any-return]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+# Methods of nn.Module that query or configure the module; they must not be routed through forward.
+_PASSTHROUGH_METHODS = frozenset(dir(nn.Module))
+
+_OWN_OPTIMIZER_ATTRS = frozenset({"_optimizer", "_strategy", "_phalanx_module", "step"})
+
+
+class FabricOptimizer:
+    """Wraps a set-up optimizer; ``step()`` goes through the strategy (loss scaling, sync checks).
+
+    It is an instance of the wrapped optimizer's class too, and every attribute read or write is
+    forwarded to the wrapped optimizer, so ``param_groups``/``state`` never go stale (even after
+    ``load_state_dict``, which replaces them).
+    """
+
+    def __init__(self, optimizer: Optimizer, strategy: Strategy, module: nn.Module | None = None) -> None:
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_phalanx_module", module)
+        cls = type(self)
+        object.__setattr__(
+            self, "__class__", type("Fabric" + type(optimizer).__name__, (cls, type(optimizer)), {})
+        )
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._optimizer
+
+    @property
+    def _phalanx_unwrapped(self) -> Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        kwargs = {} if closure is None else {"closure": closure}
+        return self._strategy.optimizer_step(self._optimizer, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN_OPTIMIZER_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"FabricOptimizer({self._optimizer!r})"
+
+
+def param_owner(optimizer: Optimizer, modules: list[FabricModule]) -> FabricModule | None:
+    """The set-up module whose parameters the optimizer updates (None if unclear)."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    owners = [m for m in modules if ids & {id(p) for p in m.module.parameters()}]
+    return owners[0] if len(owners) == 1 else None
+
+
+def is_wrapped(obj: Any) -> bool:
+    return isinstance(obj, (FabricModule, FabricOptimizer))
+
+
+def unwrap_tensor(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
