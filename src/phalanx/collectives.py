@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from phalanx.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    PhalanxError,
     RankGoneError,
 )
 
@@ -46,6 +48,8 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _C10D_FILE = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+# How gloo/NCCL/the store word a lost peer; other errors (a shape error in backward) are not diagnosed.
+_COMM_FAILURE = re.compile(r"connection|peer|socket|broken pipe|gloo|nccl|timed? ?out", re.IGNORECASE)
 
 
 def _is_internal(fname: str, skip_torch: bool = True) -> bool:
@@ -185,6 +189,9 @@ class Lockstep:
         self.current_op, self.in_op = name, True
         try:
             yield
+        except RuntimeError as err:
+            self._explain_failure(name, self.seq, err)
+            raise
         finally:
             self.in_op = False
 
@@ -200,8 +207,57 @@ class Lockstep:
         try:
             self._arrive(seq, name, signature, site)
             yield
+        except RuntimeError as err:
+            self._explain_failure(name, seq, err)
+            raise
         finally:
             self.in_op = False
+
+    # ------------------------------------------------------------------ failures inside torch
+    def _explain_failure(self, name: str, seq: int, err: RuntimeError) -> None:
+        """A collective failed inside torch (gloo: "Connection closed by peer"); such errors never say which
+        rank is gone. If the store shows one, raise RankGoneError naming it; otherwise let ``err`` go on."""
+        if isinstance(err, PhalanxError) or not _COMM_FAILURE.search(str(err)):
+            return
+        gone = self._find_gone_peer()
+        if gone is not None:
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise RankGoneError(
+                f"{name} (collective #{seq}) failed on rank {self.rank} because {gone}. "
+                f"torch reported: {type(err).__name__}: {first}"
+            ) from err
+
+    def _find_gone_peer(self) -> str | None:
+        """Look for an exited or frozen peer for up to ``guard_timeout`` seconds."""
+        deadline = time.monotonic() + self.guard_timeout
+        frozen_after = 4 * self.heartbeat_interval  # a collective already failed: a short window suffices
+        seen: dict[int, tuple[int, float]] = {}
+        while True:
+            now = time.monotonic()
+            try:
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    if self.store.check([self._key("exit", r)]):
+                        ex_seq, ex_op = self.store.get(self._key("exit", r)).decode().split("\x1f")
+                        return f"rank {r} has shut down (its last operation was {ex_op!r}, #{ex_seq})"
+                    if not self.store.check([self._key("hb", r)]):
+                        continue
+                    peer = _PeerState.parse(self.store.get(self._key("hb", r)))
+                    prev = seen.get(r)
+                    if prev is None or prev[0] != peer.beat:
+                        seen[r] = (peer.beat, now)
+                    elif now - prev[1] > frozen_after:
+                        return (
+                            f"rank {r} stopped sending heartbeats (last seen in {peer.op!r} #{peer.seq} at "
+                            f"{peer.where}); it was killed or crashed"
+                        )
+            except Exception:
+                # The store lives in rank 0's process (or the launcher's agent): unreachable means it is gone.
+                return None if self.rank == 0 else "rank 0 is gone (the store it hosts is unreachable)"
+            if now > deadline:
+                return None
+            time.sleep(0.1)
 
     def _arrive(self, seq: int, name: str, signature: str, site: str) -> None:
         store = self.store

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import (
@@ -18,8 +18,11 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from phalanx.errors import MisconfigurationError
+from phalanx.errors import CollectiveMismatchError, MisconfigurationError
 from phalanx.utils import move_to_device
+
+if TYPE_CHECKING:
+    from phalanx.strategies.base import Strategy
 
 _LOADER_ATTRS = (
     "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -73,13 +76,49 @@ def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int)
     )
 
 
-class FabricDataLoader:
-    """Iterates the (distributed) loader, calling ``set_epoch`` before each pass and moving batches."""
+_BALANCE_HINT = (
+    "Every rank must run the same number of steps: with unequal shards the gradient all-reduces of "
+    "different steps pair up, and the rank with extra batches hangs in its last one. If you shard the data "
+    "yourself (use_distributed_sampler=False, or an IterableDataset), give every rank the same number of "
+    "batches (truncate to the shortest shard, or pad), or let phalanx shard it with its DistributedSampler."
+)
 
-    def __init__(self, loader: DataLoader[Any], device: torch.device | None) -> None:
+
+def check_pass_length(strategy: Strategy, count: int) -> None:
+    """After a pass over a dataloader that communicated, make sure every rank ran ``count`` batches.
+
+    The rank that runs out first waits here while a rank with batches left enters its next gradient
+    all-reduce, which the guard reports at once as a different operation; ranks that both reach the end
+    compare their counts."""
+    rank = strategy.global_rank
+    try:
+        counts = strategy.all_gather_object(count, name="end of dataloader pass")
+    except CollectiveMismatchError as err:
+        raise CollectiveMismatchError(
+            f"Rank {rank}'s dataloader ran out after {count} batches while another rank still had batches "
+            f"and went on training. {_BALANCE_HINT} (What the lockstep guard saw: {err})"
+        ) from err
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise CollectiveMismatchError(
+            f"Ranks ran different numbers of batches in one pass over a dataloader ({per_rank}). {_BALANCE_HINT}"
+        )
+
+
+class FabricDataLoader:
+    """Iterates the (distributed) loader, calling ``set_epoch`` before each pass and moving batches.
+
+    With ``strategy`` (multi-process runs), a pass that issued collectives ends with a check that every
+    rank ran the same number of batches (see :func:`check_pass_length`); a pass without collectives (a
+    loader read on one rank only) is not checked."""
+
+    def __init__(
+        self, loader: DataLoader[Any], device: torch.device | None, strategy: Strategy | None = None
+    ) -> None:
         self._loader = loader
         self._device = device
         self._epoch = 0
+        self._strategy = strategy
 
     @property
     def loader(self) -> DataLoader[Any]:
@@ -102,8 +141,15 @@ class FabricDataLoader:
                 sampler.set_epoch(self._epoch)
                 break
         self._epoch += 1
+        strategy = self._strategy
+        issued = strategy.collectives_issued() if strategy is not None else 0
+        count = 0
         for batch in self._loader:
+            count += 1
             yield batch if self._device is None else move_to_device(batch, self._device)
+        # Only a pass that ran to its end (a `break` never gets here) and that communicated is checked.
+        if strategy is not None and strategy.collectives_issued() != issued:
+            check_pass_length(strategy, count)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

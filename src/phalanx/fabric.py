@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from phalanx import launch as launcher
 from phalanx.accelerator import resolve_accelerator, resolve_devices
+from phalanx.anomaly import AnomalyDetector
 from phalanx.data import FabricDataLoader, distribute_dataloader, warn_iterable
 from phalanx.errors import MisconfigurationError
 from phalanx.precision import canonical_precision
@@ -74,6 +75,11 @@ class Fabric:
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
         loggers: a logger or a list of loggers (objects with ``log_metrics(metrics, step)``).
         callbacks: objects whose methods ``fabric.call(name, ...)`` invokes.
+        lockstep: ``"default"`` (compare operation names and tensor shapes before each collective) or
+            ``"strict"`` (also compare call sites); None keeps the strategy's choice (or the
+            ``PHALANX_LOCKSTEP`` environment variable).
+        detect_anomaly: stop at the first ``fabric.backward`` whose loss or gradients hold nan/inf, naming
+            the backward call and the parameter (see :mod:`phalanx.anomaly` for the cost).
     """
 
     def __init__(
@@ -85,10 +91,13 @@ class Fabric:
         precision: str | int = "32-true",
         loggers: Any = None,
         callbacks: Any = None,
+        lockstep: str | None = None,
+        detect_anomaly: bool = False,
     ) -> None:
         self._init_kwargs: dict[str, Any] = {
             "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
-            "precision": precision, "loggers": loggers, "callbacks": callbacks,
+            "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
+            "detect_anomaly": detect_anomaly,
         }
         args = _apply_cli_overrides(self._init_kwargs)
         device_type = resolve_accelerator(args["accelerator"])
@@ -101,6 +110,9 @@ class Fabric:
             device_type=device_type, devices=n_devices, num_nodes=n_nodes,
             precision=canonical_precision(args["precision"]),
         )
+        if lockstep is not None:
+            self._strategy.set_lockstep(lockstep)
+        self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         self._loggers: list[Any] = _as_list(loggers)
         self._callbacks: list[Any] = _as_list(callbacks)
         self._launched = False
@@ -187,18 +199,21 @@ class Fabric:
         self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None, move_to_device: bool = True
     ) -> Any:
         """Set up a module with its optimizers; returns ``model`` or ``(model, *optimizers[, scheduler])``."""
-        wrapped = self.setup_module(module, move_to_device=move_to_device)
-        opts = [self._wrap_optimizer(opt, wrapped) for opt in optimizers]
+        self._ensure_launched()
+        self._check_new_module(module)
+        for opt in optimizers:
+            self._check_new_optimizer(opt)
+        forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
+        wrapped = FabricModule(forward_module, module, self._strategy)
+        self._modules.append(wrapped)
+        opts = [FabricOptimizer(opt, self._strategy, module) for opt in raw_opts]
         if scheduler is not None:
             return (wrapped, *opts, scheduler)
         return (wrapped, *opts) if opts else wrapped
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
         self._ensure_launched()
-        if isinstance(module, FabricModule):
-            raise MisconfigurationError("This module was already set up by fabric.setup(); set it up once.")
-        if not isinstance(module, nn.Module):
-            raise MisconfigurationError(f"fabric.setup expects an nn.Module, got {type(module).__name__}.")
+        self._check_new_module(module)
         forward_module = self._strategy.setup_module(module)
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
@@ -209,11 +224,22 @@ class Fabric:
         opts = [self._wrap_optimizer(opt, None) for opt in optimizers]
         return opts[0] if len(opts) == 1 else tuple(opts)
 
-    def _wrap_optimizer(self, optimizer: Optimizer, module: FabricModule | None) -> FabricOptimizer:
+    @staticmethod
+    def _check_new_module(module: Any) -> None:
+        if isinstance(module, FabricModule):
+            raise MisconfigurationError("This module was already set up by fabric.setup(); set it up once.")
+        if not isinstance(module, nn.Module):
+            raise MisconfigurationError(f"fabric.setup expects an nn.Module, got {type(module).__name__}.")
+
+    @staticmethod
+    def _check_new_optimizer(optimizer: Any) -> None:
         if isinstance(optimizer, FabricOptimizer):
             raise MisconfigurationError("This optimizer was already set up; set it up once.")
         if not isinstance(optimizer, Optimizer):
             raise MisconfigurationError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+    def _wrap_optimizer(self, optimizer: Optimizer, module: FabricModule | None) -> FabricOptimizer:
+        self._check_new_optimizer(optimizer)
         owner = module.module if module is not None else None
         if owner is None:
             found = param_owner(optimizer, self._modules)
@@ -233,7 +259,8 @@ class Fabric:
             if use_distributed_sampler and sampler_kwargs is not None and self.world_size > 1:
                 warn_iterable(loader, self.is_global_zero)
                 loader = distribute_dataloader(loader, **sampler_kwargs)
-            out.append(FabricDataLoader(loader, self.device if move_to_device else None))
+            checked = self._strategy if self.world_size > 1 else None
+            out.append(FabricDataLoader(loader, self.device if move_to_device else None, checked))
         return out[0] if len(out) == 1 else out
 
     # ------------------------------------------------------------------ training step
@@ -245,8 +272,12 @@ class Fabric:
                 "fabric.backward() was called before any module was set up. Call "
                 "`model, optimizer = fabric.setup(model, optimizer)` first."
             )
-        modules = [model._forward_module] if model is not None else [m._forward_module for m in self._modules]
-        self._strategy.backward(tensor, modules, *args, **kwargs)
+        targets = [model] if model is not None else self._modules
+        if self._anomaly is not None:
+            self._anomaly.before_backward(tensor)
+        self._strategy.backward(tensor, [m._forward_module for m in targets], *args, **kwargs)
+        if self._anomaly is not None:
+            self._anomaly.after_backward([m.module for m in targets])
 
     def clip_gradients(
         self,
@@ -308,6 +339,11 @@ class Fabric:
         """Gather tensors (or a collection of them) from every rank; each gains a leading world dim."""
         self._ensure_launched()
         return apply_to_tensors(data, lambda t: self._strategy.all_gather(self._as_device_tensor(t)))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank (index = rank), e.g. per-rank RNG states."""
+        self._ensure_launched()
+        return self._strategy.all_gather_object(obj)
 
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
         """Reduce tensors or numbers (or a collection of them) across ranks: mean, sum, max, min, product."""

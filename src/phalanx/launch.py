@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -136,15 +137,31 @@ def _launch_config(nprocs: int) -> Any:
     )
 
 
-def _failure_summary(err: Any) -> tuple[str, int]:
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def failure_summary(err: Any) -> tuple[str, int]:
+    """Words for a launcher's ChildFailedError, and the job's exit code. When one rank fails the launcher
+    stops the others with SIGTERM; those are reported as stopped, so the rank that failed first stands out
+    (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]")."""
     failures = getattr(err, "failures", {}) or {}
-    parts, code = [], 1
-    for rank, failure in sorted(failures.items()):
+    causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
+    stopped = sorted(set(failures) - set(causes))
+    parts, code = [], 0
+    for rank, failure in sorted(causes.items()):
         exitcode = getattr(failure, "exitcode", 1)
-        parts.append(f"rank {rank} exited with code {exitcode}")
-        if exitcode and exitcode > 0:
-            code = exitcode
-    return "; ".join(parts) or str(err), code
+        if exitcode < 0:
+            parts.append(f"rank {rank} was killed by {_signal_name(-exitcode)}")
+        else:
+            parts.append(f"rank {rank} exited with code {exitcode}")
+            code = code or exitcode
+    if stopped:
+        parts.append(f"the launcher then stopped rank(s) {stopped}")
+    return "; ".join(parts) or str(err), code or 1
 
 
 def script_command() -> list[str]:
@@ -164,6 +181,12 @@ def script_command() -> list[str]:
     return [os.path.abspath(script), *sys.argv[1:]]
 
 
+_SEE_ABOVE = (
+    "The failing rank's traceback is above (a rank killed by a signal, e.g. by the kernel's out-of-memory "
+    "killer, leaves none)."
+)
+
+
 def launch_script(nprocs: int) -> int:
     """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -174,8 +197,8 @@ def launch_script(nprocs: int) -> int:
     try:
         elastic_launch(_launch_config(nprocs), sys.executable)(*command)
     except ChildFailedError as err:
-        summary, code = _failure_summary(err)
-        print(f"[phalanx] job failed: {summary}. The failing rank's traceback is above.", file=sys.stderr)
+        summary, code = failure_summary(err)
+        print(f"[phalanx] job failed: {summary}. {_SEE_ABOVE}", file=sys.stderr)
         return code
     return 0
 
@@ -200,6 +223,6 @@ def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., A
     try:
         results = elastic_launch(_launch_config(nprocs), _function_entry)(factory, fn, args)
     except ChildFailedError as err:
-        summary, _ = _failure_summary(err)
+        summary, _ = failure_summary(err)
         raise PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}.") from err
     return results.get(0)

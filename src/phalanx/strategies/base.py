@@ -21,6 +21,9 @@ from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 
+#: How the lockstep guard cross-checks collectives: names and tensor signatures, or also call sites.
+LOCKSTEP_MODES = ("default", "strict")
+
 
 class Strategy:
     """Base class. Subclasses override what their backend does differently."""
@@ -51,6 +54,13 @@ class Strategy:
                 f"It supports {', '.join(map(repr, self.supported_precisions))}."
             )
         return make_precision(precision, self.device_type)
+
+    def set_lockstep(self, mode: str) -> None:
+        """``Fabric(lockstep=...)``: how collectives are cross-checked across ranks. One process has no
+        peers to compare with, so this base only validates the value (the same script must run with
+        devices=1 and devices=N unchanged)."""
+        if mode not in LOCKSTEP_MODES:
+            raise MisconfigurationError(f"lockstep={mode!r} is not a mode; choose one of {LOCKSTEP_MODES}.")
 
     @property
     def num_processes(self) -> int:
@@ -115,6 +125,14 @@ class Strategy:
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return optimizer
 
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer]
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        """Set up a module together with its optimizers. Backends that must see both at once (FSDP
+        replaces parameters, so optimizers must be re-pointed; DeepSpeed builds one engine from both)
+        override this; the default sets them up independently."""
+        return self.setup_module(module), [self.setup_optimizer(opt) for opt in optimizers]
+
     # ------------------------------------------------------------------ backward and steps
     def backward(self, loss: torch.Tensor, modules: list[nn.Module], *args: Any, **kwargs: Any) -> None:
         self.precision.pre_backward(loss).backward(*args, **kwargs)
@@ -157,8 +175,13 @@ class Strategy:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.unsqueeze(0)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, name: str = "all_gather_object") -> list[Any]:
         return [obj]
+
+    def collectives_issued(self) -> int:
+        """How many collectives this process has issued so far (always 0 on one process). Lets callers
+        tell whether a stretch of user code communicated with the other ranks."""
+        return 0
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return tensor.clone()

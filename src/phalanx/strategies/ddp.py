@@ -102,10 +102,12 @@ class DDPStrategy(ParallelStrategy):
         if state is None:
             return forward_module(*args, **kwargs)
         ddp: DistributedDataParallel = forward_module  # type: ignore[assignment]
-        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-            state.armed = True
-        if ddp.will_sync_module_buffers():
-            with self.guard.unguarded("forward (DDP buffer broadcast)"):
+        arming = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+        # DDP's forward may itself communicate (bucket rebuild on the second iteration, buffer
+        # broadcast): take a sequence number so peers waiting elsewhere see where this rank went.
+        if arming or ddp.will_sync_module_buffers():
+            state.armed = state.armed or arming
+            with self.guard.unguarded("forward (DDP)"):
                 return ddp(*args, **kwargs)
         return ddp(*args, **kwargs)
 

@@ -13,9 +13,7 @@ import torch.distributed as dist
 from phalanx.collectives import Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
-from phalanx.strategies.base import Strategy
-
-LOCKSTEP_MODES = ("default", "strict")
+from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 
 
 def _default_guard_timeout() -> float:
@@ -48,6 +46,7 @@ class ParallelStrategy(Strategy):
         super().__init__()
         self.timeout = float(timeout)
         self.guard_timeout = _default_guard_timeout() if guard_timeout is None else float(guard_timeout)
+        self._lockstep_given = lockstep
         lockstep = lockstep or os.environ.get("PHALANX_LOCKSTEP", "default")
         if lockstep not in LOCKSTEP_MODES:
             raise MisconfigurationError(f"lockstep={lockstep!r}; choose one of {LOCKSTEP_MODES}.")
@@ -60,6 +59,17 @@ class ParallelStrategy(Strategy):
         self._guard: Lockstep | None = None
         self._collectives: Collectives | None = None
         self._owns_group = False
+
+    def set_lockstep(self, mode: str) -> None:
+        super().set_lockstep(mode)
+        if self._lockstep_given is not None and self._lockstep_given != mode:
+            raise MisconfigurationError(
+                f"Fabric(lockstep={mode!r}) contradicts "
+                f"{type(self).__name__}(lockstep={self._lockstep_given!r}); set the mode in one place."
+            )
+        if self._guard is not None:
+            raise MisconfigurationError("lockstep must be chosen before fabric.launch().")
+        self.lockstep = mode
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self, env: ClusterEnvironment | None) -> None:
@@ -159,8 +169,11 @@ class ParallelStrategy(Strategy):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_gather(tensor)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.collectives.all_gather_object(obj)
+    def all_gather_object(self, obj: Any, name: str = "all_gather_object") -> list[Any]:
+        return self.collectives.all_gather_object(obj, name=name)
+
+    def collectives_issued(self) -> int:
+        return self._guard.seq if self._guard is not None else 0
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return self.collectives.all_reduce(tensor, op)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up .venv with the test extras and run the whole suite: ruff, mypy --strict, pytest.
+# Tests marked `slow` run only with PHALANX_TEST_ALL=1; `gpu` tests skip where no CUDA device exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh "test"
+.venv/bin/ruff check src tests examples bench
+.venv/bin/mypy --strict src
+MARK="not slow"
+if [ "${PHALANX_TEST_ALL:-0}" = "1" ]; then MARK=""; fi
+exec .venv/bin/python -m pytest -m "$MARK" "$@"

@@ -1,0 +1,242 @@
+"""The training, evaluation and prediction loops.
+
+Gradient accumulation means one thing on every strategy: a window of N micro-batches (or the
+shorter last window of an epoch) runs forward and backward with the loss divided by the window's
+size, gradient sync is skipped on all but the last micro-batch (forward and backward both inside
+``fabric.no_backward_sync``), and then exactly one optimizer step, one ``global_step`` increment,
+one round of step-interval schedulers and one ``on_before_optimizer_step`` happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from itertools import count
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.errors import MisconfigurationError
+from phalanx.seed import capture_rng_state, restore_rng_state
+from phalanx.trainer.data import num_batches
+from phalanx.trainer.optim import step_schedulers
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The tensor to backpropagate from what ``training_step`` returned."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    else:
+        raise MisconfigurationError(
+            f"training_step returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor. "
+            "(Skipping a batch by returning None is not supported: on several ranks it would leave the others "
+            "waiting in backward.)"
+        )
+    if loss.numel() != 1:
+        raise MisconfigurationError(f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar.")
+    return loss
+
+
+def detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    return output
+
+
+def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> Iterator[tuple[int, Any, int, bool]]:
+    """``(batch_idx, batch, window_size, is_boundary)`` for each batch from ``start``.
+
+    With a known length the window sizes are computed; without one, each window is read ahead so
+    the size of the last (partial) window is known before its first backward.
+    """
+    if total is not None:
+        for batch_idx in range(start, total):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            first = batch_idx - batch_idx % n
+            size = min(n, total - first)
+            yield batch_idx, batch, size, batch_idx + 1 == first + size
+        return
+    batch_idx = start
+    while True:
+        window = []
+        for _ in range(n - batch_idx % n):
+            try:
+                window.append(next(iterator))
+            except StopIteration:
+                break
+        if not window:
+            return
+        for i, batch in enumerate(window):
+            yield batch_idx, batch, len(window), i == len(window) - 1
+            batch_idx += 1
+
+
+def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
+    """Forward and backward of one micro-batch; returns training_step's output."""
+    fabric, model = trainer.fabric, trainer.model
+    with fabric.no_backward_sync(model, enabled=not boundary):
+        output = model.training_step(batch, batch_idx)
+        loss = loss_of(output)
+        fabric.backward(loss / window_size if window_size > 1 else loss)
+    return output
+
+
+def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None:
+    """One real step: hooks, clipping, the optimizer's step, zero_grad."""
+    module = trainer.module
+    if hooks:
+        module.on_before_optimizer_step(optimizer)
+        trainer.call("on_before_optimizer_step", optimizer)
+    if trainer.gradient_clip_val is not None:
+        if trainer.gradient_clip_algorithm == "norm":
+            trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=trainer.gradient_clip_val,
+                                          error_if_nonfinite=False)
+        else:
+            trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
+    if hooks:
+        module.optimizer_step(optimizer)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _val_due_mid_epoch(trainer: Trainer, batch_idx: int, total: int | None) -> bool:
+    interval = trainer.val_check_batches
+    if interval is None or not trainer.val_dataloaders or (total is not None and batch_idx + 1 >= total):
+        return False
+    return (batch_idx + 1) % interval == 0
+
+
+def _val_due_at_epoch_end(trainer: Trainer) -> bool:
+    every = trainer.check_val_every_n_epoch
+    return bool(trainer.val_dataloaders) and every is not None and (trainer.current_epoch + 1) % every == 0
+
+
+def run_train_epoch(trainer: Trainer) -> None:
+    t = trainer
+    resume = t.take_resume_state()
+    start = resume["batches_done"] if resume else 0
+    loader = t.train_dataloader
+    loader.set_epoch(t.current_epoch)
+    if resume is not None:
+        restore_rng_state(resume["epoch_rng"] if start > 0 and resume["epoch_rng"] else resume["rng"])
+    t.epoch_start_rng = capture_rng_state()
+    results = t.results["train"]
+    results.reset()
+    if start > 0 and resume is not None and resume.get("results") is not None:
+        results.load_state_dict(resume["results"])
+    t.module.train()
+    t.module.on_train_epoch_start()
+    t.call("on_train_epoch_start")
+    if t.train_sampler is not None:
+        t.train_sampler.skip = resume["samples"] if resume else 0
+    iterator = iter(loader)
+    if t.train_sampler is None:
+        for _ in range(start):  # the user's own sampler: re-read and discard what was consumed
+            next(iterator, None)
+    if resume is not None and start > 0:
+        restore_rng_state(resume["rng"])
+    total = t.num_training_batches
+    for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
+        results.batch = batch
+        t.in_window = not boundary
+        t.module.on_train_batch_start(batch, batch_idx)
+        t.call("on_train_batch_start", batch, batch_idx)
+        output = micro_batch(t, batch, batch_idx, size, boundary)
+        if boundary:
+            optimizer_step(t, t.optimizer)
+            t.global_step += 1
+            step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
+        t.batches_done = batch_idx + 1
+        t.publish_step_metrics(results.sync_step(t.fabric), log=boundary)
+        t.module.on_train_batch_end(detached(output), batch, batch_idx)
+        t.call("on_train_batch_end", detached(output), batch, batch_idx)
+        t.in_window = False
+        if boundary and _val_due_mid_epoch(t, batch_idx, total):
+            run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
+        if boundary and (t.should_stop or t.max_steps_reached):
+            break
+    del iterator
+    if _val_due_at_epoch_end(t):
+        run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
+    t.epoch_finished = True
+    results.in_epoch_end = True
+    t.module.on_train_epoch_end()
+    results.in_epoch_end = False
+    t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    step_schedulers(t.module, t.lr_scheduler_configs, "epoch", t.current_epoch + 1, t.callback_metrics)
+    t.call("on_train_epoch_end")
+    t.current_epoch += 1
+    t.batches_done = 0
+    t.epoch_finished = False
+
+
+def run_fit(trainer: Trainer) -> None:
+    while not trainer.should_stop and not trainer.max_steps_reached and trainer.current_epoch < trainer.max_epochs:
+        run_train_epoch(trainer)
+
+
+def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+    """Validation or test over every loader; returns one dict of epoch metrics per loader."""
+    t = trainer
+    hook = "validation" if stage == "validate" else "test"
+    results = t.results[stage]
+    results.reset()
+    was_training = t.module.training
+    previous_stage = t.current_stage
+    t.current_stage = stage
+    t.module.eval()
+    getattr(t.module, f"on_{hook}_epoch_start")()
+    t.call(f"on_{hook}_epoch_start")
+    step_fn = getattr(t.model, f"{hook}_step")
+    with torch.no_grad():
+        for idx, loader in enumerate(loaders):
+            results.dataloader_idx = idx
+            results.suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
+            n = num_batches(loader, limit)
+            for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
+                results.batch = batch
+                extra = {"dataloader_idx": idx} if len(loaders) > 1 else {}
+                output = step_fn(batch, batch_idx, **extra)
+                t.publish_step_metrics(results.sync_step(t.fabric), log=True)
+                t.call(f"on_{hook}_batch_end", output, batch, batch_idx)
+    results.in_epoch_end = True
+    getattr(t.module, f"on_{hook}_epoch_end")()
+    results.in_epoch_end = False
+    metrics = t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    t.call(f"on_{hook}_epoch_end")
+    t.current_stage = previous_stage
+    t.module.train(was_training)
+    per_loader: list[dict[str, float]] = [{} for _ in loaders]
+    for name, entry in results.entries.items():
+        if entry.on_epoch:
+            key = f"{name}_epoch" if entry.on_step else name
+            per_loader[entry.dataloader_idx][key] = metrics[name]
+    return per_loader
+
+
+def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+    t = trainer
+    was_training = t.module.training
+    t.module.eval()
+    out: list[list[Any]] = []
+    with torch.no_grad():
+        for idx, loader in enumerate(loaders):
+            preds: list[Any] = []
+            n = num_batches(loader, limit)
+            for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
+                extra = {"dataloader_idx": idx} if len(loaders) > 1 else {}
+                preds.append(t.model.predict_step(batch, batch_idx, **extra))
+                t.call("on_predict_batch_end", preds[-1], batch, batch_idx)
+            out.append(preds)
+    t.module.train(was_training)
+    return out

@@ -1,0 +1,99 @@
+"""Running real multi-process jobs from tests.
+
+A test writes a script (``run_job(code, ...)``); the script builds a ``Fabric(devices=N)`` and calls
+``fabric.launch()``, which re-runs it in N processes through phalanx's launcher, exactly as a user's
+``python train.py`` would. Each rank reports values with ``report(fabric, **values)`` (JSON under
+``PHALANX_TEST_OUT``); the test reads them back per rank. Every job has a hard timeout: a hung job
+fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+@dataclass
+class Job:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def check(self) -> Job:
+        assert self.returncode == 0, f"job failed ({self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def run_job(
+    code: str,
+    tmp_path: Path,
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
+    command: list[str] | None = None,
+    name: str = "job.py",
+) -> Job:
+    """Write ``code`` to a script and run it; ``command`` replaces ``python script`` (e.g. phalanx run)."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(code))
+    out_dir = tmp_path / "reports"
+    out_dir.mkdir(exist_ok=True)
+    full_env = {**os.environ, "PHALANX_TEST_OUT": str(out_dir), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
+    full_env.pop("PHALANX_SEED", None)
+    full_env.update(env or {})
+    cmd = (command or [sys.executable]) + [str(script), *args]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(
+            f"job hung for more than {timeout}s:\n{(err.stdout or b'')[-3000:]!r}\n{(err.stderr or b'')[-3000:]!r}"
+        ) from None
+    job = Job(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+    for path in sorted(out_dir.glob("rank*.json")):
+        job.reports[int(path.stem[4:])] = json.loads(path.read_text())
+    return job
+
+
+def report(fabric: Any = None, rank: int | None = None, **values: Any) -> None:
+    """Called inside a job: record JSON-able values (tensors become lists) for this rank."""
+    rank = fabric.global_rank if fabric is not None else (rank or 0)
+    out = Path(os.environ["PHALANX_TEST_OUT"]) / f"rank{rank}.json"
+    current = json.loads(out.read_text()) if out.exists() else {}
+    current.update({k: _plain(v) for k, v in values.items()})
+    out.write_text(json.dumps(current))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double().tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def flat_params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])

@@ -1,0 +1,155 @@
+"""Collectives called by a subset of ranks fail fast, naming the operation and the missing ranks;
+ranks that are merely slow are waited for."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mp import Job, run_job
+
+pytestmark = pytest.mark.timeout(180)
+
+PRELUDE = """
+import sys, time, torch
+import phalanx
+from mp import report
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+model = fabric.setup(torch.nn.Linear(3, 1))
+r = fabric.global_rank
+
+def attempt(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as err:
+        report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
+        raise
+    report(fabric, error=None, seconds=time.monotonic() - start)
+"""
+
+# Short bound for ranks that are gone or in another collective; tests stay fast and show it is honoured.
+ENV = {"PHALANX_GUARD_TIMEOUT": "3"}
+
+
+def _run(body: str, tmp_path: Path, **kwargs: object) -> Job:
+    return run_job(PRELUDE + body, tmp_path, env={**ENV, **kwargs.pop("env", {})}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_rank_zero_only_save_meets_a_barrier(tmp_path: Path) -> None:
+    job = _run(
+        """
+attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else fabric.barrier())
+""",
+        tmp_path,
+    )
+    assert job.returncode != 0
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["error"] == "CollectiveMismatchError", rep
+        assert "Ranks called different operations" in rep["message"]
+        assert "rank 0 called save at job.py" in rep["message"] and "rank 1 called barrier at job.py" in rep["message"]
+        assert rep["seconds"] < 5
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_rank_zero_only_barrier_while_the_other_rank_exits(tmp_path: Path) -> None:
+    job = _run(
+        """
+if r == 0:
+    attempt(lambda: fabric.barrier("sync after eval"))
+""",
+        tmp_path,
+    )
+    assert job.returncode != 0
+    rep = job.reports[0]
+    assert rep["error"] == "RankGoneError"
+    assert rep["message"].startswith("sync after eval (collective #")
+    assert "is waiting for rank(s) [1], but rank 1 has shut down" in rep["message"]
+    assert rep["seconds"] < 5
+
+
+def test_rank_zero_only_save_while_the_other_rank_trains_on(tmp_path: Path) -> None:
+    job = _run(
+        """
+def step():
+    fabric.backward(model(torch.randn(4, 3)).sum())
+step()
+attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
+""",
+        tmp_path,
+    )
+    assert job.returncode != 0
+    rep = job.reports[0]
+    assert rep["error"] == "CollectiveMismatchError"
+    assert "save (collective #" in rep["message"] and "waiting for rank(s) [1]" in rep["message"]
+    # Rank 1 blocks in the DDP forward of its next step (bucket rebuild) or in its backward.
+    assert re.search(r"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#4\) at job.py:21", rep["message"]), rep
+
+    assert rep["seconds"] < 5
+
+
+def test_rank_stuck_in_a_raw_torch_collective_is_named(tmp_path: Path) -> None:
+    job = _run(
+        """
+import torch.distributed as dist
+attempt(lambda: fabric.all_reduce(torch.ones(2)) if r == 0 else dist.barrier())
+""",
+        tmp_path,
+    )
+    assert job.returncode != 0
+    rep = job.reports[0]
+    assert rep["error"] == "CollectiveMismatchError"
+    assert "inside torch.distributed.barrier at job.py" in rep["message"]
+    assert 3 <= rep["seconds"] < 10
+
+
+def test_slow_but_alive_rank_is_waited_for(tmp_path: Path) -> None:
+    job = _run(
+        """
+def slow_then_barrier():
+    if r == 1:
+        time.sleep(6)   # longer than the guard bound: alive, on its way, must not trip it
+    fabric.barrier("after slow work")
+attempt(slow_then_barrier)
+attempt(lambda: fabric.save("a.ckpt", {"model": model}))
+""",
+        tmp_path,
+    ).check()
+    assert job.reports[0]["error"] is None and job.reports[1]["error"] is None
+    assert "they are alive, so waiting" in job.stderr
+
+
+def test_mismatched_shapes_are_caught_before_the_collective(tmp_path: Path) -> None:
+    job = _run(
+        """
+attempt(lambda: fabric.all_reduce(torch.ones(2 + r)))
+""",
+        tmp_path,
+    )
+    for rank in (0, 1):
+        assert job.reports[rank]["error"] == "CollectiveMismatchError"
+        assert "different tensor shapes/dtypes" in job.reports[rank]["message"]
+        assert "all_reduce(mean:(2,):float32)" in job.reports[rank]["message"]
+
+
+def test_strict_mode_compares_call_sites(tmp_path: Path) -> None:
+    job = _run(
+        """
+def branchy():
+    if r == 0:
+        fabric.barrier()
+    else:
+        fabric.barrier()
+attempt(branchy)
+""",
+        tmp_path,
+        env={"PHALANX_LOCKSTEP": "strict"},
+    )
+    for rank in (0, 1):
+        assert job.reports[rank]["error"] == "CollectiveMismatchError"
+        assert "different call sites (lockstep='strict')" in job.reports[rank]["message"]
