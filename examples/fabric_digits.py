@@ -77,7 +77,8 @@ def main() -> None:
     fabric.print(f"validation accuracy {accuracy:.2%} on {len(val_set)} held-out images")
 
     out = Path(args.out)
-    fabric.save(out / "last.ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": args.epochs})
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": args.epochs}
+    fabric.save(out / "last.ckpt", state)
     fabric.print(f"checkpoint written to {out / 'last.ckpt'}")
 
 

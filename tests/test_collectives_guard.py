@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from mp import Job, run_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,7 +87,8 @@ attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
     assert rep["error"] == "CollectiveMismatchError"
     assert "save (collective #" in rep["message"] and "waiting for rank(s) [1]" in rep["message"]
     # Rank 1 blocks in the DDP forward of its next step (bucket rebuild) or in its backward.
-    assert re.search(r"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#4\) at job.py:21", rep["message"]), rep
+    where = r"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#4\) at job.py:21"
+    assert re.search(where, rep["message"]), rep
 
     assert rep["seconds"] < 5
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from mp import REPO, run_job
+from torch import nn
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,7 +30,8 @@ class Distill(nn.ModuleDict):
     """A frozen teacher and a trainable student; `distill` is a custom method."""
     def __init__(self):
         torch.manual_seed(0)
-        super().__init__({"teacher": nn.Linear(6, 3), "student": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))})
+        student = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        super().__init__({"teacher": nn.Linear(6, 3), "student": student})
         self["teacher"].requires_grad_(False)
 
     def distill(self, x):
@@ -165,7 +165,8 @@ def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, mode
         tmp_path,
     ).check()
     for rank in (0, 1):
-        assert job.reports[rank]["error"].startswith("parameters differ across ranks: first differing tensor is '2.bias'")
+        expected = "parameters differ across ranks: first differing tensor is '2.bias'"
+        assert job.reports[rank]["error"].startswith(expected)
 
 
 def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, object]) -> None:
@@ -206,7 +207,8 @@ def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, ob
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[step * 16 : step * 16 + 16]), y[step * 16 : step * 16 + 16]).backward()
+        window = slice(step * 16, step * 16 + 16)
+        torch.nn.functional.cross_entropy(model(x[window]), y[window]).backward()
         opt.step()
     expected = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     for rank in (0, 1):
@@ -267,7 +269,8 @@ def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) ->
         opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
         x, y = make_data()
         for i in range(3):
-            fabric.backward(torch.nn.functional.cross_entropy(model(x[i * 4:i * 4 + 4]), y[i * 4:i * 4 + 4]))
+            xb, yb = x[i * 4:i * 4 + 4], y[i * 4:i * 4 + 4]
+            fabric.backward(torch.nn.functional.cross_entropy(model(xb), yb))
             opt.step()
             opt.zero_grad()
         fabric.save("ckpt/a.ckpt", {"model": model, "opt": opt, "step": 3})

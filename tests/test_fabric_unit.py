@@ -45,8 +45,8 @@ def test_every_precision_trains_one_step(precision: str) -> None:
         ({"accelerator": "cuda"}, "no CUDA device is available"),
         ({"strategy": "horovod"}, "Unknown strategy 'horovod'"),
         ({"strategy": "single", "devices": 2}, "runs one process"),
-        ({"devices": 0}, "devices must be a positive integer"),
-        ({"devices": "many"}, "devices='many' is not understood"),
+        ({"devices": 0}, r"devices must be a positive integer"),
+        ({"devices": "many"}, r"devices='many' is not understood"),
         ({"num_nodes": 0}, "num_nodes must be >= 1"),
     ],
 )
@@ -81,11 +81,11 @@ def test_setup_twice_and_wrong_types_are_refused() -> None:
     model = fabric.setup(_model())
     with pytest.raises(MisconfigurationError, match="already set up"):
         fabric.setup(model)
-    with pytest.raises(MisconfigurationError, match="expects an nn.Module"):
+    with pytest.raises(MisconfigurationError, match=r"expects an nn\.Module"):
         fabric.setup("model")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match="exactly one of max_norm"):
         fabric.clip_gradients(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    with pytest.raises(MisconfigurationError, match="returned by fabric.setup"):
+    with pytest.raises(MisconfigurationError, match=r"returned by fabric\.setup"):
         fabric.no_backward_sync(_model())
 
 
@@ -224,7 +224,7 @@ def test_distributed_sampler_injection_keeps_user_choices() -> None:
     plain = distribute_dataloader(DataLoader(ds, batch_size=3), 2, 0)
     assert list(plain.sampler) == [0, 2, 4, 6, 8]
     weighted = DataLoader(ds, sampler=WeightedRandomSampler([1.0] * 10, 10))
-    with pytest.raises(MisconfigurationError, match="custom sampler .WeightedRandomSampler."):
+    with pytest.raises(MisconfigurationError, match=r"custom sampler .WeightedRandomSampler."):
         distribute_dataloader(weighted, 2, 0)
 
 

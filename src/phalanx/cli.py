@@ -90,7 +90,7 @@ _EXTRA_COMMANDS: list = []  # type: ignore[type-arg]
 
 def _load_extras() -> None:
     try:
-        from phalanx.checkpoint import cli as checkpoint_cli
+        from phalanx.checkpoint import cli as checkpoint_cli  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return
     if checkpoint_cli.add_commands not in _EXTRA_COMMANDS:

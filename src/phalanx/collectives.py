@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 from phalanx.errors import (
     CollectiveMismatchError,
@@ -107,7 +108,7 @@ class Lockstep:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         rank: int,
         world_size: int,
         *,
@@ -115,7 +116,7 @@ class Lockstep:
         timeout: float = 1800.0,
         strict: bool = False,
         heartbeat_interval: float = 0.5,
-        heartbeat_store: dist.Store | None = None,
+        heartbeat_store: Store | None = None,
         prefix: str = "phalanx/lockstep",
     ) -> None:
         self.store = store
@@ -145,7 +146,7 @@ class Lockstep:
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
-    def _publish_heartbeat(self, store: dist.Store) -> None:
+    def _publish_heartbeat(self, store: Store) -> None:
         self._beat += 1
         where, c10d = "<unknown>", None
         frame = sys._current_frames().get(self._main_ident or -1)
@@ -483,6 +484,6 @@ def to_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-def make_store_client(host: str, port: int, timeout: float) -> dist.Store:
-    return dist.TCPStore(host, port, None, False, to_timedelta(timeout), wait_for_workers=False)
+def make_store_client(host: str, port: int, timeout: float) -> Store:
+    return TCPStore(host, port, None, False, to_timedelta(timeout), wait_for_workers=False)
 

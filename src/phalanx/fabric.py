@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -323,8 +323,10 @@ class Fabric:
         if params:
             self._strategy.verify_in_sync([(n, p) for n, p in raw.named_parameters()], "parameters", rtol)
         if grads:
-            named = [(n + ".grad", p.grad) for n, p in raw.named_parameters() if p.grad is not None]
-            self._strategy.verify_in_sync(cast(list[tuple[str, torch.Tensor]], named), "gradients", rtol)
+            named: list[tuple[str, torch.Tensor]] = [
+                (n + ".grad", p.grad) for n, p in raw.named_parameters() if p.grad is not None
+            ]
+            self._strategy.verify_in_sync(named, "gradients", rtol)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

@@ -138,24 +138,24 @@ class FabricOptimizer:
 
     @property
     def optimizer(self) -> Optimizer:
-        return self._optimizer
+        return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
 
     @property
     def _phalanx_unwrapped(self) -> Optimizer:
-        return self._optimizer
+        return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         kwargs = {} if closure is None else {"closure": closure}
         return self._strategy.optimizer_step(self._optimizer, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._strategy.optimizer_zero_grad(self._optimizer, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

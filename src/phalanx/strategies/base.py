@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from phalanx.checkpoint import io as ckpt_io
 from phalanx.errors import MisconfigurationError
-from phalanx.launch import ClusterEnvironment
+from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 
 #: How the lockstep guard cross-checks collectives: names and tensor signatures, or also call sites.
@@ -69,6 +69,10 @@ class Strategy:
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self, env: ClusterEnvironment | None) -> None:
+        if env is not None:
+            # A job launched with N processes around a one-process strategy would train N independent
+            # copies (each writing the same checkpoints), silently.
+            check_environment(env, self.devices, self.num_nodes)
         if self.device_type == "cuda":
             self._root_device = torch.device("cuda", 0)
             torch.cuda.set_device(self._root_device)
@@ -108,7 +112,7 @@ class Strategy:
     @contextlib.contextmanager
     def init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         device_ctx = self.root_device if self.root_device.type != "cpu" else contextlib.nullcontext()
-        with device_ctx, self.precision.init_context():  # type: ignore[attr-defined]
+        with device_ctx, self.precision.init_context():
             yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -146,6 +150,10 @@ class Strategy:
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         self.check_ready_to_step(optimizer)
         return self.precision.optimizer_step(optimizer, **kwargs)
+
+    def optimizer_zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``; backends that keep gradients outside ``p.grad`` (DeepSpeed) override it."""
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_gradients(
         self,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from phalanx.collectives import Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.errors import GradientSyncError, MisconfigurationError
@@ -94,13 +95,13 @@ class ParallelStrategy(Strategy):
                 "group (remove your init_process_group call), or create one Fabric per process."
             )
         is_master = env.rank == 0 and not env.agent_hosts_store
-        store = dist.TCPStore(
+        store = TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master, to_timedelta(self.timeout),
             wait_for_workers=False,
         )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore("phalanx/pg", store),
+            store=PrefixStore("phalanx/pg", store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=to_timedelta(self.timeout),

@@ -1,0 +1,50 @@
+"""The feature examples run as users would run them (``python examples/x.py``, 2 processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mp import REPO
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _run(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+
+
+def test_distillation_example(tmp_path: Path) -> None:
+    proc = _run("distillation.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "student replicas identical on all ranks" in proc.stdout
+
+
+def test_accumulation_example(tmp_path: Path) -> None:
+    proc = _run("accumulation.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer step 10:" in proc.stdout and "refused as expected" in proc.stdout
+
+
+def test_checkpointing_example_resumes(tmp_path: Path) -> None:
+    first = _run("checkpointing.py", tmp_path, "--dir", "ck")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run("checkpointing.py", tmp_path, "--dir", "ck", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed at epoch 3, lr 0.0125, extra: {'note': 'saved by examples/checkpointing.py'}" in second.stdout
+    assert "epoch 6:" in second.stdout
+
+
+def test_collectives_example_mistake_fails_fast(tmp_path: Path) -> None:
+    ok = _run("collectives.py", tmp_path)
+    assert ok.returncode == 0 and "sum   3.0" in ok.stdout and "gather [1.0, 2.0]" in ok.stdout
+    bad = _run("collectives.py", tmp_path, "--mistake")
+    assert bad.returncode != 0
+    assert "rank 0 called save at collectives.py" in bad.stderr
+    assert "rank 1 called barrier at collectives.py" in bad.stderr
