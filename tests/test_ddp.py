@@ -341,3 +341,37 @@ def test_main_example_runs(tmp_path: Path) -> None:
     assert accuracy >= 95.0, job.stdout
     ckpt = torch.load(tmp_path / "out" / "last.ckpt", weights_only=False)
     assert ckpt["epoch"] == 15 and isinstance(nn.Linear(1, 1).load_state_dict, object)
+
+
+def test_clip_gradients_and_init_module(tmp_path: Path, models: dict[str, object]) -> None:
+    job = run_job(
+        """
+        import torch
+        import phalanx
+        from mp import report
+        from models import make_model, make_data
+
+        fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision="64-true")
+        fabric.launch()
+        with fabric.init_module():
+            created = torch.nn.Linear(2, 2)
+        model = fabric.setup(make_model())
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = make_data()
+        r = fabric.global_rank
+        fabric.backward(torch.nn.functional.cross_entropy(model(x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]))
+        norm = fabric.clip_gradients(model, opt, max_norm=0.01)
+        clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+        report(fabric, norm=norm, clipped=clipped, created_dtype=str(created.weight.dtype))
+        """,
+        tmp_path,
+    ).check()
+    model = models["make_model"]()  # type: ignore[operator]
+    x, y = models["make_data"]()  # type: ignore[operator]
+    torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["norm"] == pytest.approx(expected, rel=1e-5)  # the norm of the averaged gradient
+        assert rep["clipped"] == pytest.approx(0.01, rel=1e-4)
+        assert rep["created_dtype"] == "torch.float64"
