@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mp import REPO
 
 pytestmark = pytest.mark.timeout(200)

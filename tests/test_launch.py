@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from mp import HERE, REPO, run_job
 
 pytestmark = pytest.mark.timeout(150)

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mp import run_job
 
 SCRIPT = """
