@@ -73,3 +73,26 @@ def test_slurm_allocation_that_does_not_match_devices_fails_fast(tmp_path: Path)
     assert job.returncode != 0
     assert "The code asks for devices=2, num_nodes=1 (2 processes), but slurm started 1 process(es)" in job.stderr
     assert "--ntasks-per-node=2" in job.stderr
+
+
+def test_phalanx_run_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    """`phalanx run --num-nodes 2` on each "node" forms one job, as torchrun's multi-node does."""
+    script = REPORT_SCRIPT.replace("devices=2", "devices=1, num_nodes=2")
+    (tmp_path / "job.py").write_text(textwrap.dedent(script))
+    (tmp_path / "reports").mkdir()
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PHALANX_"))}
+    env.update({"PHALANX_TEST_OUT": str(tmp_path / "reports"), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "phalanx.cli", "run", "--devices", "1", "--num-nodes", "2", "--node-rank",
+             str(node), "--main-address", "127.0.0.1", "--main-port", str(port), "job.py"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    reports = {r: json.loads((tmp_path / "reports" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert reports[0]["total"] == reports[1]["total"] == 3.0
+    assert sorted(tuple(reports[r]["ranks"]) for r in (0, 1)) == [(0, 0, 0, 2), (1, 0, 1, 2)]
