@@ -15,7 +15,6 @@ import pytest
 import torch
 from mp import run_job
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx import Fabric
 from phalanx.errors import CheckpointError, MisconfigurationError
@@ -107,7 +106,7 @@ def test_launch_environment_that_contradicts_the_code(
 
 def test_backward_before_setup() -> None:
     fabric = Fabric(accelerator="cpu")
-    with pytest.raises(MisconfigurationError, match=r"Call `model, optimizer = fabric.setup\(model, optimizer\)` first"):
+    with pytest.raises(MisconfigurationError, match=r"Call `model, optimizer = fabric.setup\(model, optimizer\)`"):
         fabric.backward(_mlp()(torch.randn(2, 4)).sum())
 
 

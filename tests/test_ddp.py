@@ -330,6 +330,7 @@ def test_phalanx_run_cli(tmp_path: Path) -> None:
     assert job.reports[0] == job.reports[1] == {"world": 2, "precision": "bf16-mixed", "strategy": "ddp"}
 
 
+@pytest.mark.slow
 def test_main_example_runs(tmp_path: Path) -> None:
     job = run_job(
         (REPO / "examples" / "fabric_digits.py").read_text(),

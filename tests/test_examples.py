@@ -47,3 +47,14 @@ def test_collectives_example_mistake_fails_fast(tmp_path: Path) -> None:
     assert bad.returncode != 0
     assert "rank 0 called save at collectives.py" in bad.stderr
     assert "rank 1 called barrier at collectives.py" in bad.stderr
+
+
+def test_main_job_trainer_digits(tmp_path: Path) -> None:
+    """The README's main job: Trainer, 2 ranks, LR finder, checkpoints, logs, >= 95 % accuracy."""
+    proc = _run("train_digits.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(proc.stdout.split("final validation accuracy ")[1].split("%")[0])
+    assert accuracy >= 95.0, proc.stdout[-2000:]
+    out = tmp_path / "runs" / "train_digits"
+    assert (out / "lr_find.png").stat().st_size > 0
+    assert list((out / "checkpoints").glob("*.ckpt"))

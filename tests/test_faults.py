@@ -330,9 +330,9 @@ while True:
 FORMATS = {"file-1proc": (1, "single"), "file-ddp": (2, "ddp"), "sharded-fsdp": (2, "fsdp")}
 
 
-def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int, int, bool]:
+def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int, int, int, int]:
     """One trial: wait for two completed saves, SIGKILL the writer at a random moment of the next
-    ones, then check what is on disk. Returns (last confirmed step, step on disk, killed mid-write)."""
+    ones, then check what is on disk. Returns (last confirmed step, step on disk, partials left, refused)."""
     devices, strategy = FORMATS[fmt]
     script = tmp_path / "save_loop.py"
     script.write_text(textwrap.dedent(SAVE_LOOP.format(devices=devices, strategy=strategy)))
@@ -357,15 +357,16 @@ def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int
     confirmed = 1 + rest.count("saved ")  # the last step whose save returned (two lines were read above)
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
     on_disk = _load_step(target, devices, strategy, tmp_path)
+    refused = 0
     for partial in leftovers:
         # A leftover temporary is never a checkpoint load accepts, unless it was complete (killed
         # between its last byte and the rename); then it must hold one consistent step.
         try:
             _load_step(partial, devices, strategy, tmp_path)
         except CheckpointError:
-            pass
+            refused += 1
     assert_no_orphans(tmp_path)
-    return confirmed, on_disk, bool(leftovers)
+    return confirmed, on_disk, len(leftovers), refused
 
 
 def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
@@ -378,6 +379,8 @@ def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
         step = int(state["step"])
         assert all(bool((p == float(step)).all()) for p in model.parameters()), "a mixed-step checkpoint loaded"
         return step
+    for stale in (tmp_path / "reports").glob("rank*.json"):
+        stale.unlink()  # report() merges into existing files: start each verification clean
     job = run_job(  # a sharded checkpoint needs the same number of ranks to load
         f"""
         import torch, phalanx
@@ -406,28 +409,32 @@ def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
     return int(rep["step"])
 
 
-def _save_trials(tmp_path: Path, fault_log: Log, formats: list[str], trials: int) -> None:
+def _save_trials(tmp_path: Path, fault_log: Log, plan: dict[str, int]) -> None:
     rng = random.Random(1234)
-    for fmt in formats:
+    for fmt, trials in plan.items():
         if fmt == "sharded-fsdp" and "fsdp" not in phalanx.strategies.available_strategies():
             continue
-        mid_write = 0
-        start = time.monotonic()
+        left = refused = 0
         for i in range(trials):
             trial_dir = tmp_path / f"{fmt}-{i}"
             trial_dir.mkdir()
-            confirmed, on_disk, hit_write = _kill_during_save(trial_dir, fmt, rng)
+            confirmed, on_disk, partials, partials_refused = _kill_during_save(trial_dir, fmt, rng)
+            # The newest complete checkpoint: the last confirmed one, or the next if its rename landed.
             assert on_disk in (confirmed, confirmed + 1), (fmt, i, confirmed, on_disk)
-            mid_write += hit_write
+            left += partials
+            refused += partials_refused
         fault_log(f"kill -9 during save x{trials} ({fmt})", "previous ckpt loads, partial refused",
-                  f"all {trials} loaded; {mid_write} kills hit a write", (time.monotonic() - start) / trials)
+                  f"{trials}/{trials} loaded; partials refused {refused}/{left}", None)
 
 
 def test_kill_during_save_quick(tmp_path: Path, fault_log: Log) -> None:
-    _save_trials(tmp_path, fault_log, ["file-1proc"], trials=3)
+    _save_trials(tmp_path, fault_log, {"file-1proc": 3})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_during_save_many_trials(tmp_path: Path, fault_log: Log) -> None:
-    _save_trials(tmp_path, fault_log, ["file-1proc", "file-ddp", "sharded-fsdp"], trials=20)
+    # 20 trials across the formats (without FSDP in the build, the file formats take all 20).
+    fsdp = "fsdp" in phalanx.strategies.available_strategies()
+    _save_trials(tmp_path, fault_log, {"file-1proc": 6, "file-ddp": 7, "sharded-fsdp": 7} if fsdp else
+                 {"file-1proc": 10, "file-ddp": 10})

@@ -134,7 +134,7 @@ def test_precision_strings_refused(precision: str) -> None:
 
 
 def test_strategy_arguments_are_validated() -> None:
-    with pytest.raises(MisconfigurationError, match="auto_wrap_policy must be a set of nn.Module classes"):
+    with pytest.raises(MisconfigurationError, match=r"auto_wrap_policy must be a set of nn\.Module classes"):
         FSDPStrategy(auto_wrap_policy=lambda m: True)  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match="state_dict_type='local'; choose one of"):
         FSDPStrategy(state_dict_type="local")
@@ -255,7 +255,8 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto
 fabric.launch()
 x, _ = make_data()
 xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-model, opt = fabric.setup(make_model(Distill), torch.optim.SGD(make_model(Distill).parameters(), lr=0.1))
+model = make_model(Distill)
+model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 def errors(fn):
     try:
@@ -283,6 +284,10 @@ plain = make_model()
 stale = torch.optim.SGD(plain.parameters(), lr=0.1)
 fabric.setup_module(plain)
 report(fabric, stale_error=errors(lambda: fabric.setup_optimizers(stale)))
+
+# An optimizer over another (unsharded) model's parameters is refused.
+other = make_model()
+report(fabric, unrelated_error=errors(lambda: fabric.setup(make_model(), torch.optim.SGD(other.parameters(), lr=0.1))))
 
 # An optimizer that already has state cannot be moved to the sharded parameters.
 used = make_model()
@@ -329,6 +334,7 @@ def test_direct_call_of_sharded_child_keeps_grads_correct(tmp_path: Path, models
         _close(rep["block_grads"], expected_block)
         assert "holds parameters from before FSDP sharded the model" in rep["stale_error"]
         assert "Adam already has state" in rep["state_error"]
+        assert "SGD updates 12 parameters that are not part of Net" in rep["unrelated_error"]
         assert len(rep["hints"]) == 1
         assert "model.state_dict() holds only this rank's shards" in rep["hints"][0]
 

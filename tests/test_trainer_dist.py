@@ -68,7 +68,8 @@ strategy = sys.argv[1]
 trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=2, accumulate_grad_batches=4, **quiet())
 model = Regressor()
 trainer.fit(model, loader(40, 2))
-report(trainer.fabric, params=flat(model), counts=model.counts, opt_steps=model.opt.steps, global_step=trainer.global_step)
+report(trainer.fabric, params=flat(model), counts=model.counts, opt_steps=model.opt.steps,
+       global_step=trainer.global_step)
 """
 
 
@@ -156,7 +157,7 @@ trainer = phalanx.Trainer(max_epochs=2, callbacks=[Probe(), finder, ckpt], **qui
 model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
 trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
 devices = {str(d) for r in trainer.results.values() for d in r.devices()}
-report(trainer.fabric, lr=model.lr, suggestion=finder.lr, opt_lr=trainer.optimizer.param_groups[0]["lr"],
+report(trainer.fabric, lr=model.lr, suggestion=finder.lr, opt_lr=trainer.optimizer.param_groups[0]["initial_lr"],
        val_mae=float(trainer.callback_metrics["val_mae"]), devices=sorted(devices), device=str(trainer.device),
        world=trainer.world_size, best=ckpt.best_model_path)
 """

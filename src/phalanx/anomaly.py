@@ -76,10 +76,14 @@ class AnomalyDetector:
         loss = self._loss
         self._loss = None
         named = self._named_grads(modules) if self.checks_gradients else []
-        loss_bad = loss is not None and not bool(torch.isfinite(loss).all())
-        grad_bad = bool(named) and not bool(
-            torch.isfinite(torch.stack([_local(g).sum().float() for _, g in named])).all()
-        )
+        dev = loss.device if loss is not None else self.strategy.root_device
+        true = torch.ones((), dtype=torch.bool, device=dev)
+        sums = [_local(g).sum().float().to(dev) for _, g in named]  # grads may live elsewhere (offload)
+        ok = torch.stack([
+            torch.isfinite(loss).all() if loss is not None else true,
+            torch.isfinite(torch.stack(sums)).all() if sums else true,
+        ]).tolist()  # the one host sync of the fast path
+        loss_bad, grad_bad = not ok[0], not ok[1]
         # A sum can overflow while every element is finite (large fp16 gradients): confirm element-wise.
         bad_params = [(n, g) for n, g in named if grad_bad and not bool(torch.isfinite(_local(g)).all())]
         flags = (loss_bad, bool(bad_params))
@@ -106,7 +110,8 @@ class AnomalyDetector:
         parts = []
         if loss_ranks:
             on = f" on rank(s) {loss_ranks}" if multi else ""
-            value = f" (this rank's loss: {loss.item()})" if loss is not None and loss.numel() == 1 else ""
+            mine = loss is not None and loss.numel() == 1 and not bool(torch.isfinite(loss))
+            value = f" (this rank's loss: {loss.item()})" if mine and loss is not None else ""
             parts.append(f"the loss is non-finite{on}{value}")
         if bad_params:
             name, grad = bad_params[0]

@@ -65,8 +65,23 @@ def available_strategies() -> list[str]:
     return names
 
 
+def __getattr__(name: str) -> Any:
+    # FSDPStrategy imports torch.distributed.fsdp/checkpoint: only when someone asks for it.
+    if name == "FSDPStrategy":
+        from phalanx.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    if name == "DeepSpeedStrategy":
+        from phalanx.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy
+    raise AttributeError(f"module 'phalanx.strategies' has no attribute {name!r}")
+
+
 __all__ = [
     "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
     "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",

@@ -6,3 +6,26 @@ from collections.abc import Callable
 from typing import Any
 
 FACTORIES: dict[str, Callable[[], Any]] = {}
+
+
+def _fsdp() -> Any:
+    from phalanx.strategies.fsdp import FSDPStrategy
+
+    return FSDPStrategy()
+
+
+FACTORIES["fsdp"] = _fsdp
+
+
+def _deepspeed(stage: int | None = None) -> Callable[[], Any]:
+    def make() -> Any:
+        from phalanx.strategies.deepspeed import DeepSpeedStrategy  # imports no DeepSpeed until setup
+
+        return DeepSpeedStrategy(stage=stage)
+
+    return make
+
+
+FACTORIES["deepspeed"] = _deepspeed()
+for _stage in (1, 2, 3):
+    FACTORIES[f"deepspeed_stage_{_stage}"] = _deepspeed(_stage)

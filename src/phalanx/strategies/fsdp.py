@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from phalanx.checkpoint import sharded
+from phalanx.checkpoint.sharded import class_name
 from phalanx.errors import GradientSyncError, MisconfigurationError
-from phalanx.precision import PRECISIONS, Precision, make_precision
+from phalanx.precision import PRECISIONS, Precision
 from phalanx.strategies.parallel import ParallelStrategy
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -281,7 +282,7 @@ class FSDPStrategy(ParallelStrategy):
         originals = {id(p): weakref.ref(p) for p in module.parameters()}
         module = self.precision.convert_module(module)
         if self.activation_checkpointing_policy:
-            from torch.distributed._composable import checkpoint
+            from torch.distributed._composable.checkpoint_activation import checkpoint
 
             for sub in list(module.modules()):
                 if isinstance(sub, self.activation_checkpointing_policy):
@@ -351,10 +352,10 @@ class FSDPStrategy(ParallelStrategy):
                 base = int(torch.randint(0, 2**31 - 1, (1,)).item())
                 torch.manual_seed(base + 1_000_003 * self.global_rank)
             for _, m in owners:
-                m.reset_parameters()  # type: ignore[operator]
+                m.reset_parameters()
 
     def _install_hooks(self, root: nn.Module) -> None:
-        record = _Root(type(root).__name__, frozenset(id(p) for p in root.parameters()))
+        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()))
         self._roots[id(root)] = record
 
         def visit(mod: nn.Module, path: str, unit: nn.Module) -> None:
@@ -367,7 +368,11 @@ class FSDPStrategy(ParallelStrategy):
                 visit(child, f"{path}.{name}" if path else name, unit)
 
         visit(root, "", root)
-        root.register_state_dict_post_hook(self._state_dict_hint)
+
+        def hint(*_: Any) -> None:  # a plain function: torch tags state-dict hooks with attributes
+            self._state_dict_hint()
+
+        root.register_state_dict_post_hook(hint)
 
     def _track_unit(self, unit: nn.Module, record: _Root) -> None:
         self._active[id(unit)] = 0
@@ -391,7 +396,7 @@ class FSDPStrategy(ParallelStrategy):
             if self._active.get(unit_id, 1) == 0 and torch._C._current_graph_task_id() == -1:
                 raise MisconfigurationError(
                     f"{path or type(mod).__name__} ({type(mod).__name__}) was called directly, but its "
-                    f"parameters are sharded as part of the enclosing unit {type(unit).__name__}, whose forward "
+                    f"parameters are sharded as part of the enclosing unit {class_name(unit)}, whose forward "
                     "is not running: it would compute on sharded parameters and its gradients would never be "
                     "reduced. Call the set-up model instead, or make this module its own sharded unit "
                     "(add its class to FSDPStrategy(auto_wrap_policy={...}) or shard it in parallelize_fn)."
@@ -399,7 +404,7 @@ class FSDPStrategy(ParallelStrategy):
 
         mod.register_forward_pre_hook(check)
 
-    def _state_dict_hint(self, module: nn.Module, state: Any, prefix: str, meta: Any) -> None:
+    def _state_dict_hint(self) -> None:
         if self._internal_state_dict or self._warned_state_dict:
             return
         self._warned_state_dict = True
@@ -408,7 +413,7 @@ class FSDPStrategy(ParallelStrategy):
             "rank 0 alone stores rank 0's shards only. Use fabric.save(path, {'model': model, ...}) on every "
             "rank (state_dict_type='full' gives one plain file).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     @contextlib.contextmanager
@@ -433,6 +438,14 @@ class FSDPStrategy(ParallelStrategy):
                     "torch.optim.AdamW(model.parameters()))`, then load optimizer state with fabric.load."
                 )
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        for opt in optimizers:
+            foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in names and not is_sharded(p)]
+            if foreign:
+                raise MisconfigurationError(
+                    f"{type(opt).__name__} updates {len(foreign)} parameters that are not part of "
+                    f"{type(module).__name__} (nor of a model set up before), so they would never be trained. "
+                    "Create the optimizer from this model's parameters: `torch.optim.X(model.parameters())`."
+                )
         forward_module = self.setup_module(module)
         sharded_params = dict(module.named_parameters(remove_duplicate=False))
         for opt in optimizers:
@@ -576,4 +589,4 @@ class FSDPStrategy(ParallelStrategy):
             return sharded.load(self, Path(path), state, strict)
 
 
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedLossScaler", "make_precision"]
+__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedLossScaler"]

@@ -127,7 +127,8 @@ def restore(trainer: Trainer, path: str | Path) -> None:
                   file=sys.stderr)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
     t.set_resume_state({
-        "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)), "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
+        "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)),
+        "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
         "results": mine["results"],
     })
     for cb in t.callbacks:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from phalanx.data import FabricDataLoader, warn_iterable
+from phalanx.data import warn_iterable
 from phalanx.errors import MisconfigurationError
 
 # DataLoader settings carried over when the Trainer rebuilds a loader around its own sampler.
@@ -127,7 +127,7 @@ def _custom_sampler_error(loader: DataLoader[Any], what: str) -> Misconfiguratio
 
 def prepare_train_loader(
     loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool
-) -> tuple[FabricDataLoader, TrainSampler | None]:
+) -> tuple[Any, TrainSampler | None]:
     """The loader training iterates, and the Trainer's sampler inside it (None when the user's own
     sampler is kept: then resuming mid-epoch re-reads and discards the consumed batches)."""
     if not isinstance(loader, DataLoader):
@@ -147,7 +147,7 @@ def prepare_train_loader(
     return fabric.setup_dataloaders(rebuilt, use_distributed_sampler=False), sampler
 
 
-def prepare_eval_loader(loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool) -> FabricDataLoader:
+def prepare_eval_loader(loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool) -> Any:
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"Evaluation dataloaders must be torch DataLoaders, got {type(loader).__name__}.")
     if fabric.world_size == 1 or not use_distributed_sampler:

@@ -9,6 +9,7 @@ one round of step-interval schedulers and one ``on_before_optimizer_step`` happe
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from itertools import count
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,9 @@ def loss_of(output: Any) -> torch.Tensor:
             "waiting in backward.)"
         )
     if loss.numel() != 1:
-        raise MisconfigurationError(f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar.")
+        raise MisconfigurationError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
+        )
     return loss
 
 
@@ -80,13 +83,29 @@ def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> I
             batch_idx += 1
 
 
+def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
+    """An iterator over one pass of a set-up loader, created NOW.
+
+    Iterating the set-up loader itself would create the DataLoader's iterator lazily, at the first
+    batch; that creation draws a seed from torch's RNG, so when it happens matters for exact
+    resume. Here it happens at the call, always before the resumed RNG state is put back.
+    """
+    raw = loader.loader
+    for sampler in (getattr(raw, "sampler", None), getattr(raw.batch_sampler, "sampler", None)):
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+            break
+    iterator = iter(raw)
+    return (fabric.to_device(batch) for batch in iterator)
+
+
 def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
     """Forward and backward of one micro-batch; returns training_step's output."""
     fabric, model = trainer.fabric, trainer.model
     with fabric.no_backward_sync(model, enabled=not boundary):
         output = model.training_step(batch, batch_idx)
         loss = loss_of(output)
-        fabric.backward(loss / window_size if window_size > 1 else loss)
+        fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
     return output
 
 
@@ -109,6 +128,12 @@ def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None
     optimizer.zero_grad(set_to_none=True)
 
 
+def _takes_dataloader_idx(method: Any) -> bool:
+    """With several loaders, steps that declare ``dataloader_idx`` (or ``**kwargs``) receive it."""
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == "dataloader_idx" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _val_due_mid_epoch(trainer: Trainer, batch_idx: int, total: int | None) -> bool:
     interval = trainer.val_check_batches
     if interval is None or not trainer.val_dataloaders or (total is not None and batch_idx + 1 >= total):
@@ -125,8 +150,6 @@ def run_train_epoch(trainer: Trainer) -> None:
     t = trainer
     resume = t.take_resume_state()
     start = resume["batches_done"] if resume else 0
-    loader = t.train_dataloader
-    loader.set_epoch(t.current_epoch)
     if resume is not None:
         restore_rng_state(resume["epoch_rng"] if start > 0 and resume["epoch_rng"] else resume["rng"])
     t.epoch_start_rng = capture_rng_state()
@@ -139,7 +162,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     t.call("on_train_epoch_start")
     if t.train_sampler is not None:
         t.train_sampler.skip = resume["samples"] if resume else 0
-    iterator = iter(loader)
+    iterator = start_epoch(t.fabric, t.train_dataloader, t.current_epoch)
     if t.train_sampler is None:
         for _ in range(start):  # the user's own sampler: re-read and discard what was consumed
             next(iterator, None)
@@ -157,12 +180,14 @@ def run_train_epoch(trainer: Trainer) -> None:
             t.global_step += 1
             step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
         t.batches_done = batch_idx + 1
-        t.publish_step_metrics(results.sync_step(t.fabric), log=boundary)
+        t.publish_step_metrics(results.sync_step(t.fabric), results, log=boundary)
+        # Validation before the batch-end hooks: a checkpoint they write then already reflects it
+        # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
+        if boundary and _val_due_mid_epoch(t, batch_idx, total):
+            run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
         t.module.on_train_batch_end(detached(output), batch, batch_idx)
         t.call("on_train_batch_end", detached(output), batch, batch_idx)
         t.in_window = False
-        if boundary and _val_due_mid_epoch(t, batch_idx, total):
-            run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
         if boundary and (t.should_stop or t.max_steps_reached):
             break
     del iterator
@@ -198,6 +223,8 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     getattr(t.module, f"on_{hook}_epoch_start")()
     t.call(f"on_{hook}_epoch_start")
     step_fn = getattr(t.model, f"{hook}_step")
+    takes_idx = _takes_dataloader_idx(getattr(t.module, f"{hook}_step"))
+    t.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
     with torch.no_grad():
         for idx, loader in enumerate(loaders):
             results.dataloader_idx = idx
@@ -205,9 +232,9 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
             n = num_batches(loader, limit)
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 results.batch = batch
-                extra = {"dataloader_idx": idx} if len(loaders) > 1 else {}
+                extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
                 output = step_fn(batch, batch_idx, **extra)
-                t.publish_step_metrics(results.sync_step(t.fabric), log=True)
+                t.publish_step_metrics(results.sync_step(t.fabric), results, log=True)
                 t.call(f"on_{hook}_batch_end", output, batch, batch_idx)
     results.in_epoch_end = True
     getattr(t.module, f"on_{hook}_epoch_end")()
@@ -229,12 +256,13 @@ def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> lis
     was_training = t.module.training
     t.module.eval()
     out: list[list[Any]] = []
+    takes_idx = _takes_dataloader_idx(t.module.predict_step)
     with torch.no_grad():
         for idx, loader in enumerate(loaders):
             preds: list[Any] = []
             n = num_batches(loader, limit)
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
-                extra = {"dataloader_idx": idx} if len(loaders) > 1 else {}
+                extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
                 preds.append(t.model.predict_step(batch, batch_idx, **extra))
                 t.call("on_predict_batch_end", preds[-1], batch, batch_idx)
             out.append(preds)

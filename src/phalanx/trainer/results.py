@@ -131,7 +131,9 @@ class Results:
             return value.detach().reshape(()).to(device=self.device, dtype=_DTYPE)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return torch.tensor(float(value), dtype=_DTYPE, device=self.device)
-        raise MisconfigurationError(f"self.log({name!r}) got a {type(value).__name__}; log a number or a scalar tensor.")
+        raise MisconfigurationError(
+            f"self.log({name!r}) got a {type(value).__name__}; log a number or a scalar tensor."
+        )
 
     # ------------------------------------------------------------------ reducing across ranks
     def sync_step(self, fabric: Any) -> dict[str, float]:
@@ -143,8 +145,7 @@ class Results:
                 e.step_value = None
         if not pending:
             return {}
-        rows = [torch.stack([e.step_value * e.step_weight, _f(e.step_weight, self.device)])  # type: ignore[operator]
-                for e in pending]
+        rows = [torch.stack([_value(e) * e.step_weight, _f(e.step_weight, self.device)]) for e in pending]
         gathered = self._gather(fabric, torch.stack(rows), [e.name for e in pending], "step")
         out: dict[str, Any] = {}
         for i, e in enumerate(pending):
@@ -183,7 +184,7 @@ class Results:
         # told so instead of silently mixing values of different names.
         tag = float(zlib.crc32("\0".join(names).encode()))
         packed = torch.cat([rows.reshape(-1), _f(tag, rows.device).reshape(1)])
-        gathered = fabric.all_gather(packed)
+        gathered: torch.Tensor = fabric.all_gather(packed)
         if gathered.dim() == 1:  # single process
             gathered = gathered.unsqueeze(0)
         tags = gathered[:, -1]
@@ -229,6 +230,11 @@ class Results:
 
 def _f(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=_DTYPE, device=device)
+
+
+def _value(entry: Entry) -> torch.Tensor:
+    assert entry.step_value is not None
+    return entry.step_value
 
 
 def _reduce(values: torch.Tensor, fx: str) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""``EarlyStopping``: stop fitting when a metric stops improving.
+
+The decision is taken from ``trainer.callback_metrics``, which is identical on every rank, so all
+ranks stop at the same epoch (no rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from phalanx.callbacks.base import Callback
+from phalanx.errors import MisconfigurationError
+
+
+class EarlyStopping(Callback):
+    """Checked at the end of every training epoch (after that epoch's validation).
+
+    Args:
+        monitor: metric name in ``trainer.callback_metrics``.
+        min_delta: smallest change that counts as an improvement.
+        patience: epochs without improvement before stopping.
+        mode: "min" or "max".
+        strict: raise when the metric is missing (otherwise skip the check, saying so once).
+        check_finite: stop when the metric becomes NaN or infinite.
+        stopping_threshold: stop as soon as the metric is better than this.
+        divergence_threshold: stop as soon as the metric is worse than this.
+    """
+
+    def __init__(
+        self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min", strict: bool = True,
+        check_finite: bool = True, stopping_threshold: float | None = None, divergence_threshold: float | None = None,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise MisconfigurationError(f"EarlyStopping mode={mode!r}; use 'min' or 'max'.")
+        if patience < 0:
+            raise MisconfigurationError(f"patience must be >= 0, got {patience}.")
+        self.monitor, self.min_delta, self.patience, self.mode = monitor, abs(min_delta), patience, mode
+        self.strict, self.check_finite = strict, check_finite
+        self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold
+        self.wait_count = 0
+        self.best_score = math.inf if mode == "min" else -math.inf
+        self.stopped_epoch = 0
+        self.reason = ""
+        self._warned = False
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping{{monitor={self.monitor!r}, mode={self.mode!r}}}"
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            if self.strict:
+                raise MisconfigurationError(
+                    f"EarlyStopping(monitor={self.monitor!r}) found no such metric; logged metrics: {sorted(metrics)}. "
+                    "Log it (e.g. self.log('val_loss', loss) in validation_step) or pass strict=False."
+                )
+            if not self._warned:
+                trainer.print(f"[phalanx] EarlyStopping: {self.monitor!r} is not logged yet; not checking.")
+                self._warned = True
+            return
+        stop, reason = self.evaluate(float(metrics[self.monitor]))
+        if stop:
+            trainer.should_stop = True
+            self.stopped_epoch = trainer.current_epoch
+            self.reason = reason
+            trainer.print(f"[phalanx] EarlyStopping at epoch {trainer.current_epoch}: {reason}")
+
+    def evaluate(self, current: float) -> tuple[bool, str]:
+        """Update the state with ``current``; return whether to stop and why."""
+        name = self.monitor
+        if self.check_finite and not math.isfinite(current):
+            return True, f"{name} = {current} is not finite."
+        if self.stopping_threshold is not None and self._better(current, self.stopping_threshold):
+            return True, f"{name} = {current:.6g} reached the stopping threshold {self.stopping_threshold}."
+        if self.divergence_threshold is not None and self._better(self.divergence_threshold, current):
+            return True, f"{name} = {current:.6g} diverged past {self.divergence_threshold}."
+        shifted = current + self.min_delta if self.mode == "min" else current - self.min_delta
+        if self._better(shifted, self.best_score):
+            self.best_score, self.wait_count = current, 0
+            return False, ""
+        self.wait_count += 1
+        if self.wait_count >= self.patience:
+            return True, (f"{name} did not improve by more than {self.min_delta} for {self.wait_count} epochs "
+                          f"(best {self.best_score:.6g}).")
+        return False, ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"wait_count": self.wait_count, "best_score": self.best_score, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.wait_count, self.best_score = state["wait_count"], state["best_score"]
+        self.stopped_epoch = state["stopped_epoch"]

@@ -1,0 +1,145 @@
+"""Progress bars on global rank 0: tqdm (a phalanx dependency) or rich (when installed and asked for)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from phalanx.callbacks.base import Callback
+from phalanx.errors import MisconfigurationError
+
+
+class _TqdmBar:
+    def __init__(self, total: int | None, desc: str, initial: int, leave: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, initial=initial, leave=leave, dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, n: int, metrics: dict[str, Any]) -> None:
+        if metrics:
+            self.bar.set_postfix(metrics, refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _RichBar:
+    def __init__(self, total: int | None, desc: str, initial: int, leave: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"), transient=not leave)
+        self.progress.start()
+        self.task = self.progress.add_task(desc, total=total, completed=initial, metrics="")
+
+    def update(self, n: int, metrics: dict[str, Any]) -> None:
+        shown = " ".join(f"{k}={v}" for k, v in metrics.items())
+        self.progress.update(self.task, advance=n, metrics=shown)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def _backend(name: str) -> type[_TqdmBar] | type[_RichBar]:
+    if name == "tqdm":
+        return _TqdmBar
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        if name == "rich":
+            raise MisconfigurationError(
+                "ProgressBar(backend='rich') needs the rich package: pip install rich."
+            ) from None
+        return _TqdmBar
+    return _RichBar
+
+
+class ProgressBar(Callback):
+    """Args:
+        refresh_rate: update every this many batches (0 disables the bar).
+        backend: "tqdm", "rich", or "auto" (rich when installed, else tqdm).
+    """
+
+    def __init__(self, refresh_rate: int = 1, backend: str = "auto") -> None:
+        if backend not in ("auto", "tqdm", "rich"):
+            raise MisconfigurationError(f"ProgressBar backend={backend!r}; use 'auto', 'tqdm' or 'rich'.")
+        if refresh_rate < 0:
+            raise MisconfigurationError(f"refresh_rate must be >= 0, got {refresh_rate}.")
+        self.refresh_rate, self.backend = refresh_rate, backend
+        self._bars: dict[str, Any] = {}
+        self._pending: dict[str, int] = {}
+
+    def _active(self, trainer: Any) -> bool:
+        return self.refresh_rate > 0 and trainer.is_global_zero
+
+    @staticmethod
+    def _metrics(trainer: Any) -> dict[str, str]:
+        return {k: f"{v:.4g}" for k, v in trainer.progress_bar_metrics.items()}
+
+    def _open(self, key: str, total: int | None, desc: str, initial: int = 0, leave: bool = True) -> None:
+        self._close(key)
+        self._bars[key] = _backend(self.backend)(total, desc, initial, leave)
+        self._pending[key] = 0
+
+    def _advance(self, trainer: Any, key: str) -> None:
+        if key not in self._bars:
+            return
+        self._pending[key] += 1
+        if self._pending[key] >= self.refresh_rate:
+            self._bars[key].update(self._pending[key], self._metrics(trainer))
+            self._pending[key] = 0
+
+    def _close(self, key: str) -> None:
+        bar = self._bars.pop(key, None)
+        if bar is not None:
+            pending = self._pending.pop(key, 0)
+            if pending:
+                bar.update(pending, {})
+            bar.close()
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        if self._active(trainer):
+            total = trainer.num_training_batches
+            self._open("train", total, f"Epoch {trainer.current_epoch}", initial=trainer.batches_done)
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._advance(trainer, "train")
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        bar = self._bars.get("train")
+        if bar is not None:
+            bar.update(0, self._metrics(trainer))
+        self._close("train")
+
+    def _eval_start(self, trainer: Any, key: str) -> None:
+        if self._active(trainer):
+            totals = trainer.num_eval_batches
+            total = sum(totals) if totals and None not in totals else None
+            self._open(key, total, key.capitalize(), leave=trainer.stage != "fit")
+
+    def on_validation_epoch_start(self, trainer: Any, module: Any) -> None:
+        self._eval_start(trainer, "validation")
+
+    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._advance(trainer, "validation")
+
+    def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+        self._close("validation")
+
+    def on_test_epoch_start(self, trainer: Any, module: Any) -> None:
+        self._eval_start(trainer, "test")
+
+    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._advance(trainer, "test")
+
+    def on_test_epoch_end(self, trainer: Any, module: Any) -> None:
+        self._close("test")
+
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        for key in list(self._bars):
+            self._close(key)
+
+    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+        for key in list(self._bars):
+            self._close(key)

@@ -1,0 +1,255 @@
+"""Learning-rate range test (``Tuner(trainer).lr_find(...)``) that leaves no trace.
+
+The search trains for a few steps while raising the learning rate, records the loss, and then puts
+back *everything* it could have touched: weights and gradients, the fit's optimizer and scheduler
+state, the loss scaler, every rank's RNG state, the trainer's counters and metrics. It never calls
+callbacks or loggers, and it logs into fresh metric accumulators created on ``fabric.device`` (then
+drops them), so nothing it did can leak into the fit that follows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.errors import MisconfigurationError
+from phalanx.seed import capture_rng_state, restore_rng_state
+from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
+from phalanx.trainer.optim import parse_optimizers
+from phalanx.trainer.results import Results
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
+
+
+@dataclass
+class LRFinderResult:
+    """The learning rates tried and the (smoothed) loss at each."""
+
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    mode: str = "exponential"
+
+    def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+        """The learning rate where the loss falls fastest (None if too few finite points)."""
+        end = len(self.losses) - skip_end if skip_end > 0 else len(self.losses)
+        pairs = [(lr, loss) for lr, loss in zip(self.lrs[skip_begin:end], self.losses[skip_begin:end])
+                 if math.isfinite(loss)]
+        if len(pairs) < 3:
+            return None
+        lrs = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+        losses = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+        x = lrs.log() if self.mode == "exponential" else lrs
+        slope = torch.gradient(losses, spacing=(x,))[0]
+        return float(lrs[int(slope.argmin())])
+
+    def plot(self, suggest: bool = True, skip_begin: int = 10, skip_end: int = 1) -> Any:
+        """A matplotlib Figure of loss against learning rate (``fig.savefig("lr.png")``)."""
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as err:
+            raise MisconfigurationError("LRFinderResult.plot() needs matplotlib: pip install 'phalanx[plot]'.") from err
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.plot(self.lrs, self.losses)
+        if self.mode == "exponential":
+            ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("loss (smoothed)")
+        lr = self.suggestion(skip_begin, skip_end) if suggest else None
+        if lr is not None:
+            i = self.lrs.index(lr)
+            ax.plot([lr], [self.losses[i]], marker="o", markersize=9, color="red")
+            ax.set_title(f"suggested lr = {lr:.3g}")
+        fig.tight_layout()
+        return fig
+
+
+class _Snapshot:
+    """Everything the search may change, copied so it can be put back exactly."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        t = trainer
+        module = t.module
+        # Tensors themselves (not state_dict): works for sharded parameters and keeps their identity.
+        self.tensors = [(t, t.detach().clone()) for t in (*module.parameters(), *module.buffers())]
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
+        self.modes = {name: m.training for name, m in module.named_modules()}
+        self.optimizer = copy.deepcopy(t.optimizer.state_dict()) if t.optimizer is not None else None
+        self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in t.lr_scheduler_configs]
+        self.precision = copy.deepcopy(t.fabric.strategy.precision.state_dict())
+        self.rng = capture_rng_state()
+        self.counters = {k: getattr(t, k) for k in ("global_step", "current_epoch", "batches_done", "should_stop",
+                                                     "epoch_finished", "in_window", "current_stage")}
+        self.epoch_start_rng = t.epoch_start_rng
+        self.metrics = (dict(t.callback_metrics), dict(t.logged_metrics), dict(t.progress_bar_metrics))
+        self.results = t.results
+        self.sampler = (t.train_sampler.epoch, t.train_sampler.skip) if t.train_sampler is not None else None
+
+    def restore(self, trainer: Trainer) -> None:
+        t = trainer
+        module = t.module
+        with torch.no_grad():
+            for tensor, saved in self.tensors:
+                tensor.copy_(saved)
+        for p, g in zip(module.parameters(), self.grads):
+            p.grad = g
+        for name, m in module.named_modules():
+            m.training = self.modes[name]
+        if self.optimizer is not None:
+            t.optimizer.load_state_dict(self.optimizer)
+        for c, state in zip(t.lr_scheduler_configs, self.schedulers):
+            c.scheduler.load_state_dict(state)
+        t.fabric.strategy.precision.load_state_dict(self.precision)
+        restore_rng_state(self.rng)
+        for k, v in self.counters.items():
+            setattr(t, k, v)
+        t.epoch_start_rng = self.epoch_start_rng
+        t.callback_metrics = dict(self.metrics[0])
+        t.logged_metrics = dict(self.metrics[1])
+        t.progress_bar_metrics = dict(self.metrics[2])
+        t.results = self.results
+        if self.sampler is not None:
+            t.train_sampler.epoch, t.train_sampler.skip = self.sampler
+
+
+class Tuner:
+    """Hyperparameter helpers that run on a Trainer without disturbing it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def lr_find(
+        self,
+        model: Module,
+        train_dataloaders: Any = None,
+        datamodule: Any = None,
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: str = "exponential",
+        early_stop_threshold: float | None = 4.0,
+        update_attr: bool = False,
+        attr_name: str = "",
+    ) -> LRFinderResult:
+        """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
+        ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
+        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. With
+        ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
+        suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``."""
+        if mode not in ("exponential", "linear"):
+            raise MisconfigurationError(f"lr_find mode={mode!r}; use 'exponential' or 'linear'.")
+        if not 0 < min_lr < max_lr:
+            raise MisconfigurationError(f"lr_find needs 0 < min_lr < max_lr, got min_lr={min_lr}, max_lr={max_lr}.")
+        if num_training < 2:
+            raise MisconfigurationError(f"lr_find needs num_training >= 2, got {num_training}.")
+        t = self.trainer
+        if update_attr:
+            attr_name = _lr_attr(model, attr_name)
+        inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+        if inside_fit:
+            result = self._search(min_lr, max_lr, num_training, mode, early_stop_threshold)
+        else:
+            result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
+                            num_training, mode, early_stop_threshold)
+        if update_attr:
+            lr = result.suggestion()
+            if lr is None:
+                t.print(f"[phalanx] lr_find: too few finite losses ({len(result.losses)}) for a suggestion; "
+                        f"{attr_name} stays {getattr(model, attr_name)}.")
+            else:
+                setattr(model, attr_name, lr)
+                if inside_fit:
+                    t.setup_optimizers()
+        return result
+
+    def _standalone(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+        self.trainer.prepare_fit(train_dataloaders, None)
+        return self._search(*args)
+
+    def _search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
+    ) -> LRFinderResult:
+        t = self.trainer
+        snapshot = _Snapshot(t)
+        try:
+            return self._run_search(min_lr, max_lr, num_training, mode, threshold)
+        finally:
+            snapshot.restore(t)
+
+    def _run_search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
+    ) -> LRFinderResult:
+        t = self.trainer
+        raw, _ = parse_optimizers(t.module.configure_optimizers())  # its schedulers are ignored: we drive the LR
+        optimizer = t.fabric.setup_optimizers(raw)
+        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
+        t.current_stage = "train"
+        t.module.train()
+        result = LRFinderResult(mode=mode)
+        smoothed, best, beta = 0.0, math.inf, 0.98
+        epoch, step = 0, 0
+        while step < num_training:
+            if t.train_sampler is not None:
+                t.train_sampler.skip = 0
+            window_losses: list[torch.Tensor] = []
+            progressed = False
+            batches = start_epoch(t.fabric, t.train_dataloader, epoch)
+            for batch_idx, batch, size, boundary in windows(batches, 0, t.num_training_batches,
+                                                           t.accumulate_grad_batches):
+                progressed = True
+                if not window_losses:
+                    frac = step / (num_training - 1)
+                    if mode == "exponential":
+                        lr = min_lr * (max_lr / min_lr) ** frac
+                    else:
+                        lr = min_lr + (max_lr - min_lr) * frac
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                t.results["train"].batch = batch
+                output = micro_batch(t, batch, batch_idx, size, boundary)
+                window_losses.append(_loss(output))
+                if not boundary:
+                    continue
+                optimizer_step(t, optimizer, hooks=False)
+                # Every rank records the same mean loss, so every rank stops at the same step.
+                loss = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
+                window_losses = []
+                smoothed = beta * smoothed + (1 - beta) * loss if math.isfinite(loss) else loss
+                value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
+                result.lrs.append(lr)
+                result.losses.append(value)
+                step += 1
+                if not math.isfinite(value) or (threshold is not None and value > threshold * best):
+                    return result
+                best = min(best, value)
+                if step >= num_training:
+                    return result
+            if not progressed:
+                raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
+            epoch += 1
+        return result
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss: torch.Tensor = output["loss"] if isinstance(output, dict) else output
+    return loss.detach().reshape(()).float()
+
+
+def _lr_attr(model: Any, attr_name: str) -> str:
+    if attr_name:
+        if not hasattr(model, attr_name):
+            raise MisconfigurationError(f"lr_find(attr_name={attr_name!r}): the model has no such attribute.")
+        return attr_name
+    for name in ("lr", "learning_rate"):
+        if hasattr(model, name):
+            return name
+    raise MisconfigurationError(
+        f"lr_find(update_attr=True) sets model.lr or model.learning_rate, but {type(model).__name__} has neither. "
+        "Add one (and use it in configure_optimizers), or pass attr_name=."
+    )

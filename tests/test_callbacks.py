@@ -1,0 +1,174 @@
+"""Callbacks against a fake trainer: top-k bookkeeping, filenames, early stopping rules, the LR
+monitor's names and the progress bar's life cycle (rank 0 only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ProgressBar
+from phalanx.errors import MisconfigurationError
+from phalanx.trainer.checkpointing import callback_keys
+
+
+class FakeFabric:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict[str, float], int | None]] = []
+
+    def log_dict(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((dict(metrics), step))
+
+
+class FakeTrainer:
+    def __init__(self, tmp: Path, rank: int = 0) -> None:
+        self.global_step, self.current_epoch, self.batches_done = 0, 0, 0
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+        self.is_global_zero, self.in_window, self.should_stop = rank == 0, False, False
+        self.log_dir, self.loggers, self.fabric = tmp, [object()], FakeFabric()
+        self.saved: list[str] = []
+        self.log_every_n_steps, self.num_training_batches, self.num_eval_batches = 1, 5, [3]
+        self.stage = "fit"
+        self.optimizer: Any = None
+        self.printed: list[str] = []
+
+    def save_checkpoint(self, path: Any, weights_only: bool = False) -> None:
+        self.saved.append(Path(path).name)
+        if self.is_global_zero:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text("x")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.printed.append(" ".join(map(str, args)))
+
+
+def _epoch(cb: Any, trainer: FakeTrainer, metric: float | None = None, name: str = "val_loss") -> None:
+    if metric is not None:
+        trainer.callback_metrics[name] = torch.tensor(metric)
+    trainer.global_step += 2
+    cb.on_train_epoch_end(trainer, None)
+    trainer.current_epoch += 1
+
+
+def test_model_checkpoint_keeps_the_best_k_and_deletes_the_rest(tmp_path: Path) -> None:
+    trainer = FakeTrainer(tmp_path)
+    cb = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=2, save_last=True)
+    cb.setup(trainer, None, "fit")
+    assert cb.dirpath == tmp_path / "checkpoints"
+    for loss in (0.9, 0.5, 0.7, 0.8, 0.4):
+        _epoch(cb, trainer, loss)
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == ["epoch=1-val_loss=0.50.ckpt", "epoch=4-val_loss=0.40.ckpt", "last.ckpt"]
+    assert Path(cb.best_model_path).name == "epoch=4-val_loss=0.40.ckpt" and cb.best_model_score == pytest.approx(0.4)
+    # 0.8 was never written (worse than both kept); last.ckpt was written at every save.
+    assert "epoch=3-val_loss=0.80.ckpt" not in trainer.saved and trainer.saved.count("last.ckpt") == 5
+    restored = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=2)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.best_k_models == cb.best_k_models
+
+
+def test_model_checkpoint_every_n_steps_without_monitor_and_on_other_ranks(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        trainer = FakeTrainer(tmp_path / f"r{rank}", rank=rank)
+        cb = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=1)
+        for step in range(1, 8):
+            trainer.global_step = step
+            trainer.in_window = step == 6  # a non-boundary batch never saves
+            cb.on_train_batch_end(trainer, None, None, None, step)
+        assert trainer.saved == ["epoch=0-step=3.ckpt"]  # step 6 was inside a window
+        cb.on_train_epoch_end(trainer, None)  # every_n_epochs is off when every_n_train_steps is set
+        assert trainer.saved == ["epoch=0-step=3.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=3.ckpt"]  # written by rank 0 only
+
+
+def test_model_checkpoint_errors(tmp_path: Path) -> None:
+    with pytest.raises(MisconfigurationError, match=r"not both"):
+        ModelCheckpoint(every_n_train_steps=2, every_n_epochs=1)
+    with pytest.raises(MisconfigurationError, match=r"mode='best'"):
+        ModelCheckpoint(mode="best")
+    trainer = FakeTrainer(tmp_path)
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_acc")
+    trainer.callback_metrics["train_loss"] = torch.tensor(1.0)
+    with pytest.raises(MisconfigurationError, match=r"no such metric; logged metrics: \['train_loss'\]"):
+        _epoch(cb, trainer)
+    cb = ModelCheckpoint(dirpath=tmp_path, filename="{nope}")
+    with pytest.raises(MisconfigurationError, match=r"uses 'nope', which is not logged"):
+        _epoch(cb, trainer)
+
+
+def test_early_stopping_rules(tmp_path: Path) -> None:
+    trainer = FakeTrainer(tmp_path)
+    cb = EarlyStopping("val_loss", patience=2, min_delta=0.05)
+    for loss in (1.0, 0.9, 0.88, 0.87):
+        _epoch(cb, trainer, loss)
+    assert trainer.should_stop and cb.stopped_epoch == 3 and cb.best_score == pytest.approx(0.9)
+    assert cb.state_dict()["wait_count"] == 2
+    assert EarlyStopping("m", mode="max", stopping_threshold=0.9).evaluate(0.95)[0]
+    assert EarlyStopping("m", divergence_threshold=10.0).evaluate(11.0)[0]
+    assert EarlyStopping("m").evaluate(float("nan")) == (True, "m = nan is not finite.")
+    lenient = EarlyStopping("missing", strict=False)
+    lenient.on_train_epoch_end(FakeTrainer(tmp_path), None)
+    with pytest.raises(MisconfigurationError, match=r"found no such metric"):
+        EarlyStopping("missing").on_train_epoch_end(FakeTrainer(tmp_path), None)
+
+
+def test_learning_rate_monitor_names_and_interval(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}])
+    trainer = FakeTrainer(tmp_path)
+    trainer.optimizer = opt
+    cb = LearningRateMonitor(log_momentum=True)
+    cb.setup(trainer, None, "fit")
+    for step in (1, 1, 2):
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert [s for _, s in trainer.fabric.logged] == [1, 2]
+    assert trainer.fabric.logged[0][0] == {"lr-AdamW/pg0": 0.1, "lr-AdamW/pg1": 0.2, "momentum-AdamW/pg0": 0.9,
+                                           "momentum-AdamW/pg1": 0.9}
+    trainer.loggers = []
+    with pytest.raises(MisconfigurationError, match=r"needs a logger"):
+        cb.setup(trainer, None, "fit")
+
+
+def test_progress_bar_only_on_rank_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in (0, 1):
+        trainer = FakeTrainer(tmp_path, rank=rank)
+        bar = ProgressBar(backend="tqdm")
+        bar.on_train_epoch_start(trainer, None)
+        for i in range(5):
+            trainer.progress_bar_metrics["loss"] = 1.0 / (i + 1)
+            bar.on_train_batch_end(trainer, None, None, None, i)
+        bar.on_validation_epoch_start(trainer, None)
+        bar.on_validation_batch_end(trainer, None, None, None, 0)
+        bar.on_validation_epoch_end(trainer, None)
+        bar.on_train_epoch_end(trainer, None)
+        err = capsys.readouterr().err
+        if rank == 0:
+            assert "Epoch 0" in err and "5/5" in err and "loss=0.2" in err
+        else:
+            assert err == ""
+    with pytest.raises(MisconfigurationError, match=r"backend='fancy'"):
+        ProgressBar(backend="fancy")
+
+
+def test_rich_progress_bar_when_installed(tmp_path: Path) -> None:
+    pytest.importorskip("rich", reason="rich is an optional dependency and is not installed here")
+    trainer = FakeTrainer(tmp_path)
+    bar = ProgressBar(backend="rich")
+    bar.on_train_epoch_start(trainer, None)
+    bar.on_train_batch_end(trainer, None, None, None, 0)
+    bar.on_train_epoch_end(trainer, None)
+
+
+def test_callback_state_keys_are_unique() -> None:
+    class Plain:
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+    keys = [k for k, _ in callback_keys([Plain(), Plain(), EarlyStopping("a"), EarlyStopping("b"), object()])]
+    assert keys == ["test_callback_state_keys_are_unique.<locals>.Plain",
+                    "test_callback_state_keys_are_unique.<locals>.Plain#1",
+                    "EarlyStopping{monitor='a', mode='min'}", "EarlyStopping{monitor='b', mode='min'}"]
