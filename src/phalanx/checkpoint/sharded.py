@@ -27,6 +27,7 @@ import errno
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -233,7 +234,9 @@ def _publish(tmp: Path, path: Path) -> None:
     if not os.path.lexists(path):
         os.rename(tmp, path)
     elif _exchange(tmp, path):
-        _remove(tmp)  # now holds the previous checkpoint
+        # `tmp` now holds the previous checkpoint. Deleting hundreds of MiB takes a while and nobody
+        # waits for it; if the process dies first, it stays hidden and a later save clears it.
+        threading.Thread(target=_remove, args=(tmp,), name="phalanx-ckpt-cleanup", daemon=True).start()
     else:
         # Two renames: a kill between them leaves the previous checkpoint under `.old-`; load names it.
         old = path.with_name(f".{path.name}{_OLD}{uuid.uuid4().hex[:10]}")

@@ -119,7 +119,7 @@ def load(strategy: DeepSpeedStrategy, path: Path, state: dict[str, Any] | None, 
     meta_ckpt = ckpt_io.read_checkpoint(meta_path)
     meta = meta_ckpt.get(ckpt_io.META_KEY, {})
     _check_compatible(strategy, meta, path)
-    rest_ckpt = {k: v for k, v in meta_ckpt.items()}
+    rest_ckpt = dict(meta_ckpt)
     if state is None:
         return ckpt_io.strip_meta(rest_ckpt)
     model_key, opt_key = _engine_keys(strategy, state)
@@ -149,7 +149,9 @@ def load(strategy: DeepSpeedStrategy, path: Path, state: dict[str, Any] | None, 
             "strategy. Add it to the state, or pass strict=False."
         )
     rest_state = {k: v for k, v in state.items() if k not in (model_key, opt_key)}
-    return ckpt_io.apply_state(rest_state, rest_ckpt, strategy, strict)
+    extra = ckpt_io.apply_state(rest_state, rest_ckpt, strategy, strict)
+    state.update(rest_state)  # plain values (counters) were replaced in rest_state, not in place
+    return extra
 
 
 def _check_compatible(strategy: DeepSpeedStrategy, meta: dict[str, Any], path: Path) -> None:
@@ -253,11 +255,25 @@ def load_full_module_state(strategy: DeepSpeedStrategy, state: dict[str, Any], s
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
+def _flat_tensors(strategy: DeepSpeedStrategy) -> list[torch.Tensor]:
+    """This rank's flat fp32 partitions, which the wrapped torch optimizer keys its state by. (ZeRO-3
+    puts them into the optimizer's param_groups only while it steps, so ask ZeRO, not the groups.)"""
+    zero = strategy._engine.optimizer
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        flats = getattr(zero, attr, None)
+        if flats is not None:
+            return list(flats)
+    raise CheckpointError(
+        f"Cannot find the fp32 partitions of {type(zero).__name__}: this DeepSpeed version is not supported by "
+        "phalanx's consolidated ('full') checkpoints. Use state_dict_type='sharded'."
+    )
+
+
 def _flat_states(strategy: DeepSpeedStrategy) -> list[dict[str, Any]]:
-    """The wrapped torch optimizer's per-partition states (DeepSpeed's flat fp32 tensors)."""
+    """The wrapped torch optimizer's per-partition states."""
     opt = strategy._client_optimizer
     assert opt is not None
-    return [opt.state[t] for g in opt.param_groups for t in g["params"] if t in opt.state]
+    return [opt.state[t] for t in _flat_tensors(strategy) if t in opt.state]
 
 
 def full_optimizer_state(strategy: DeepSpeedStrategy) -> dict[str, Any]:
@@ -323,13 +339,12 @@ def _ensure_flat_state(strategy: DeepSpeedStrategy, keys: list[str]) -> None:
     opt = strategy._client_optimizer
     assert opt is not None
     created = False
-    for group in opt.param_groups:
-        for flat in group["params"]:
-            entry = opt.state[flat]
-            for key in keys:
-                if key not in entry:
-                    entry[key] = torch.zeros_like(flat, dtype=torch.float32)
-                    created = True
+    for flat in _flat_tensors(strategy):
+        entry = opt.state[flat]
+        for key in keys:
+            if key not in entry:
+                entry[key] = torch.zeros_like(flat, dtype=torch.float32)
+                created = True
     zero = strategy._engine.optimizer
     if created and hasattr(zero, "_hp_optimizer_states_linked"):
         # ZeRO 1/2 link each parameter to its slice of the optimizer state once, lazily at the first step.

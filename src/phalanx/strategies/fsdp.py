@@ -21,6 +21,8 @@ Checkpoint I/O lives in :mod:`phalanx.checkpoint.sharded`.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,6 +44,7 @@ from phalanx.precision import PRECISIONS, Precision
 from phalanx.strategies.parallel import ParallelStrategy
 
 STATE_DICT_TYPES = ("sharded", "full")
+_DCP_DIR = os.path.join("torch", "distributed", "checkpoint")
 # Layers torch ships that are natural sharding units, besides the elements of any nn.ModuleList.
 _DEFAULT_UNIT_CLASSES: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -49,6 +52,18 @@ _DEFAULT_UNIT_CLASSES: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (the tensor itself when it is not a DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _called_from_dcp() -> bool:
+    """Whether torch.distributed.checkpoint's helpers asked for the state dict (they handle shards)."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if _DCP_DIR in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -405,7 +420,7 @@ class FSDPStrategy(ParallelStrategy):
         mod.register_forward_pre_hook(check)
 
     def _state_dict_hint(self) -> None:
-        if self._internal_state_dict or self._warned_state_dict:
+        if self._internal_state_dict or self._warned_state_dict or _called_from_dcp():
             return
         self._warned_state_dict = True
         warnings.warn(
