@@ -1,0 +1,169 @@
+"""Checkpoint save/load time under FSDP: phalanx vs raw torch, same model, same run, 2 CPU ranks.
+
+    python bench/checkpoint.py [--params 50e6] [--reps 3] [--quick] [--out table.md]
+
+Model: a stack of square Linear layers (~``--params`` parameters) + AdamW after one step, so the
+optimizer holds two more copies: ~4x the parameter bytes in all. Contenders, interleaved per repetition:
+
+* sharded save: ``fabric.save`` (state_dict_type="sharded": guarded, temp dir, fsync, atomic rename) vs
+  raw ``torch.distributed.checkpoint.save`` of ``get_model/optimizer_state_dict`` into a directory.
+* sharded load: ``fabric.load`` vs raw ``dcp.load`` into the same templates + ``set_*_state_dict``.
+* full save: ``fabric.save`` (state_dict_type="full": gather to rank 0, one fsynced file, atomic rename)
+  vs raw full ``get_*_state_dict(cpu_offload=True)`` + ``torch.save`` on rank 0.
+* full save vs ``torch.save`` + ``fsync``: the same, with the raw file forced to disk as phalanx's is.
+* full load: ``fabric.load`` vs raw rank-0 ``torch.load`` + ``set_*_state_dict(broadcast_from_rank0=True)``.
+
+Each timing starts and ends with a barrier, measured on rank 0; the table reports medians and the
+median of the paired ratios phalanx/raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import phalanx
+from phalanx.strategies import FSDPStrategy
+
+
+def build(fabric: phalanx.Fabric, n_params: float) -> tuple[Any, Any]:
+    width = 2048
+    depth = max(1, round(n_params / (width * width + width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()  # the optimizer now holds exp_avg and exp_avg_sq
+    return model, opt
+
+
+def timed(fabric: phalanx.Fabric, fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=50e6)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny model, one repetition (checks the script)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    args = parser.parse_args()
+    if args.quick:
+        args.params, args.reps = 5e6, 1
+    torch.set_num_threads(1)
+    strategy = FSDPStrategy()
+    fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model, opt = build(fabric, args.params)
+    raw_model = model.module
+    n = sum(p.numel() for p in raw_model.parameters())
+    root = Path(fabric.broadcast(tempfile.mkdtemp(prefix="phalanx-ckpt-bench-") if fabric.is_global_zero else None))
+    state = {"model": model, "optimizer": opt, "step": 1}
+    zero = fabric.is_global_zero
+
+    def phalanx_save(kind: str) -> Callable[[], None]:
+        def run() -> None:
+            strategy.state_dict_type = kind
+            fabric.save(root / f"phalanx-{kind}", state)
+        return run
+
+    def phalanx_load(kind: str) -> Callable[[], None]:
+        return lambda: fabric.load(root / f"phalanx-{kind}", state)
+
+    def raw_sharded_save() -> None:
+        sd = {"model": get_model_state_dict(raw_model), "optimizer": get_optimizer_state_dict(raw_model, opt)}
+        dcp_save(sd, storage_writer=FileSystemWriter(str(root / "raw-sharded")))
+
+    def raw_sharded_load() -> None:
+        sd = {"model": get_model_state_dict(raw_model), "optimizer": get_optimizer_state_dict(raw_model, opt)}
+        dcp_load(sd, storage_reader=FileSystemReader(str(root / "raw-sharded")))
+        set_model_state_dict(raw_model, sd["model"])
+        set_optimizer_state_dict(raw_model, opt, sd["optimizer"])
+
+    def raw_full_save() -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = {"model": get_model_state_dict(raw_model, options=options),
+              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        if zero:
+            torch.save(sd, root / "raw-full.pt")
+
+    def raw_full_save_fsync() -> None:
+        # The same plus fsync before returning: what phalanx's atomic write does for crash durability.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = {"model": get_model_state_dict(raw_model, options=options),
+              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        if zero:
+            with open(root / "raw-full-fsync.pt", "wb") as fh:
+                torch.save(sd, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def raw_full_load() -> None:
+        sd = torch.load(root / "raw-full.pt", weights_only=False) if zero else {"model": {}, "optimizer": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(raw_model, sd["model"], options=options)
+        set_optimizer_state_dict(raw_model, opt, sd["optimizer"], options=options)
+
+    rows = [
+        ("sharded save", phalanx_save("sharded"), raw_sharded_save),
+        ("sharded load", phalanx_load("sharded"), raw_sharded_load),
+        ("full save", phalanx_save("full"), raw_full_save),
+        ("full save vs torch.save+fsync", phalanx_save("full"), raw_full_save_fsync),
+        ("full load", phalanx_load("full"), raw_full_load),
+    ]
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _, _ in rows}
+    for rep in range(args.reps):
+        for name, ours, raw in rows:
+            # Alternate which contender goes first, so page-cache warmth favours neither.
+            pair = [(0, ours), (1, raw)] if rep % 2 == 0 else [(1, raw), (0, ours)]
+            for slot, fn in pair:
+                times[name][slot].append(timed(fabric, fn))
+    if zero:
+        size = sum(f.stat().st_size for f in (root / "phalanx-sharded").iterdir()) / 2**20
+        lines = [
+            f"2 CPU ranks (gloo), {n / 1e6:.1f} M parameters + AdamW state, {size:.0f} MiB on disk, "
+            f"torch {torch.__version__}, median of {args.reps} interleaved repetitions.",
+            "",
+            "| operation | phalanx (s) | raw torch (s) | phalanx / raw |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, _, _ in rows:
+            ours, raw = times[name]
+            ratio = statistics.median(a / b for a, b in zip(ours, raw))
+            lines.append(f"| {name} | {statistics.median(ours):.3f} | {statistics.median(raw):.3f} | {ratio:.2f} |")
+        table = "\n".join(lines)
+        print(table)
+        if args.out is not None:
+            args.out.write_text(table + "\n")
+    fabric.barrier("bench done")
+    if zero:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Per-step framework overhead on one CPU process: the same MLP, data, seed and optimizer under a raw
+PyTorch loop, phalanx Fabric, phalanx Trainer, Lightning Fabric, Lightning Trainer and Accelerate.
+
+    bash bench/setup.sh
+    bench/.venv/bin/python bench/overhead.py [--reps 7 --steps 200 --threads 1]
+
+Contenders run interleaved (raw, phalanx, ..., then the reverse order, ...) so a change in machine load hits
+all of them alike; the table shows medians over repetitions and the paired ratio to raw PyTorch.
+Each contender's final weights are scored on the whole dataset: the losses must agree. The headline is
+process CPU time per step (what the framework costs, unaffected by waiting for a core on a busy
+machine); wall time per step (median step) is shown next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    ClockedMLP,
+    framework_versions,
+    full_loss,
+    machine_line,
+    make_dataset,
+    make_loader,
+    make_model,
+    make_optimizer,
+    median,
+    median_step_seconds,
+    paired_ratio,
+    phalanx_trainer_available,
+    require_bench_venv,
+    step_seconds,
+    table,
+)
+
+CONFIG = {"d_in": 128, "hidden": 384, "depth": 3, "classes": 10}
+Contender = Callable[[TensorDataset, int], ClockedMLP]
+
+
+def raw_torch(data: TensorDataset, batch: int) -> ClockedMLP:
+    model = make_model(CONFIG)
+    opt = make_optimizer(model)
+    for x, y in make_loader(data, batch):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def phalanx_fabric(data: TensorDataset, batch: int) -> ClockedMLP:
+    import phalanx
+
+    fabric = phalanx.Fabric(accelerator="cpu", devices=1)
+    model = make_model(CONFIG)
+    wrapped, opt = fabric.setup(model, make_optimizer(model))
+    for x, y in fabric.setup_dataloaders(make_loader(data, batch)):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        fabric.backward(loss)
+        opt.step()
+    fabric.teardown()
+    return model
+
+
+def lightning_fabric(data: TensorDataset, batch: int) -> ClockedMLP:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = make_model(CONFIG)
+    wrapped, opt = fabric.setup(model, make_optimizer(model))
+    for x, y in fabric.setup_dataloaders(make_loader(data, batch)):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        fabric.backward(loss)
+        opt.step()
+    return model
+
+
+def accelerate_loop(data: TensorDataset, batch: int) -> ClockedMLP:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model(CONFIG)
+    wrapped, opt, loader = accelerator.prepare(model, make_optimizer(model), make_loader(data, batch))
+    for x, y in loader:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        accelerator.backward(loss)
+        opt.step()
+    accelerator.free_memory()
+    return model
+
+
+def lightning_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
+    import lightning as L
+
+    class LitMLP(L.LightningModule):
+        def __init__(self, model: ClockedMLP) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.model)
+
+    model = make_model(CONFIG)
+    # Everything a Trainer does by default that a hand-written loop does not (progress bar, logger,
+    # checkpoint, summary) is switched off: this measures the step machinery, not the extras.
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(LitMLP(model), train_dataloaders=make_loader(data, batch))
+    return model
+
+
+def phalanx_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
+    import phalanx
+
+    class Module(phalanx.Module):
+        def __init__(self, model: ClockedMLP) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.model)
+
+    model = make_model(CONFIG)
+    # Same extras off as for Lightning's Trainer: progress bar, logger, checkpointing.
+    trainer = phalanx.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Module(model), train_dataloaders=make_loader(data, batch))
+    return model
+
+
+def quiet_frameworks() -> None:
+    """Keep the report readable: Lightning logs its device summary and warns about num_workers=0.
+    Its loggers are configured when it is imported, so import it first, then turn them down."""
+    import lightning  # noqa: F401
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for pattern in (r".*does not have many workers.*", r".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=7, help="repetitions of the whole interleaved round")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per contender per repetition")
+    parser.add_argument("--warmup", type=int, default=20, help="leading steps left out of the timing")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    require_bench_venv(["lightning", "accelerate", "phalanx"])
+    quiet_frameworks()
+    torch.set_num_threads(args.threads)
+
+    contenders: dict[str, Contender | None] = {
+        "raw PyTorch": raw_torch,
+        "phalanx Fabric": phalanx_fabric,
+        "phalanx Trainer": phalanx_trainer if phalanx_trainer_available() else None,
+        "Lightning Fabric": lightning_fabric,
+        "Lightning Trainer": lightning_trainer,
+        "Accelerate": accelerate_loop,
+    }
+    # Exactly one epoch of `steps` batches, so loops and Trainers run the same number of steps.
+    data = make_dataset(CONFIG, args.steps * args.batch)
+    times: dict[str, list[float]] = {name: [] for name, fn in contenders.items() if fn is not None}
+    mean_times: dict[str, list[float]] = {name: [] for name in times}
+    cpu_times: dict[str, list[float]] = {name: [] for name in times}
+    losses: dict[str, float] = {}
+    for rep in range(args.reps):
+        # A B C, then C B A: no contender always runs right after the same neighbour.
+        order = list(contenders.items()) if rep % 2 == 0 else list(reversed(contenders.items()))
+        for name, fn in order:
+            if fn is None:
+                continue
+            model = fn(data, args.batch)
+            if len(model.stamps) != args.steps:
+                raise RuntimeError(f"{name} ran {len(model.stamps)} steps, expected {args.steps}.")
+            times[name].append(median_step_seconds(model.stamps, args.warmup))
+            mean_times[name].append(step_seconds(model.stamps, args.warmup))
+            cpu_times[name].append(step_seconds(model.cpu_stamps, args.warmup))
+            loss = full_loss(model, data)
+            if name in losses and loss != losses[name]:
+                raise RuntimeError(f"{name} is not deterministic: loss {loss!r} then {losses[name]!r}.")
+            losses[name] = loss
+        print(f"  rep {rep + 1}/{args.reps}: " + ", ".join(f"{n} {t[-1] * 1e3:.3f}" for n, t in times.items())
+              + " ms/step", file=sys.stderr, flush=True)
+
+    raw, raw_cpu = times["raw PyTorch"], cpu_times["raw PyTorch"]
+    ref_loss = losses["raw PyTorch"]
+    rows = []
+    for name in contenders:
+        if name not in times:
+            rows.append([name, *["n/a"] * 5, "n/a (phalanx.Trainer is not importable in this checkout)"])
+            continue
+        cpu = cpu_times[name]
+        delta_us = median([a - b for a, b in zip(cpu, raw_cpu)]) * 1e6
+        rows.append([
+            name, f"{median(cpu) * 1e3:.3f}", f"{delta_us:+.0f}", f"{paired_ratio(cpu, raw_cpu):.4f}",
+            f"{median(times[name]) * 1e3:.3f}", f"{paired_ratio(times[name], raw):.4f}",
+            f"{losses[name]:.10f} (diff {abs(losses[name] - ref_loss):.1e})",
+        ])
+    n_params = sum(p.numel() for p in make_model(CONFIG).parameters())
+    print(f"## Per-step overhead, 1 CPU process ({machine_line()})")
+    print(f"MLP {CONFIG} ({n_params / 1e6:.2f} M params), batch {args.batch}, AdamW, {args.threads} thread(s); "
+          f"{args.steps} steps ({args.warmup} warm-up) x {args.reps} interleaved repetitions.")
+    print(f"versions: {framework_versions()}")
+    print(table(
+        ["contender", "CPU ms/step", "CPU us/step over raw", "x raw (CPU)", "wall ms/step", "x raw (wall)",
+         "final loss"], rows
+    ))
+    if args.json:
+        results = {"median_step_s": times, "mean_step_s": mean_times, "cpu_step_s": cpu_times, "losses": losses}
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
