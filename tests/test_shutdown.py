@@ -4,10 +4,15 @@ at random (about 8 % of plain torchrun runs aborted at exit on this machine)."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from mp import run_job
+
+from phalanx.collectives import HEARTBEAT_STORE_TIMEOUT, Lockstep
 
 SCRIPT = """
 import torch, phalanx
@@ -36,3 +41,25 @@ def test_clean_exit(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_clean_exit_many_times(tmp_path: Path) -> None:
     _runs(tmp_path, 30)
+
+
+class _SlowStore:
+    """A heartbeat store whose calls block (a store host under heavy load), as a C++ call would."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.inside = delay, threading.Event()
+
+    def set(self, key: str, value: str) -> None:
+        self.inside.set()
+        time.sleep(self.delay)
+
+
+@pytest.mark.timeout(60)
+def test_close_waits_for_a_heartbeat_stuck_in_a_store_call() -> None:
+    # A heartbeat thread left inside a store call when the interpreter finalizes aborts the process
+    # (SIGABRT after a correct run); close() must outwait any single bounded call.
+    slow = _SlowStore(delay=HEARTBEAT_STORE_TIMEOUT - 1)
+    guard = Lockstep(dist.HashStore(), 0, 2, heartbeat_interval=0.05, heartbeat_store=slow)  # type: ignore[arg-type]
+    assert slow.inside.wait(10)
+    guard.close()
+    assert guard._thread is not None and not guard._thread.is_alive()

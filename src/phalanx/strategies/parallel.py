@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from phalanx.collectives import Collectives, Lockstep, make_store_client, to_timedelta
+from phalanx.collectives import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
@@ -109,7 +109,9 @@ class ParallelStrategy(Strategy):
         self._owns_group = True
         hb_store = None
         if env.world_size > 1:
-            hb_store = make_store_client(env.master_addr, store.port, self.timeout)
+            # A short client timeout bounds every heartbeat call, so teardown can always join the thread
+            # (see Lockstep.close for why it must never be left inside a store call at exit).
+            hb_store = make_store_client(env.master_addr, store.port, HEARTBEAT_STORE_TIMEOUT)
         self._guard = Lockstep(
             store,
             env.rank,
