@@ -11,6 +11,8 @@ optimizer holds two more copies: ~4x the parameter bytes in all. Contenders, int
 * full save: ``fabric.save`` (state_dict_type="full": gather to rank 0, one fsynced file, atomic rename)
   vs raw full ``get_*_state_dict(cpu_offload=True)`` + ``torch.save`` on rank 0.
 * full save vs ``torch.save`` + ``fsync``: the same, with the raw file forced to disk as phalanx's is.
+* full save vs atomic ``torch.save``: raw written as safely as phalanx writes (fresh temporary file,
+  fsync, rename over the target) instead of truncating and overwriting the previous file in place.
 * full load: ``fabric.load`` vs raw rank-0 ``torch.load`` + ``set_*_state_dict(broadcast_from_rank0=True)``.
 
 Each timing starts and ends with a barrier, measured on rank 0; the table reports medians and the
@@ -59,6 +61,9 @@ def build(fabric: phalanx.Fabric, n_params: float) -> tuple[Any, Any]:
 
 
 def timed(fabric: phalanx.Fabric, fn: Callable[[], Any]) -> float:
+    # Flush every dirty page first (untimed): otherwise a contender that returns without fsync leaves
+    # ~600 MB of write-back that lands on whichever contender runs next.
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -69,12 +74,17 @@ def timed(fabric: phalanx.Fabric, fn: Callable[[], Any]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=50e6)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--warmup", type=int, default=1,
+        help="untimed repetitions first: the first write of a ~600 MB file grows the page cache and costs "
+             "2-5x a steady-state write, which would land on whichever contender runs first",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, one repetition (checks the script)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     args = parser.parse_args()
     if args.quick:
-        args.params, args.reps = 5e6, 1
+        args.params, args.reps, args.warmup = 5e6, 1, 0
     torch.set_num_threads(1)
     strategy = FSDPStrategy()
     fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -123,6 +133,19 @@ def main() -> None:
                 fh.flush()
                 os.fsync(fh.fileno())
 
+    def raw_full_save_atomic() -> None:
+        # As crash-safe as phalanx's write: a fresh temporary file, fsync, rename over the target.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = {"model": get_model_state_dict(raw_model, options=options),
+              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        if zero:
+            tmp = root / f".raw-full-atomic.pt.tmp-{time.monotonic_ns()}"
+            with open(tmp, "wb") as fh:
+                torch.save(sd, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, root / "raw-full-atomic.pt")
+
     def raw_full_load() -> None:
         sd = torch.load(root / "raw-full.pt", weights_only=False) if zero else {"model": {}, "optimizer": {}}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -134,20 +157,23 @@ def main() -> None:
         ("sharded load", phalanx_load("sharded"), raw_sharded_load),
         ("full save", phalanx_save("full"), raw_full_save),
         ("full save vs torch.save+fsync", phalanx_save("full"), raw_full_save_fsync),
+        ("full save vs atomic torch.save", phalanx_save("full"), raw_full_save_atomic),
         ("full load", phalanx_load("full"), raw_full_load),
     ]
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _, _ in rows}
-    for rep in range(args.reps):
+    for rep in range(-args.warmup, args.reps):
         for name, ours, raw in rows:
             # Alternate which contender goes first, so page-cache warmth favours neither.
             pair = [(0, ours), (1, raw)] if rep % 2 == 0 else [(1, raw), (0, ours)]
             for slot, fn in pair:
-                times[name][slot].append(timed(fabric, fn))
+                seconds = timed(fabric, fn)
+                if rep >= 0:
+                    times[name][slot].append(seconds)
     if zero:
         size = sum(f.stat().st_size for f in (root / "phalanx-sharded").iterdir()) / 2**20
         lines = [
             f"2 CPU ranks (gloo), {n / 1e6:.1f} M parameters + AdamW state, {size:.0f} MiB on disk, "
-            f"torch {torch.__version__}, median of {args.reps} interleaved repetitions.",
+            f"torch {torch.__version__}, median of {args.reps} interleaved repetitions after {args.warmup} untimed.",
             "",
             "| operation | phalanx (s) | raw torch (s) | phalanx / raw |",
             "| --- | --- | --- | --- |",

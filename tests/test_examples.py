@@ -58,3 +58,33 @@ def test_main_job_trainer_digits(tmp_path: Path) -> None:
     out = tmp_path / "runs" / "train_digits"
     assert (out / "lr_find.png").stat().st_size > 0
     assert list((out / "checkpoints").glob("*.ckpt"))
+
+
+def _readme_block(heading: str) -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split(heading, 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_trainer_snippet_runs(tmp_path: Path) -> None:
+    """The README's Trainer snippet, verbatim, on 2 processes with digits loaders defined before it."""
+    loaders = """
+import torch
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+digits = load_digits()
+x = torch.tensor(digits.data, dtype=torch.float32) / 16
+y = torch.tensor(digits.target)
+train_loader = DataLoader(TensorDataset(x[:1500], y[:1500]), batch_size=32, shuffle=True)
+val_loader = DataLoader(TensorDataset(x[1500:], y[1500:]), batch_size=64)
+"""
+    snippet = _readme_block("## Or hand the loop to the Trainer")
+    epilogue = "\nif trainer.is_global_zero:\n    print('best', checkpoint.best_model_score)\n"
+    script = tmp_path / "readme_trainer.py"
+    script.write_text(loaders + snippet.replace("max_epochs=10", "max_epochs=3") + epilogue)
+    proc = subprocess.run(
+        [sys.executable, str(script), ], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = float(proc.stdout.split("best", 1)[1].split()[0].strip("tensor(),"))
+    assert best > 0.8, proc.stdout[-2000:]

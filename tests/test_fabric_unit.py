@@ -186,6 +186,11 @@ def test_truncated_and_missing_checkpoints_fail_clearly(tmp_path: Path) -> None:
     path.write_bytes(b"garbage" * 10)
     with pytest.raises(CheckpointError, match=r"truncated or corrupt"):
         fabric.load(path, {"model": model})
+    # What a save killed mid-write leaves in its preallocated temporary: data (or none yet), then zeros.
+    for written in (len(data) // 2, 0):
+        path.write_bytes(data[:written] + bytes(len(data) - written))
+        with pytest.raises(CheckpointError, match=r"truncated or corrupt"):
+            fabric.load(path, {"model": model})
     with pytest.raises(CheckpointError, match=r"No checkpoint at"):
         fabric.load(tmp_path / "nope.ckpt", {"model": model})
     with pytest.raises(CheckpointError, match=r"is a directory"):

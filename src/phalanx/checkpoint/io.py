@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import time
 import uuid
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +46,39 @@ def _clear_stale_temporaries(path: Path, older_than: float = 3600.0) -> None:
                 stale.unlink()
 
 
+def _expected_size(obj: Any, previous: Path) -> int:
+    """Bytes the checkpoint will take: the previous file's size, else the sum of its tensor storages."""
+    with contextlib.suppress(OSError):
+        return previous.stat().st_size
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.device.type != "meta":
+                storage = item.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def _preallocate(fh: Any, size: int) -> bool:
+    """Reserve the file's blocks up front. Writing a large checkpoint into a fresh file otherwise
+    allocates its extents piecemeal, which measured ~2x slower than overwriting a file in place on a
+    virtio disk (bench/checkpoint.py); preallocated, the atomic write costs what an in-place one does."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or size < 2**20:
+        return False
+    try:
+        fallocate(fh.fileno(), 0, size)
+    except OSError:
+        return False  # unsupported here, or short of space: the write itself reports a real shortage
+    return True
+
+
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` that is all-or-nothing."""
     path = Path(path)
@@ -58,8 +89,11 @@ def atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{uuid.uuid4().hex[:10]}")
     try:
         with open(tmp, "wb") as fh:
+            reserved = _preallocate(fh, _expected_size(obj, path))
             torch.save(obj, fh)
             fh.flush()
+            if reserved:
+                fh.truncate(fh.tell())  # give back what the estimate reserved beyond the data
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -83,7 +117,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         # weights_only=False: a phalanx checkpoint holds user objects (counters, configs) besides tensors.
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as err:
+    except (ImportError, AttributeError) as err:
+        raise CheckpointError(
+            f"Checkpoint {path} refers to code that cannot be imported here ({type(err).__name__}: {err}). "
+            "Make the classes it was saved with importable (same package and module path), then load again."
+        ) from err
+    except Exception as err:
+        # A file cut short, zero-filled past its data (a killed save's preallocated temporary) or otherwise
+        # damaged can fail anywhere in torch.load: in the zip reader, in the legacy tar fallback (KeyError),
+        # or in unpickling. All of it means the same to the user.
         raise CheckpointError(
             f"Checkpoint {path} ({size} bytes) is truncated or corrupt and cannot be read: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
