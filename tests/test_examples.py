@@ -81,10 +81,10 @@ val_loader = DataLoader(TensorDataset(x[1500:], y[1500:]), batch_size=64)
     snippet = _readme_block("## Or hand the loop to the Trainer")
     epilogue = "\nif trainer.is_global_zero:\n    print('best', checkpoint.best_model_score)\n"
     script = tmp_path / "readme_trainer.py"
-    script.write_text(loaders + snippet.replace("max_epochs=10", "max_epochs=3") + epilogue)
+    script.write_text(loaders + snippet + epilogue)
     proc = subprocess.run(
-        [sys.executable, str(script), ], cwd=tmp_path, capture_output=True, text=True, timeout=180
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     best = float(proc.stdout.split("best", 1)[1].split()[0].strip("tensor(),"))
-    assert best > 0.8, proc.stdout[-2000:]
+    assert best > 0.85, proc.stdout[-2000:]  # 0.91-0.92 measured; chance is 0.1
