@@ -115,35 +115,34 @@ def main() -> None:
         set_model_state_dict(raw_model, sd["model"])
         set_optimizer_state_dict(raw_model, opt, sd["optimizer"])
 
-    def raw_full_save() -> None:
+    def raw_full_state() -> dict[str, Any]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = {"model": get_model_state_dict(raw_model, options=options),
-              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        return {"model": get_model_state_dict(raw_model, options=options),
+                "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+
+    def write_fsynced(sd: dict[str, Any], target: Path) -> None:
+        with open(target, "wb") as fh:
+            torch.save(sd, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def raw_full_save() -> None:
+        sd = raw_full_state()
         if zero:
             torch.save(sd, root / "raw-full.pt")
 
     def raw_full_save_fsync() -> None:
         # The same plus fsync before returning: what phalanx's atomic write does for crash durability.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = {"model": get_model_state_dict(raw_model, options=options),
-              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        sd = raw_full_state()
         if zero:
-            with open(root / "raw-full-fsync.pt", "wb") as fh:
-                torch.save(sd, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            write_fsynced(sd, root / "raw-full-fsync.pt")
 
     def raw_full_save_atomic() -> None:
         # As crash-safe as phalanx's write: a fresh temporary file, fsync, rename over the target.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = {"model": get_model_state_dict(raw_model, options=options),
-              "optimizer": get_optimizer_state_dict(raw_model, opt, options=options)}
+        sd = raw_full_state()
         if zero:
             tmp = root / f".raw-full-atomic.pt.tmp-{time.monotonic_ns()}"
-            with open(tmp, "wb") as fh:
-                torch.save(sd, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            write_fsynced(sd, tmp)
             os.replace(tmp, root / "raw-full-atomic.pt")
 
     def raw_full_load() -> None:

@@ -50,10 +50,9 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _C10D_FILE = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
-# How gloo/NCCL/the store word a lost peer; other errors (a shape error in backward) are not diagnosed.
 # Seconds any one heartbeat store call may block (the heartbeat's own client, not the data plane).
 HEARTBEAT_STORE_TIMEOUT = 5.0
-
+# How gloo/NCCL/the store word a lost peer; other errors (a shape error in backward) are not diagnosed.
 _COMM_FAILURE = re.compile(r"connection|peer|socket|broken pipe|gloo|nccl|timed? ?out", re.IGNORECASE)
 
 
@@ -187,11 +186,12 @@ class Lockstep:
             # pthread_exit, whose forced unwind through pybind11's noexcept GIL guard aborts the process
             # ("terminate called without an active exception") after the job's work is done. Each
             # heartbeat call is bounded by HEARTBEAT_STORE_TIMEOUT, so this join always finishes.
-            self._thread.join(timeout=HEARTBEAT_STORE_TIMEOUT + 2 * self.heartbeat_interval + 1)
+            bound = HEARTBEAT_STORE_TIMEOUT + 2 * self.heartbeat_interval + 1
+            self._thread.join(timeout=bound)
             if self._thread.is_alive():
                 warnings.warn(
-                    "phalanx: the lockstep heartbeat thread did not stop within "
-                    f"{HEARTBEAT_STORE_TIMEOUT:.0f}s; the process may abort at exit.",
+                    f"phalanx: the lockstep heartbeat thread did not stop within {bound:.0f}s; "
+                    "the process may abort at exit.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
