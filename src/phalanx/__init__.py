@@ -16,6 +16,7 @@ from phalanx.errors import (
     GradientSyncError,
     MisconfigurationError,
     PhalanxError,
+    PhalanxWarning,
     RankGoneError,
 )
 from phalanx.fabric import Fabric
@@ -48,6 +49,7 @@ __all__ = [
     "MisconfigurationError",
     "Module",
     "PhalanxError",
+    "PhalanxWarning",
     "RankGoneError",
     "Trainer",
     "seed_everything",

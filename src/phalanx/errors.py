@@ -34,3 +34,7 @@ class GradientSyncError(PhalanxError):
 
 class CheckpointError(PhalanxError):
     """A checkpoint could not be written, read or matched to the objects it is loaded into."""
+
+
+class PhalanxWarning(UserWarning):
+    """Every warning phalanx issues (filter them all with this category)."""
