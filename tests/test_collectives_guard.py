@@ -32,7 +32,17 @@ def attempt(fn):
 """
 
 # Short bound for ranks that are gone or in another collective; tests stay fast and show it is honoured.
-ENV = {"PHALANX_GUARD_TIMEOUT": "3"}
+GUARD = 3.0
+ENV = {"PHALANX_GUARD_TIMEOUT": str(GUARD)}
+# "At once" means one watchdog look, not the guard's bound: a failure that needs no waiting must be
+# reported well before guard_timeout, or it is being waited out.
+AT_ONCE = GUARD
+
+
+def line_of(body: str, text: str) -> int:
+    """Line number of ``text`` in the job script (PRELUDE + body), as the error messages cite it."""
+    lines = (PRELUDE + body).splitlines()
+    return next(i for i, line in enumerate(lines, start=1) if text in line)
 
 
 def _run(body: str, tmp_path: Path, **kwargs: object) -> Job:
@@ -52,7 +62,7 @@ attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else fabric.ba
         assert rep["error"] == "CollectiveMismatchError", rep
         assert "Ranks called different operations" in rep["message"]
         assert "rank 0 called save at job.py" in rep["message"] and "rank 1 called barrier at job.py" in rep["message"]
-        assert rep["seconds"] < 5
+        assert rep["seconds"] < AT_ONCE
     assert not (tmp_path / "a.ckpt").exists()
 
 
@@ -69,28 +79,28 @@ if r == 0:
     assert rep["error"] == "RankGoneError"
     assert rep["message"].startswith("sync after eval (collective #")
     assert "is waiting for rank(s) [1], but rank 1 has shut down" in rep["message"]
-    assert rep["seconds"] < 5
+    assert rep["seconds"] < AT_ONCE
 
 
 def test_rank_zero_only_save_while_the_other_rank_trains_on(tmp_path: Path) -> None:
-    job = _run(
-        """
+    body = """
 def step():
     fabric.backward(model(torch.randn(4, 3)).sum())
 step()
 attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
-""",
-        tmp_path,
-    )
+"""
+    job = _run(body, tmp_path)
     assert job.returncode != 0
     rep = job.reports[0]
     assert rep["error"] == "CollectiveMismatchError"
-    assert "save (collective #" in rep["message"] and "waiting for rank(s) [1]" in rep["message"]
-    # Rank 1 blocks in the DDP forward of its next step (bucket rebuild) or in its backward.
-    where = r"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#4\) at job.py:21"
+    seq = re.search(r"save \(collective #(\d+),", rep["message"])
+    assert seq and "waiting for rank(s) [1]" in rep["message"], rep
+    # Rank 1 is in the DDP forward of its next step (bucket rebuild) or in its backward, under the same
+    # sequence number as rank 0's save, at the line of its step.
+    where = (rf"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#{seq.group(1)}\) at "
+             rf"job.py:{line_of(body, 'fabric.backward(model(')} \(step\)")
     assert re.search(where, rep["message"]), rep
-
-    assert rep["seconds"] < 5
+    assert rep["seconds"] < AT_ONCE
 
 
 def test_rank_stuck_in_a_raw_torch_collective_is_named(tmp_path: Path) -> None:
@@ -105,7 +115,9 @@ attempt(lambda: fabric.all_reduce(torch.ones(2)) if r == 0 else dist.barrier())
     rep = job.reports[0]
     assert rep["error"] == "CollectiveMismatchError"
     assert "inside torch.distributed.barrier at job.py" in rep["message"]
-    assert 3 <= rep["seconds"] < 10
+    # A raw call may still be on its way into a matching collective: it is given guard_timeout, no more
+    # than a few watchdog looks beyond it.
+    assert GUARD <= rep["seconds"] < GUARD + 5
 
 
 def test_slow_but_alive_rank_is_waited_for(tmp_path: Path) -> None:
@@ -121,7 +133,7 @@ attempt(lambda: fabric.save("a.ckpt", {"model": model}))
         tmp_path,
     ).check()
     assert job.reports[0]["error"] is None and job.reports[1]["error"] is None
-    assert "they are alive, so waiting" in job.stderr
+    assert "they are alive, so waiting up to timeout=" in job.stderr
 
 
 def test_mismatched_shapes_are_caught_before_the_collective(tmp_path: Path) -> None:

@@ -59,7 +59,9 @@ def test_close_waits_for_a_heartbeat_stuck_in_a_store_call() -> None:
     # A heartbeat thread left inside a store call when the interpreter finalizes aborts the process
     # (SIGABRT after a correct run); close() must outwait any single bounded call.
     slow = _SlowStore(delay=HEARTBEAT_STORE_TIMEOUT - 1)
-    guard = Lockstep(dist.HashStore(), 0, 2, heartbeat_interval=0.05, heartbeat_store=slow)  # type: ignore[arg-type]
+    store = dist.HashStore()
+    store.set("phalanx/lockstep/hb/1", "")  # the peer's heartbeat exists (its content is never read here)
+    guard = Lockstep(store, 0, 2, heartbeat_interval=0.05, heartbeat_store=slow)  # type: ignore[arg-type]
     assert slow.inside.wait(10)
     guard.close()
     assert guard._thread is not None and not guard._thread.is_alive()

@@ -131,6 +131,7 @@ class Fabric:
         if env is None and self._strategy.num_processes > 1:
             if self._launched:
                 raise MisconfigurationError("fabric.launch() was already called.")
+            launcher.check_cpu_processes(self._strategy.devices, self._strategy.device_type)
             if function is None:
                 sys.exit(launcher.launch_script(self._strategy.num_processes))
             factory = functools.partial(Fabric, **self._init_kwargs)
@@ -421,12 +422,18 @@ class Fabric:
 
     def teardown(self) -> None:
         """Flush loggers and leave the process group now (otherwise both happen at interpreter exit)."""
+        self._leave_job(None)
+
+    def _leave_job(self, error: BaseException | None) -> None:
+        """Finalize loggers and leave the job; ``error`` (or the exception ending the interpreter) is what
+        the other ranks are told this rank ended with."""
+        failed = error is not None or getattr(sys, "last_value", None) is not None
         if self.is_global_zero:
             for logger in self._loggers:
                 finalize = getattr(logger, "finalize", None)
                 if callable(finalize):
-                    finalize("success")
-        self._strategy.teardown()
+                    finalize("failed" if failed else "success")
+        self._strategy.teardown(error)
         atexit.unregister(self.teardown)
 
 

@@ -11,16 +11,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import sys
+import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.diagnostics import notice
 from phalanx.errors import MisconfigurationError, PhalanxError
+
+# More CPU processes than this many per core are refused when phalanx starts them itself: each rank
+# imports torch (hundreds of MB) and they thrash (64 ranks on 2 cores took 10.9 GB and died at start-up).
+MAX_CPU_RANKS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -115,10 +123,49 @@ def check_environment(env: ClusterEnvironment, devices: int, num_nodes: int) -> 
         raise MisconfigurationError(f"RANK={env.rank} is outside [0, WORLD_SIZE={env.world_size}).")
 
 
+def check_cpu_processes(nprocs: int, device_type: str, cores: int | None = None) -> None:
+    """Refuse (or warn about) more CPU processes than this machine can run, before starting any."""
+    cores = cores or os.cpu_count() or 1
+    if device_type != "cpu" or nprocs <= cores:
+        return
+    if nprocs > MAX_CPU_RANKS_PER_CORE * cores:
+        raise MisconfigurationError(
+            f"devices={nprocs} CPU processes on a machine with {cores} core(s): each process imports torch and "
+            f"needs memory and CPU, so they would thrash and fail at start-up. Use at most "
+            f"{MAX_CPU_RANKS_PER_CORE * cores} here (devices <= {cores} runs at full speed), use GPUs "
+            "(accelerator='cuda'), or spread the job over nodes (num_nodes=...). If you really mean it, start the "
+            "processes yourself with torchrun or `phalanx run`."
+        )
+    notice(f"{nprocs} CPU processes on {cores} core(s): each gets one thread and they share the cores; "
+           "expect it to be slow (fine for testing a multi-process script).")
+
+
 def _threads_per_rank(nprocs: int) -> None:
     # N ranks each using every core thrash the CPU; give each its share unless the user chose.
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+
+
+def record_failure(error: BaseException) -> None:
+    """Write ``error`` where torch's elastic launcher (torchrun, ``phalanx run``, ``fabric.launch``) looks for
+    a failed rank's cause, so its summary names the cause instead of an exit code. Writes nothing outside
+    such a launcher, and never replaces what is already there: the first cause wins."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    # torchelastic's error-file format (what its @record decorator writes), with the exception's own
+    # traceback: this may run in a thread or at exit, where no exception is "being handled".
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "timestamp": str(int(time.time())),
+    }}}
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _launch_config(nprocs: int) -> Any:
@@ -147,21 +194,42 @@ def _signal_name(number: int) -> str:
 def failure_summary(err: Any) -> tuple[str, int]:
     """Words for a launcher's ChildFailedError, and the job's exit code. When one rank fails the launcher
     stops the others with SIGTERM; those are reported as stopped, so the rank that failed first stands out
-    (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]")."""
+    (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]"). A rank that recorded its
+    error (phalanx does, see :func:`record_failure`) is quoted: the first-failed rank's cause comes first."""
     failures = getattr(err, "failures", {}) or {}
     causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
     stopped = sorted(set(failures) - set(causes))
     parts, code = [], 0
-    for rank, failure in sorted(causes.items()):
+    order = sorted(causes.items(), key=lambda item: (_recorded(item[1]) is None, _when(item[1]), item[0]))
+    for rank, failure in order:
         exitcode = getattr(failure, "exitcode", 1)
         if exitcode < 0:
-            parts.append(f"rank {rank} was killed by {_signal_name(-exitcode)}")
+            part = f"rank {rank} was killed by {_signal_name(-exitcode)}"
         else:
-            parts.append(f"rank {rank} exited with code {exitcode}")
+            part = f"rank {rank} exited with code {exitcode}"
             code = code or exitcode
+        cause = _recorded(failure)
+        parts.append(f"{part}: {cause}" if cause else part)
     if stopped:
         parts.append(f"the launcher then stopped rank(s) {stopped}")
     return "; ".join(parts) or str(err), code or 1
+
+
+def _recorded(failure: Any) -> str | None:
+    """The one-line cause a rank wrote to its error file, if it wrote one."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else message
+    if not text or text == "<NONE>":  # torch's placeholder when the rank wrote nothing
+        return None
+    return " ".join(str(text).split())[:2000]
+
+
+def _when(failure: Any) -> int:
+    try:
+        return int(getattr(failure, "timestamp", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def script_command() -> list[str]:
@@ -206,7 +274,16 @@ def launch_script(nprocs: int) -> int:
 def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     fabric = factory()
     fabric.launch()
-    return fn(fabric, *args)
+    try:
+        result = fn(fabric, *args)
+    except BaseException as err:
+        fabric._leave_job(err)  # peers waiting on this rank learn why at once
+        raise
+    # This process stays alive until every rank has returned (the launcher collects return values), so
+    # it must leave the group now: a peer still inside a collective then fails at once, naming this rank,
+    # instead of waiting for the process-group timeout.
+    fabric._leave_job(None)
+    return result
 
 
 def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -77,8 +77,8 @@ class Strategy:
             self._root_device = torch.device("cuda", 0)
             torch.cuda.set_device(self._root_device)
 
-    def teardown(self) -> None:
-        pass
+    def teardown(self, error: BaseException | None = None) -> None:
+        """Leave the job; ``error`` is what ended this rank's work, if anything."""
 
     @property
     def root_device(self) -> torch.device:

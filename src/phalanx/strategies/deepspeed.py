@@ -419,10 +419,10 @@ class DeepSpeedStrategy(ParallelStrategy):
         else:
             optimizer.load_state_dict(state)
 
-    def teardown(self) -> None:
+    def teardown(self, error: BaseException | None = None) -> None:
         if self._engine is not None:
             destroy: Callable[[], None] | None = getattr(self._engine, "destroy", None)
             if destroy is not None:
                 destroy()
             self._engine = None
-        super().teardown()
+        super().teardown(error)

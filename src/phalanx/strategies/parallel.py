@@ -14,7 +14,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from phalanx.collectives import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.errors import GradientSyncError, MisconfigurationError
-from phalanx.launch import ClusterEnvironment, check_environment
+from phalanx.launch import ClusterEnvironment, check_environment, record_failure
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 
 # How long teardown lets the backend's worker threads release finished work (see teardown).
@@ -113,9 +113,9 @@ class ParallelStrategy(Strategy):
         self._owns_group = True
         hb_store = None
         if env.world_size > 1:
-            # A short client timeout bounds every heartbeat call, so teardown can always join the thread
-            # (see Lockstep.close for why it must never be left inside a store call at exit).
-            hb_store = make_store_client(env.master_addr, store.port, HEARTBEAT_STORE_TIMEOUT)
+            # The watchdog's own client: its connect may be slow (many ranks starting on a loaded host), but
+            # each later call is short-bounded, so teardown can always join the thread (see Lockstep.close).
+            hb_store = make_store_client(env.master_addr, store.port, HEARTBEAT_STORE_TIMEOUT, self.timeout)
         self._guard = Lockstep(
             store,
             env.rank,
@@ -124,13 +124,27 @@ class ParallelStrategy(Strategy):
             timeout=self.timeout,
             strict=self.lockstep == "strict",
             heartbeat_store=hb_store,
+            # NCCL's abort unblocks a collective in flight; gloo's does not (the watchdog then exits).
+            abort=self._abort_group if backend == "nccl" else None,
+            on_fatal=record_failure,
         )
         self._collectives = Collectives(self._guard, self.root_device)
 
-    def teardown(self) -> None:
+    @staticmethod
+    def _abort_group() -> None:
+        group = dist.group.WORLD
+        abort = getattr(group, "abort", None)
+        if callable(abort):
+            abort()
+
+    def teardown(self, error: BaseException | None = None) -> None:
+        """Leave the job: publish how this rank ended (``error``, or the exception ending the interpreter)
+        so peers waiting on it fail at once naming the cause, and destroy the process group."""
         if self._guard is not None:
-            self._guard.close()
+            ended_by = self._guard.close(error)
             self._guard = None
+            if ended_by is not None:
+                record_failure(ended_by)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -1,0 +1,370 @@
+"""No hang anywhere: whatever collective a rank is blocked in, a peer that is gone, frozen or elsewhere
+ends every rank within guard_timeout (plus a few seconds), naming the rank, the operation and the cause.
+
+The jobs here block where phalanx's rendezvous cannot see: inside DDP's gradient all-reduce, inside
+FSDP's parameter all-gather, inside a raw ``torch.distributed`` call. Only the watchdog can end those.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from mp import HERE, REPO, run_job
+from test_faults import assert_no_orphans, spawn_by_hand, wait_for
+
+from phalanx.collectives import Lockstep, make_store_client, to_timedelta
+from phalanx.errors import CollectiveMismatchError, MisconfigurationError, RankGoneError
+from phalanx.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes, failure_summary
+from phalanx.watchdog import Verdict
+
+pytestmark = pytest.mark.timeout(240)
+
+GUARD = 4.0
+ENV = {"PHALANX_GUARD_TIMEOUT": str(GUARD)}
+
+TRAIN_THEN = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+import phalanx
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy={strategy!r})
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+model, opt = fabric.setup(model, opt)
+rank = fabric.global_rank
+
+def mark(name):
+    with open(f"{{name}}{{rank}}", "w") as fh:
+        fh.write(repr(time.time()))
+
+for step in range({steps}):
+    if step == 2:
+        mark("ready")
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    fabric.backward(loss)
+    opt.step()
+    opt.zero_grad()
+{then}
+"""
+
+
+def _seconds_since(path: Path) -> float:
+    return time.time() - float(path.read_text())
+
+
+# ---------------------------------------------------------------- a frozen rank inside DDP's all-reduce
+FREEZE = """
+    if rank == 1 and step == 5:
+        mark("stopped")
+        os.kill(os.getpid(), signal.SIGSTOP)   # a debugger, a stuck data worker: alive, silent
+"""
+
+
+def _frozen_job(tmp_path: Path) -> str:
+    body = TRAIN_THEN.format(strategy="ddp", steps=100_000, then="").replace(
+        "    loss = model(", FREEZE.strip("\n") + "\n    loss = model(", 1)
+    return textwrap.dedent(body)
+
+
+def test_rank_frozen_in_ddp_training_ends_the_job_naming_it(tmp_path: Path) -> None:
+    """No phalanx-named collective in the loop: rank 0 blocks in DDP's gradient all-reduce."""
+    script = tmp_path / "job.py"
+    script.write_text(_frozen_job(tmp_path))
+    procs = spawn_by_hand(script, 2, ENV)  # no supervisor: rank 0's own exit is observed directly
+    try:
+        wait_for(tmp_path / "stopped1", timeout=120)
+        procs[0].wait(timeout=GUARD + 60)
+        detected = _seconds_since(tmp_path / "stopped1")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+    log = (tmp_path / "rank0.log").read_text()
+    assert procs[0].returncode == 1, log[-3000:]
+    assert re.search(r"rank 0 is ending: RankGoneError: backward \(DDP gradient all-reduce\) \(collective #\d+, "
+                     r"called at job\.py:\d+ \(<module>\) on rank 0\) cannot complete: rank 1 has not sent a "
+                     r"heartbeat for [\d.]+s \(last seen in .*pid \d+ on .*\)\. It was killed or is frozen\.", log), log
+    assert "main thread was blocked here" in log and "fabric.backward(loss)" in log
+    assert detected < GUARD + 10
+
+
+def test_frozen_rank_under_the_launcher_exits_non_zero_with_the_cause_and_no_process_left(tmp_path: Path) -> None:
+    job = run_job(_frozen_job(tmp_path), tmp_path, timeout=150, env=ENV)
+    assert job.returncode != 0
+    summary = job.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[phalanx] job failed: rank 0 exited with code 1: RankGoneError: backward (DDP "
+                              "gradient all-reduce)"), job.stderr[-3000:]
+    assert "rank 1 has not sent a heartbeat" in summary
+    # The stopped rank ignores the launcher's SIGTERM; its SIGKILL follows after the launcher's grace period.
+    assert "rank 1 was killed by SIGKILL" in summary and "<NONE>" not in summary
+    assert_no_orphans(tmp_path, grace=10)  # the stopped rank included
+
+
+# ---------------------------------------------------------------- seed 001 by another path: FSDP, rank 0 alone
+FSDP_EXTRA_FORWARD = """
+import time, torch, phalanx
+from mp import report
+
+def main(fabric):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    for _ in range(2):
+        fabric.backward(model(torch.randn(4, 16)).sum())
+        opt.step()
+        opt.zero_grad()
+    if fabric.global_rank == 0:
+        with torch.no_grad():
+            model(torch.randn(1, 16))   # "generate a sample on rank 0": FSDP all-gathers the parameters
+    elif {rank1_barrier}:
+        start = time.monotonic()
+        try:
+            fabric.barrier("after sampling")
+        except Exception as err:
+            report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
+            raise
+    return "done"
+
+if __name__ == "__main__":
+    fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+    start = time.monotonic()
+    try:
+        fabric.launch(main)
+    except Exception as err:
+        report(rank=0, launcher_error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
+"""
+
+
+def test_fsdp_forward_on_rank_zero_alone_while_rank_one_returns(tmp_path: Path) -> None:
+    job = run_job(FSDP_EXTRA_FORWARD.format(rank1_barrier=False), tmp_path, timeout=150, env=ENV)
+    rep = job.reports[0]
+    assert rep["launcher_error"] == "PhalanxError", job.output[-3000:]
+    assert re.search(r"fabric\.launch\(main\) failed: rank 0 exited with code 1: RankGoneError: forward \(FSDP "
+                     r"all-gather\) \(collective #\d+, called at job\.py:\d+ \(main\) on rank 0\) cannot complete: "
+                     r"rank 1 has shut down \(it left the job: its script ended or its fabric\.launch function "
+                     r"returned; its last operation was .*\)", rep["message"]), rep["message"]
+    assert "rank 0 is ending" in job.stderr and "model(torch.randn(1, 16))" in job.stderr
+
+
+def test_fsdp_forward_on_rank_zero_while_rank_one_waits_in_a_barrier(tmp_path: Path) -> None:
+    job = run_job(FSDP_EXTRA_FORWARD.format(rank1_barrier=True), tmp_path, timeout=150, env=ENV)
+    one = job.reports[1]
+    assert one["error"] == "CollectiveMismatchError", job.output[-3000:]
+    assert re.search(r"after sampling \(collective #(\d+), called at job\.py:\d+ \(main\) on rank 1\) is waiting for "
+                     r"rank\(s\) \[0\], but rank 0 is in a different operation: 'forward \(FSDP all-gather\)' "
+                     r"\(#\1\) at job\.py:\d+ \(main\)", one["message"]), one["message"]
+    assert one["seconds"] < GUARD
+    # Rank 0, blocked in the all-gather, is ended naming rank 1's error: the true cause, not a symptom.
+    assert re.search(r"rank 0 is ending: RankGoneError: forward \(FSDP all-gather\) .* cannot complete: rank 1 "
+                     r"failed: CollectiveMismatchError: after sampling", job.stderr), job.stderr[-3000:]
+    assert job.reports[0]["launcher_error"] == "PhalanxError"
+
+
+# ---------------------------------------------------------------- a raw torch.distributed call in user code
+def test_raw_torch_collective_waiting_on_a_rank_that_left(tmp_path: Path) -> None:
+    then = """
+if rank == 0:
+    dist.all_reduce(torch.ones(3))   # a raw call the other rank never makes
+"""
+    job = run_job(TRAIN_THEN.format(strategy="ddp", steps=3, then=then), tmp_path, timeout=150, env=ENV)
+    assert job.returncode != 0
+    assert re.search(r"rank 0 is ending: RankGoneError: torch\.distributed\.all_reduce \(called at job\.py:\d+ "
+                     r"\(<module>\) on rank 0\) cannot complete: rank 1 has shut down", job.stderr), job.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the true cause reaches every rank
+RAISE_IN_SAVE = """
+import time, torch, phalanx
+from mp import report
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+model = fabric.setup(torch.nn.Linear(3, 1))
+fabric.save("ok.ckpt", {"model": model})
+
+class Stats:
+    def state_dict(self):
+        if fabric.global_rank == 0:
+            raise ValueError("the stats table is locked")
+        return {}
+
+start = time.monotonic()
+try:
+    fabric.save("next.ckpt", {"model": model, "stats": Stats()})
+except Exception as err:
+    report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
+    raise
+"""
+
+
+def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_path: Path) -> None:
+    job = run_job(RAISE_IN_SAVE, tmp_path, timeout=150, env=ENV)
+    assert job.returncode != 0
+    zero, one = job.reports[0], job.reports[1]
+    assert zero["error"] == "ValueError"
+    assert one["error"] == "RankGoneError", one
+    assert re.search(r"rank 0 failed: ValueError: the stats table is locked \(raised at job\.py:\d+ \(state_dict\)\)",
+                     one["message"]), one["message"]
+    assert "rank-dependent branch" not in one["message"]  # not a misplaced collective: say what happened
+    assert one["seconds"] < GUARD
+    assert not (tmp_path / "next.ckpt").exists()
+    assert (tmp_path / "ok.ckpt").is_file()  # the previous checkpoint is untouched
+    # The launcher's one-line summary carries the cause too.
+    assert "[phalanx] job failed: rank 0 exited with code 1: ValueError: the stats table is locked" in job.stderr
+
+
+# ---------------------------------------------------------------- launchers print the cause
+CRASH = """
+import torch, phalanx
+fabric = phalanx.Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+model = fabric.setup(torch.nn.Linear(3, 1))
+if fabric.global_rank == 1:
+    raise KeyError("missing_column")
+fabric.barrier()
+"""
+
+
+@pytest.mark.parametrize("how", ["phalanx run", "torchrun"])
+def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> None:
+    command = (
+        [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2"] if how == "phalanx run"
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    )
+    job = run_job(CRASH, tmp_path, timeout=150, env=ENV, command=command)
+    assert job.returncode != 0
+    if how == "phalanx run":
+        assert "[phalanx] job failed: rank 1 exited with code 1: KeyError: 'missing_column'" in job.stderr
+    else:  # torchrun's own summary quotes the error file phalanx wrote
+        assert re.search(r"error_file:.*\n.*\n?.*KeyError: 'missing_column'|KeyError: 'missing_column'", job.stderr)
+        assert "traceback : KeyError: 'missing_column'" in job.stderr or "KeyError: 'missing_column'" in job.stderr
+    # Rank 0 names rank 1's error, not "a collective inside a rank-dependent branch".
+    assert re.search(r"barrier \(collective #\d+, .* on rank 0\) is waiting for rank\(s\) \[1\], but rank 1 failed: "
+                     r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", job.stderr), job.stderr[-3000:]
+
+
+def test_failure_summary_puts_the_recorded_first_cause_first() -> None:
+    class Failure:
+        def __init__(self, exitcode: int, message: str | None, timestamp: int) -> None:
+            self.exitcode, self.timestamp = exitcode, timestamp
+            self.error_file_data = {"message": {"message": message}} if message else {}
+
+    class Err:
+        failures = {0: Failure(1, "RankGoneError: ... rank 1 failed: KeyError: 'x'", 20),
+                    1: Failure(1, "KeyError: 'x'", 10), 2: Failure(-signal.SIGTERM, None, 30)}
+
+    text, code = failure_summary(Err())
+    assert code == 1
+    assert text == ("rank 1 exited with code 1: KeyError: 'x'; rank 0 exited with code 1: RankGoneError: ... rank 1 "
+                    "failed: KeyError: 'x'; the launcher then stopped rank(s) [2]")
+
+
+# ---------------------------------------------------------------- start-up and oversubscription
+def test_too_many_cpu_processes_are_refused_before_starting_any() -> None:
+    with pytest.raises(MisconfigurationError, match=r"devices=64 CPU processes on a machine with 2 core\(s\)"):
+        check_cpu_processes(64, "cpu", cores=2)
+    check_cpu_processes(64, "cuda", cores=2)  # GPUs: one process per device is the point
+    check_cpu_processes(2 * MAX_CPU_RANKS_PER_CORE, "cpu", cores=2)  # allowed, with a notice
+
+
+def test_oversubscribed_cpu_job_is_refused_at_launch(tmp_path: Path) -> None:
+    code = """
+import os, phalanx
+os.sched_getaffinity  # noqa
+fabric = phalanx.Fabric(accelerator="cpu", devices=64)
+fabric.launch()
+"""
+    job = run_job(code, tmp_path, timeout=60)
+    assert job.returncode != 0
+    assert "MisconfigurationError: devices=64 CPU processes on a machine with" in job.stderr
+    assert "DistNetworkError" not in job.stderr and job.stderr.count("\n") < 40
+
+
+def test_watchdog_store_client_connects_slowly_but_bounds_each_call() -> None:
+    """Many ranks starting on a loaded host connect slowly: the connect waits; every later call is short."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    servers: list[dist.TCPStore] = []
+
+    def start_server_late() -> None:
+        time.sleep(2.0)
+        servers.append(dist.TCPStore("127.0.0.1", port, 1, True, to_timedelta(30), wait_for_workers=False))
+
+    threading.Thread(target=start_server_late, daemon=True).start()
+    # The connect outlasts the old fixed 5 s bound's margin under load; the call bound stays short.
+    client = make_store_client("127.0.0.1", port, call_timeout=1.0, connect_timeout=30.0)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"(?i)timeout"):
+        client.get("never-set")
+    assert time.monotonic() - start < 1.0 + 4.0
+
+
+# ---------------------------------------------------------------- the rendezvous, in-process
+def _fake_ranks(n: int, **kwargs: object) -> list[Lockstep]:
+    store = dist.HashStore()
+    for r in range(n):
+        store.set(f"phalanx/lockstep/hb/{r}", "")
+    return [Lockstep(store, r, n, **kwargs) for r in range(n)]  # type: ignore[arg-type]
+
+
+def test_verdict_round_trip_and_error_types() -> None:
+    for kind, cls in (("gone", RankGoneError), ("mismatch", CollectiveMismatchError)):
+        verdict = Verdict(kind, f"a {kind} message")
+        decoded = Verdict.decode(verdict.encode().encode())
+        assert decoded == verdict and isinstance(decoded.error(), cls)
+    assert Verdict.decode(b"ok") is None
+
+
+def test_rendezvous_releases_every_rank_and_compares_signatures() -> None:
+    ranks = _fake_ranks(3)
+    errors: dict[int, BaseException] = {}
+
+    def arrive(lock: Lockstep, shape: str) -> None:
+        try:
+            with lock.guarded("all_reduce", shape):
+                pass
+        except BaseException as err:
+            errors[lock.rank] = err
+
+    threads = [threading.Thread(target=arrive, args=(lk, "(2,)" if lk.rank != 2 else "(3,)")) for lk in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(errors) == {0, 1, 2}
+    assert all(isinstance(e, CollectiveMismatchError) for e in errors.values())
+    assert "rank 0 called all_reduce((2,)) at" in str(errors[1]) and "rank 2 called all_reduce((3,))" in str(errors[1])
+    for lock in ranks:
+        lock.close()
+
+
+@pytest.mark.timeout(120)
+def test_store_requests_per_guarded_op_grow_linearly_even_with_a_late_rank() -> None:
+    """The guard's store traffic is O(ranks) per op, also while one rank is late (not O(ranks^2))."""
+    bench = REPO / "bench" / "guard_scale.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--ranks", "8", "32", "--ops", "4", "--late-ms", "400", "--processes", "2"],
+        capture_output=True, text=True, timeout=110, env={"PYTHONPATH": f"{HERE}:{REPO / 'src'}", "PATH": "/usr/bin"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    per_op = {int(m[0]): float(m[1]) for m in re.findall(r"guard_scale N=(\d+) .*store_requests_per_op=([\d.]+)",
+                                                           out.stdout)}
+    assert set(per_op) == {8, 32}, out.stdout
+    # Linear: 4x the ranks costs about 4x the requests per op (quadratic would be ~16x).
+    assert per_op[32] / per_op[8] < 6, per_op
