@@ -24,7 +24,7 @@ from test_faults import assert_no_orphans, spawn_by_hand, wait_for
 from phalanx.collectives import Lockstep, make_store_client, to_timedelta
 from phalanx.errors import CollectiveMismatchError, MisconfigurationError, RankGoneError
 from phalanx.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes, failure_summary
-from phalanx.watchdog import Verdict
+from phalanx.watchdog import Event, OpState, PeerState, Verdict, Watchdog
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -368,3 +368,93 @@ def test_store_requests_per_guarded_op_grow_linearly_even_with_a_late_rank() -> 
     assert set(per_op) == {8, 32}, out.stdout
     # Linear: 4x the ranks costs about 4x the requests per op (quadratic would be ~16x).
     assert per_op[32] / per_op[8] < 6, per_op
+
+
+# ---------------------------------------------------------------- the watchdog's decisions, in-process
+def _watchdog(store: dist.HashStore, state: list[OpState], *, abort: object = None, exits: list[int] | None = None,
+              world: int = 3) -> Watchdog:
+    from phalanx.watchdog import Keys
+
+    keys = Keys("t")
+    store.set(keys.events, "")
+    dog = Watchdog(store=store, keys=keys, rank=0, world_size=world, state=lambda: state[0], guard_timeout=1.0,
+                   timeout=60.0, interval=0.05, main_thread=threading.get_ident(), abort=abort,  # type: ignore[arg-type]
+                   exit=(exits if exits is not None else []).append)
+    return dog
+
+
+def _peer(rank: int, beat: int, seq: int, op: str, phase: str = "collective", status: str = "", c10d: str = "") -> str:
+    return PeerState(rank, beat, seq, op, phase, "job.py:9 (step)", c10d, status, "", 100 + rank, "node").encode()
+
+
+def test_watchdog_waits_for_a_neighbour_behind_and_ends_on_a_frozen_one() -> None:
+    store = dist.HashStore()
+    state = [OpState(10, "backward (DDP gradient all-reduce)", "collective", "job.py:5 (step)", time.monotonic() - 5)]
+    exits: list[int] = []
+    dog = _watchdog(store, state, exits=exits)
+    store.set("t/hb/1", _peer(1, 1, 9, "forward (DDP)"))  # behind, alive, computing a long forward
+    store.set("t/hb/2", _peer(2, 1, 10, "backward (DDP gradient all-reduce)"))
+    for beat in range(2, 30):
+        store.set("t/hb/1", _peer(1, beat, 9, "forward (DDP)"))
+        store.set("t/hb/2", _peer(2, beat, 10, "backward (DDP gradient all-reduce)"))
+        dog.check()
+        time.sleep(0.05)
+    assert exits == [] and dog.verdict is None  # 1.4 s of a neighbour behind: never an error
+    for _ in range(30):  # rank 2 stops beating
+        store.set("t/hb/1", _peer(1, 99 + _, 10, "backward (DDP gradient all-reduce)"))
+        dog.check()
+        if exits:
+            break
+        time.sleep(0.05)
+    assert exits == [1] and dog.verdict is not None
+    assert "rank 2 has not sent a heartbeat" in dog.verdict.message and "pid 102 on node" in dog.verdict.message
+    logged = Event.decode_all(store.get("t/events"))  # the other ranks learn the cause from here
+    assert [(e.rank, e.kind) for e in logged] == [(0, "failed")] and "rank 2 has not sent" in logged[0].detail
+
+
+def test_watchdog_ends_at_once_when_a_rank_left_before_this_collective() -> None:
+    store = dist.HashStore()
+    state = [OpState(8, "forward (FSDP all-gather)", "collective", "job.py:5 (main)", time.monotonic() - 3)]
+    exits: list[int] = []
+    dog = _watchdog(store, state, exits=exits, world=2)
+    store.set("t/hb/1", _peer(1, 1, 7, "backward", phase="idle", status="exited"))
+    store.append("t/events", Event(1, "exited", 7, "backward (FSDP reduce-scatter)", "it left the job").encode())
+    dog.check()
+    assert exits == [1]
+    assert dog.verdict is not None and "rank 1 has shut down (it left the job" in dog.verdict.message
+
+
+def test_watchdog_mismatch_needs_both_ranks_stuck_in_different_collectives() -> None:
+    store = dist.HashStore()
+    state = [OpState(5, "all_gather", "collective", "job.py:5 (main)", time.monotonic() - 3)]
+    exits: list[int] = []
+    dog = _watchdog(store, state, exits=exits, world=2)
+    start = time.monotonic()
+    while not exits and time.monotonic() - start < 5:
+        store.set("t/hb/1", _peer(1, int(1000 * time.monotonic()), 5, "", phase="idle", c10d="barrier"))
+        dog.check()
+        time.sleep(0.05)
+    assert exits == [1] and dog.verdict is not None and dog.verdict.kind == "mismatch"
+    assert "inside torch.distributed.barrier" in dog.verdict.message
+    assert time.monotonic() - start >= 1.0  # guard_timeout of the peer being stuck, not at once
+
+
+def test_watchdog_aborts_the_group_first_where_that_unblocks_the_call() -> None:
+    """NCCL: abort, and let the main thread raise the verdict (Lockstep re-raises it); no exit."""
+    store = dist.HashStore()
+    state = [OpState(3, "backward (DDP gradient all-reduce)", "collective", "job.py:5", time.monotonic() - 3)]
+    exits: list[int] = []
+    aborted: list[bool] = []
+
+    def abort() -> None:
+        aborted.append(True)
+        state[0] = OpState(3, "backward (DDP gradient all-reduce)", "idle", "job.py:5", time.monotonic())
+
+    dog = _watchdog(store, state, abort=abort, exits=exits, world=2)
+    dog.fail(Verdict("gone", "rank 1 failed: boom"))
+    assert aborted == [True] and exits == []
+    lock = _fake_ranks(1)[0]
+    lock.watchdog.verdict = dog.verdict
+    with pytest.raises(RankGoneError, match="rank 1 failed: boom"), lock.unguarded("backward"):
+        raise RuntimeError("NCCL communicator was aborted")
+    lock.close()
