@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.diagnostics import info
 
 
 class LearningRateFinder(Callback):
@@ -43,7 +44,7 @@ class LearningRateFinder(Callback):
         )
         self.lr = self.optimal_lr.suggestion()
         if self.lr is not None:
-            trainer.print(f"[phalanx] LearningRateFinder: using lr={self.lr:.4g}")
+            info(f"LearningRateFinder: using lr={self.lr:.4g}", rank=trainer.global_rank)
         if self.plot_path is not None and trainer.is_global_zero:
             self.plot_path.parent.mkdir(parents=True, exist_ok=True)
             self.optimal_lr.plot(suggest=True).savefig(self.plot_path)
