@@ -21,8 +21,8 @@ from phalanx.errors import CheckpointError, MisconfigurationError
 from phalanx.strategies import DDPStrategy, SingleDeviceStrategy, parallel
 
 pytestmark = pytest.mark.timeout(180)
-# torch 2.5's FSDP2 needs CUDA; these CPU jobs run from torch 2.6 (scripts/torch_matrix.sh runs 2.5 too).
-CPU_FSDP = pytest.mark.skipif(not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.6 (this is {torch.__version__})")
+# FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
+CPU_FSDP = pytest.mark.skipif(not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})")
 
 ENV = {"PHALANX_GUARD_TIMEOUT": "4"}
 
@@ -361,5 +361,5 @@ def test_fsdp_on_cpu_is_refused_where_torch_cannot_run_it() -> None:
     if FSDP_ON_CPU:
         assert Fabric(accelerator="cpu", devices=2, strategy="fsdp").strategy.name == "fsdp"
     else:
-        with pytest.raises(MisconfigurationError, match=r"strategy='fsdp' on CPU needs torch >= 2.6; torch 2\.5"):
+        with pytest.raises(MisconfigurationError, match=r"strategy='fsdp' on CPU needs torch >= 2\.7 \(torch 2\.[56]"):
             Fabric(accelerator="cpu", devices=2, strategy="fsdp")

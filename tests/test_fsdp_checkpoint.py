@@ -25,7 +25,7 @@ from phalanx.cli import main as phalanx_main
 from phalanx.errors import CheckpointError
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
-    not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.6 (this is {torch.__version__})")]
+    not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})")]
 
 SAVE_JOB = """
 import torch

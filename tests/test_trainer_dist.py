@@ -91,7 +91,7 @@ def _manual_accumulation_reference() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
-    not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.6 (this is {torch.__version__})"))])
+    not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})"))])
 def test_accumulation_counts_and_parameters(tmp_path: Path, strategy: str) -> None:
     job = run_job(ACCUM_JOB, tmp_path, args=(strategy,)).check()
     trainer = phalanx.Trainer(devices=1, max_epochs=2, accumulate_grad_batches=4, **quiet())

@@ -16,8 +16,8 @@ else:
     except ImportError:  # torch 2.5 kept FSDP2 under _composable (public in torch.distributed.fsdp from 2.6)
         from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-#: FSDP2 on CPU (gloo): torch 2.5's fully_shard needs CUDA streams ("FSDP requires CUDA for streams");
-#: its stream handling became device-generic in 2.6. No public API tells, so the version does.
-FSDP_ON_CPU = torch.__version__ >= "2.6"
+#: FSDP2 on CPU (gloo): torch 2.5's fully_shard needs CUDA streams, 2.6's calls record_event on the CPU
+#: stream stub, which has it from torch 2.7 on.
+FSDP_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 
 __all__ = ["FSDP_ON_CPU", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard"]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +13,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 
@@ -131,7 +132,7 @@ class FabricDataLoader:
         return self._loader
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Sampler[Any] | Iterable[Any]:
         return self._loader.sampler
 
     def set_epoch(self, epoch: int) -> None:

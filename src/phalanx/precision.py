@@ -79,8 +79,9 @@ class Precision:
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Called before clipping so norms are measured on true gradients."""
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        return optimizer.step(**kwargs)
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
+        loss: float | None = optimizer.step(**kwargs)  # the closure's loss, if one was passed
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -144,9 +145,9 @@ class MixedPrecision(Precision):
         assert self.scaler is not None
         self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
         if self.scaler is None:
-            return optimizer.step(**kwargs)
+            return super().optimizer_step(optimizer, **kwargs)
         self.unscale_gradients(optimizer)  # here rather than inside scaler.step, so _unscale runs for it
         out = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()

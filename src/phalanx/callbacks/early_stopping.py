@@ -7,11 +7,15 @@ ranks stop at the same epoch (no rank is left waiting in a collective).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
 from phalanx.diagnostics import info, warn
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
 
 
 class EarlyStopping(Callback):
@@ -52,7 +56,7 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:

@@ -207,7 +207,7 @@ class FSDPStrategy(ParallelStrategy):
     def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
         if device_type == "cpu" and not FSDP_ON_CPU:
             raise MisconfigurationError(
-                f"strategy='fsdp' on CPU needs torch >= 2.6; torch {torch.__version__}'s FSDP2 runs on CUDA only. "
+                f"strategy='fsdp' on CPU needs torch >= 2.7 (torch {torch.__version__}'s FSDP2 cannot run on CPU). "
                 "Upgrade torch, or use strategy='ddp' on CPU."
             )
         super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)

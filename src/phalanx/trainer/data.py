@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from phalanx.data import shared_seed, warn_iterable
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.fabric import Fabric
 
 # DataLoader settings carried over when the Trainer rebuilds a loader around its own sampler.
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -127,7 +130,7 @@ def _custom_sampler_error(loader: DataLoader[Any], what: str) -> Misconfiguratio
 
 
 def prepare_train_loader(
-    loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool
+    loader: DataLoader[Any], fabric: Fabric, use_distributed_sampler: bool
 ) -> tuple[Any, TrainSampler | None]:
     """The loader training iterates, and the Trainer's sampler inside it (None when the user's own
     sampler is kept: then resuming mid-epoch re-reads and discards the consumed batches)."""
@@ -148,7 +151,7 @@ def prepare_train_loader(
     return fabric.setup_dataloaders(rebuilt, use_distributed_sampler=False), sampler
 
 
-def prepare_eval_loader(loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool) -> Any:
+def prepare_eval_loader(loader: DataLoader[Any], fabric: Fabric, use_distributed_sampler: bool) -> Any:
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"Evaluation dataloaders must be torch DataLoaders, got {type(loader).__name__}.")
     if fabric.world_size == 1 or not use_distributed_sampler:
