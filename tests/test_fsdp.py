@@ -520,12 +520,18 @@ r = fabric.global_rank
 model = fabric.setup_module(make_model())
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
 norms = []
-for i, clip in zip(range(0, 24, 8), ({"max_norm": 0.05, "norm_type": float("inf")}, {"clip_val": 0.01},
-                                      {"max_norm": 0.1, "norm_type": 1.0})):
+utils, get_total_norm = torch.nn.utils, torch.nn.utils.get_total_norm
+for i, clip in zip(range(0, 32, 8), ({"max_norm": 0.05, "norm_type": float("inf")}, {"clip_val": 0.01},
+                                      {"max_norm": 0.1, "norm_type": 1.0}, {"max_norm": 0.05})):
     opt.zero_grad()
     lo = i + 4 * r
     fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + 4]), y[lo : lo + 4]))
-    norm = fabric.clip_gradients(model, opt, **clip)
+    if i == 24:  # as on torch < 2.6: clip_grad_norm_ on the DTensor gradients
+        del utils.get_total_norm
+    try:
+        norm = fabric.clip_gradients(model, opt, **clip)
+    finally:
+        utils.get_total_norm = get_total_norm
     norms.append(None if norm is None else float(norm))
     opt.step()
 report(fabric, params=full_params(model), norms=norms)
@@ -555,14 +561,15 @@ report(fabric, student_grads=full_grads(distill.student))
 
 
 def test_clipping_by_any_norm_and_by_value_equals_single_process(tmp_path: Path, models: dict[str, Any]) -> None:
-    """Clipping measures the norm over every shard of every rank (inf and 1-norms too); a non-finite norm
-    raises on every rank; without torch's private root hook the call order is guarded instead."""
+    """Clipping measures the norm over every shard of every rank (inf and 1-norms too, and through
+    clip_grad_norm_ where get_total_norm is missing); a non-finite norm raises on every rank; without
+    torch's private root hook the call order is guarded instead."""
     reps = run_job(CLIP_JOB, tmp_path).check().reports
     model = models["make_model"]()
     x, y = models["make_data"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     expected_norms: list[float | None] = []
-    for i, clip in zip(range(0, 24, 8), ((0.05, float("inf")), None, (0.1, 1.0))):
+    for i, clip in zip(range(0, 32, 8), ((0.05, float("inf")), None, (0.1, 1.0), (0.05, 2.0))):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8]).backward()
         if clip is None:
@@ -572,7 +579,7 @@ def test_clipping_by_any_norm_and_by_value_equals_single_process(tmp_path: Path,
             expected_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)))
         opt.step()
     expected_params = models["full_params"](model)
-    assert expected_norms[0] > 0.05 and expected_norms[2] > 0.1  # both norms really clip
+    assert expected_norms[0] > 0.05 and expected_norms[2] > 0.1 and expected_norms[3] > 0.05  # all really clip
     expected_grads, _ = _distill_reference(models)
     for rank in (0, 1):
         rep = reps[rank]
@@ -580,6 +587,7 @@ def test_clipping_by_any_norm_and_by_value_equals_single_process(tmp_path: Path,
         assert rep["norms"][1] is None
         assert rep["norms"][0] == pytest.approx(expected_norms[0], rel=1e-5)
         assert rep["norms"][2] == pytest.approx(expected_norms[2], rel=1e-5)
+        assert rep["norms"][3] == pytest.approx(expected_norms[3], rel=1e-5)
         assert "is non-finite, so it cannot be clipped" in rep["nonfinite_error"]
         assert rep["early_error"].startswith("student (Net) was called directly before Distill ever ran forward")
         _close(rep["student_grads"], expected_grads)

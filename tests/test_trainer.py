@@ -314,9 +314,9 @@ def test_eval_sampler_refuses_what_cannot_be_split() -> None:
         EvalBatchSampler(3, 4, 3, 2)
 
 
-@pytest.mark.parametrize("length", [0, 1, 7, 10, 11])
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("skip", [0, 1, 4, 9, 30])
+@pytest.mark.parametrize("length", [0, 7, 10])
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("skip", [0, 4, 30])
 def test_train_sampler_length_is_arithmetic(
     monkeypatch: pytest.MonkeyPatch, length: int, world: int, skip: int
 ) -> None:
