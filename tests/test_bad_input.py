@@ -363,3 +363,36 @@ def test_fsdp_on_cpu_is_refused_where_torch_cannot_run_it() -> None:
     else:
         with pytest.raises(MisconfigurationError, match=r"strategy='fsdp' on CPU needs torch >= 2\.7 \(torch 2\.[56]"):
             Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+
+
+SUMMING_GLOO_JOB = """
+import os
+import torch.distributed as dist
+import phalanx
+from phalanx.errors import MisconfigurationError
+from mp import report
+
+real = dist.reduce_scatter_tensor
+
+def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
+    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
+
+dist.reduce_scatter_tensor = summing
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+try:
+    fabric.launch()
+    report(rank=int(os.environ["RANK"]), error=None)
+except MisconfigurationError as err:
+    report(rank=int(os.environ["RANK"]), error=str(err))
+"""
+
+
+@CPU_FSDP
+def test_fsdp_refuses_a_gloo_whose_reduce_scatter_sums(tmp_path: Path) -> None:
+    """FSDP2 averages gradients with ReduceOp.AVG; a gloo that sums instead (torch 2.7) would train on
+    gradients world_size times too large, silently: phalanx checks once at launch and refuses."""
+    reports = run_job(SUMMING_GLOO_JOB, tmp_path, timeout=120, env=ENV).check().reports
+    for rank in (0, 1):
+        assert reports[rank]["error"].startswith("strategy='fsdp' on gloo (CPU) needs a torch whose gloo "
+                                                 "reduce-scatter averages"), reports[rank]
+        assert "gradients would be 2x too large" in reports[rank]["error"]

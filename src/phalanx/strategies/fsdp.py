@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -42,6 +43,7 @@ from phalanx._compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, MixedPrec
 from phalanx.checkpoint import sharded
 from phalanx.checkpoint.sharded import class_name
 from phalanx.errors import GradientSyncError, MisconfigurationError
+from phalanx.launch import ClusterEnvironment
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
 from phalanx.strategies.parallel import ParallelStrategy
 
@@ -110,6 +112,18 @@ def _decide_root_now(module: nn.Module) -> bool:
         return False
     lazy_init()
     return True
+
+
+def _reduce_scatter_averages(world_size: int) -> bool:
+    """Whether the default process group's reduce-scatter with ``ReduceOp.AVG`` averages. FSDP2 reduces
+    float32/bfloat16 gradients with it; older torch's gloo silently summed instead (pytorch issue
+    162338), which makes every gradient ``world_size`` times too large."""
+    out = torch.zeros(1)
+    try:
+        dist.reduce_scatter_tensor(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
+    except RuntimeError:  # a backend that refuses AVG outright
+        return False
+    return bool(out.item() == 1.0)
 
 
 def _clip_grad_norm(
@@ -211,6 +225,18 @@ class FSDPStrategy(ParallelStrategy):
                 "Upgrade torch, or use strategy='ddp' on CPU."
             )
         super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)
+
+    def setup_environment(self, env: ClusterEnvironment | None) -> None:
+        super().setup_environment(env)
+        if self.world_size > 1 and dist.get_backend() == "gloo":
+            with self.guard.guarded("FSDP gradient-average check (gloo reduce-scatter)"):
+                averages = _reduce_scatter_averages(self.world_size)
+            if not averages:
+                raise MisconfigurationError(
+                    f"strategy='fsdp' on gloo (CPU) needs a torch whose gloo reduce-scatter averages: torch "
+                    f"{torch.__version__}'s sums instead, so FSDP2's gradients would be {self.world_size}x too "
+                    "large. Upgrade torch (2.13 is known good), or use strategy='ddp' on CPU."
+                )
 
     def select_precision(self, precision: str) -> Precision:
         plugin = super().select_precision(precision)
