@@ -21,10 +21,14 @@ DIR="${TORCH_MATRIX_DIR:-/tmp/phalanx-torch-matrix}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.5.1 2.14.1); fi
 # Unit tests, then 2-rank DDP and FSDP jobs that go through every numerics path phalanx owns:
-# equivalence with one process, clipping, 16-mixed loss scaling, checkpoints (DCP), bf16-mixed.
-DEFAULT_TESTS="tests/test_fabric_unit.py tests/test_bad_input.py tests/test_trainer.py \
+# equivalence with one process, clipping, 16-mixed loss scaling, a DCP checkpoint, bf16-mixed, the
+# Trainer's accumulation on both strategies and its sampler seed. Where torch cannot run FSDP on CPU
+# (2.5, 2.6) those tests skip, naming the reason, and test_bad_input checks phalanx refuses it.
+DEFAULT_TESTS="tests/test_fabric_unit.py tests/test_bad_input.py tests/test_trainer.py tests/test_callbacks.py \
 tests/test_fsdp.py tests/test_fsdp_checkpoint.py::test_sixteen_mixed_scaler_state_round_trips \
-tests/test_ddp.py::test_clip_gradients_and_init_module tests/test_ddp.py::test_ddp_training_equals_single_process"
+tests/test_ddp.py::test_clip_gradients_and_init_module tests/test_ddp.py::test_ddp_training_equals_single_process \
+tests/test_trainer_dist.py::test_accumulation_counts_and_parameters \
+tests/test_trainer_dist.py::test_ranks_seeded_differently_still_shard_one_permutation"
 read -r -a TESTS <<< "${TORCH_MATRIX_TESTS:-$DEFAULT_TESTS}"
 
 mkdir -p "$DIR"
