@@ -8,7 +8,6 @@ jobs, each with a hard timeout.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,15 @@ from mp import run_job
 from torch import nn
 
 from phalanx import Fabric
+from phalanx._compat import FSDP_ON_CPU
 from phalanx.errors import CheckpointError, MisconfigurationError
-from phalanx.strategies import DDPStrategy, SingleDeviceStrategy, available_strategies
+from phalanx.strategies import DDPStrategy, SingleDeviceStrategy, parallel
 
 pytestmark = pytest.mark.timeout(180)
+# FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
+CPU_FSDP = pytest.mark.skipif(not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})")
 
 ENV = {"PHALANX_GUARD_TIMEOUT": "4"}
-HAS_FSDP = "fsdp" in available_strategies()
 
 
 def _mlp(width: int = 8) -> nn.Module:
@@ -98,10 +99,14 @@ def test_launch_environment_that_contradicts_the_code(
     for var, value in {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", **env}.items():
         monkeypatch.setenv(var, value)
     fabric = Fabric(accelerator="cpu", **kwargs)  # type: ignore[arg-type]
-    start = time.monotonic()
+
+    def rendezvous(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the check must come before any rendezvous (it would wait for ranks that never come)")
+
+    monkeypatch.setattr(parallel, "TCPStore", rendezvous)
+    monkeypatch.setattr(torch.distributed, "init_process_group", rendezvous)
     with pytest.raises(MisconfigurationError, match=message):
         fabric.launch()
-    assert time.monotonic() - start < 5, "the check must come before any rendezvous"
 
 
 def test_backward_before_setup() -> None:
@@ -216,11 +221,11 @@ def test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step(tmp_path: Path)
         assert kind == "MisconfigurationError" and "WeightedRandomSampler" in msg
         assert "Make it rank-aware" in msg and "use_distributed_sampler=False" in msg
         for op, called in (("save", "save"), ("barrier", "barrier"), ("all_reduce", "all_reduce(mean:(3,):float32)")):
-            kind, msg, seconds = out[op]
+            # The lockstep check's own error, naming both operations: not a timeout, however slow the box.
+            kind, msg, _ = out[op]
             assert kind == "CollectiveMismatchError", (op, out[op])
             assert f"rank 0 called {called} at job.py" in msg and "rank 1 called all_gather((1,):float32)" in msg
             assert "look for a collective inside a rank-dependent branch" in msg
-            assert seconds < 4
         kind, msg, _ = out["shapes"]
         assert "Ranks called different tensor shapes/dtypes" in msg and "(2,):float32" in msg and "(3,):float32" in msg
         kind, msg, _ = out["call_sites"]
@@ -279,7 +284,6 @@ def test_unequal_batch_counts_with_user_sharded_data(tmp_path: Path, accumulate:
     messages = " | ".join(rep["message"] for rep in reports)
     assert re.search(expected, messages), messages
     assert "give every rank the same number of batches (truncate to the shortest shard, or pad)" in messages
-    assert job.seconds < 60
 
 
 # ---------------------------------------------------------------- sharded (FSDP) mistakes, when FSDP exists
@@ -297,7 +301,7 @@ def attempt(fn):
 """
 
 
-@pytest.mark.skipif(not HAS_FSDP, reason="the fsdp strategy is not available in this build")
+@CPU_FSDP
 def test_sharded_checkpoint_mistakes(tmp_path: Path) -> None:
     job = run_job(
         FSDP_PRELUDE
@@ -334,7 +338,7 @@ attempt(lambda: fabric.load("sharded", {"model": model}))
     assert any(job.reports[r]["error"] == "CheckpointError" for r in job.reports), job.output[-3000:]
 
 
-@pytest.mark.skipif(not HAS_FSDP, reason="the fsdp strategy is not available in this build")
+@CPU_FSDP
 def test_optimizer_built_before_fsdp_setup_is_refused(tmp_path: Path) -> None:
     job = run_job(
         FSDP_PRELUDE
@@ -351,3 +355,44 @@ attempt(lambda: fabric.setup_optimizers(opt))
     for rank in (0, 1):
         assert job.reports[rank]["error"] == "MisconfigurationError", job.reports[rank]
         assert "optimizer" in job.reports[rank]["message"].lower()
+
+
+def test_fsdp_on_cpu_is_refused_where_torch_cannot_run_it() -> None:
+    if FSDP_ON_CPU:
+        assert Fabric(accelerator="cpu", devices=2, strategy="fsdp").strategy.name == "fsdp"
+    else:
+        with pytest.raises(MisconfigurationError, match=r"strategy='fsdp' on CPU needs torch >= 2\.7 \(torch 2\.[56]"):
+            Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+
+
+SUMMING_GLOO_JOB = """
+import os
+import torch.distributed as dist
+import phalanx
+from phalanx.errors import MisconfigurationError
+from mp import report
+
+real = dist.reduce_scatter_tensor
+
+def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
+    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
+
+dist.reduce_scatter_tensor = summing
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+try:
+    fabric.launch()
+    report(rank=int(os.environ["RANK"]), error=None)
+except MisconfigurationError as err:
+    report(rank=int(os.environ["RANK"]), error=str(err))
+"""
+
+
+@CPU_FSDP
+def test_fsdp_refuses_a_gloo_whose_reduce_scatter_sums(tmp_path: Path) -> None:
+    """FSDP2 averages gradients with ReduceOp.AVG; a gloo that sums instead (torch 2.7) would train on
+    gradients world_size times too large, silently: phalanx checks once at launch and refuses."""
+    reports = run_job(SUMMING_GLOO_JOB, tmp_path, timeout=120, env=ENV).check().reports
+    for rank in (0, 1):
+        assert reports[rank]["error"].startswith("strategy='fsdp' on gloo (CPU) needs a torch whose gloo "
+                                                 "reduce-scatter averages"), reports[rank]
+        assert "gradients would be 2x too large" in reports[rank]["error"]

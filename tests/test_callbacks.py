@@ -3,6 +3,7 @@ monitor's names and the progress bar's life cycle (rank 0 only)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from phalanx.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ProgressBar
-from phalanx.errors import MisconfigurationError
+from phalanx.errors import MisconfigurationError, PhalanxWarning
 from phalanx.trainer.checkpointing import callback_keys
 
 
@@ -28,6 +29,7 @@ class FakeTrainer:
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.is_global_zero, self.in_window, self.should_stop = rank == 0, False, False
+        self.global_rank = rank
         self.log_dir, self.loggers, self.fabric = tmp, [object()], FakeFabric()
         self.saved: list[str] = []
         self.log_every_n_steps, self.num_training_batches, self.num_eval_batches = 1, 5, [3]
@@ -110,7 +112,14 @@ def test_early_stopping_rules(tmp_path: Path) -> None:
     assert EarlyStopping("m", divergence_threshold=10.0).evaluate(11.0)[0]
     assert EarlyStopping("m").evaluate(float("nan")) == (True, "m = nan is not finite.")
     lenient = EarlyStopping("missing", strict=False)
-    lenient.on_train_epoch_end(FakeTrainer(tmp_path), None)
+    trainer = FakeTrainer(tmp_path)
+    with pytest.warns(PhalanxWarning, match=r"EarlyStopping: 'missing' is not logged yet, so it is not checked"):
+        lenient.on_train_epoch_end(trainer, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lenient.on_train_epoch_end(trainer, None)  # said once
+        EarlyStopping("missing", strict=False).on_train_epoch_end(FakeTrainer(tmp_path, rank=1), None)  # rank 0 says it
+    assert not trainer.should_stop
     with pytest.raises(MisconfigurationError, match=r"found no such metric"):
         EarlyStopping("missing").on_train_epoch_end(FakeTrainer(tmp_path), None)
 
@@ -159,8 +168,15 @@ def test_rich_progress_bar_when_installed(tmp_path: Path) -> None:
     trainer = FakeTrainer(tmp_path)
     bar = ProgressBar(backend="rich")
     bar.on_train_epoch_start(trainer, None)
+    trainer.progress_bar_metrics["loss"] = 0.25
     bar.on_train_batch_end(trainer, None, None, None, 0)
+    bar.on_train_batch_end(trainer, None, None, None, 1)
+    progress = bar._bars["train"].progress
+    task = progress.tasks[0]
+    assert (task.description, task.total, task.completed, task.fields["metrics"]) == ("Epoch 0", 5, 2, "loss=0.25")
+    assert progress.live.is_started
     bar.on_train_epoch_end(trainer, None)
+    assert not bar._bars and not progress.live.is_started  # closed with its epoch
 
 
 def test_callback_state_keys_are_unique() -> None:
@@ -172,3 +188,28 @@ def test_callback_state_keys_are_unique() -> None:
     assert keys == ["test_callback_state_keys_are_unique.<locals>.Plain",
                     "test_callback_state_keys_are_unique.<locals>.Plain#1",
                     "EarlyStopping{monitor='a', mode='min'}", "EarlyStopping{monitor='b', mode='min'}"]
+
+
+def test_csv_logger_appends_and_grows_its_header(tmp_path: Path) -> None:
+    """A flush appends its rows (O(rows since the last flush)); only a new metric name rewrites the
+    file, so that the header names every column."""
+    from phalanx.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="exp", flush_every=2)
+    for step in range(4):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    path = logger.metrics_file
+    inode = path.stat().st_ino
+    for step in range(4, 6):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    assert path.stat().st_ino == inode  # appended to, not rewritten
+    logger.log_metrics({"loss": 6.0, "val_acc": 0.5}, step=6)
+    logger.finalize()
+    assert path.stat().st_ino != inode  # a new column: rewritten once, atomically
+    lines = path.read_text().splitlines()
+    assert lines[0] == "step,loss,val_acc"
+    assert lines[1:] == [f"{s},{float(s)}," for s in range(6)] + ["6,6.0,0.5"]
+    resumed = CSVLogger(tmp_path, name="exp", version=0)  # a later run writing to the same file keeps it
+    resumed.log_metrics({"loss": 7.0}, step=7)
+    resumed.save()
+    assert path.read_text().splitlines() == [*lines, "7,7.0,"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,12 +244,38 @@ def test_dataloader_set_epoch_changes_order_each_pass() -> None:
     assert sorted(first.tolist()) == sorted(second.tolist()) and not torch.equal(first, second)
 
 
-def test_seed_everything_is_reproducible() -> None:
+def test_seed_everything_is_reproducible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHALANX_SEED", raising=False)
+    before = dict(os.environ)
     assert phalanx.seed_everything(123) == 123
     a = torch.rand(3)
     phalanx.seed_everything(123)
     assert torch.equal(a, torch.rand(3))
-    assert os.environ["PHALANX_SEED"] == "123"
+    assert torch.initial_seed() == 123  # what the samplers read (phalanx.data.shared_seed)
+    assert dict(os.environ) == before  # no process-wide state beyond the generators themselves
+    monkeypatch.setenv("PHALANX_SEED", "77")  # seed=None: the environment configures it, as PL_GLOBAL_SEED does
+    assert phalanx.seed_everything() == 77
+
+
+def test_warnings_are_phalanx_warnings_on_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data import IterableDataset
+
+    from phalanx.data import warn_iterable
+    from phalanx.errors import PhalanxWarning
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+    with pytest.warns(PhalanxWarning, match=r"wraps an IterableDataset, which no sampler can split"):
+        warn_iterable(DataLoader(Stream()), rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_iterable(DataLoader(Stream()), rank=1)
+    monkeypatch.setenv("PHALANX_PRECISION", "bf16-mixed")
+    with pytest.warns(PhalanxWarning, match=r"The code sets precision='64-true' but the job was launched with "
+                      r"--precision bf16-mixed; using bf16-mixed"):
+        assert Fabric(accelerator="cpu", precision="64-true").strategy.precision.name == "bf16-mixed"
 
 
 def test_logging_and_callbacks(tmp_path: Path) -> None:

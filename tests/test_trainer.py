@@ -3,6 +3,7 @@ data sharding helpers and every misconfiguration error."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -311,3 +312,66 @@ def test_eval_sampler_refuses_what_cannot_be_split() -> None:
         EvalBatchSampler(5, 2, 1, 1)
     with pytest.raises(MisconfigurationError, match=r"cannot be split across 4 ranks"):
         EvalBatchSampler(3, 4, 3, 2)
+
+
+@pytest.mark.parametrize("length", [0, 7, 10])
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("skip", [0, 4, 30])
+def test_train_sampler_length_is_arithmetic(
+    monkeypatch: pytest.MonkeyPatch, length: int, world: int, skip: int
+) -> None:
+    """``len()`` is asked for often (progress bars, limits, schedulers): it must not draw the permutation."""
+    sampler = TrainSampler(length, world, world - 1, shuffle=True, seed=5)
+    sampler.skip = skip
+    with monkeypatch.context() as m:
+        m.setattr(torch, "randperm", lambda *a, **k: pytest.fail("__len__ drew a permutation"))
+        n = len(sampler)
+    assert n == len(list(sampler))
+
+
+def test_deterministic_mode_lasts_for_the_run_only() -> None:
+    """``torch.use_deterministic_algorithms`` is process-wide: the Trainer must give it back."""
+    seen: list[bool] = []
+
+    class Probe(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            return super().training_step(batch, batch_idx)
+
+    class Boom(Probe):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            super().training_step(batch, batch_idx)
+            raise RuntimeError("boom")
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer = phalanx.Trainer(max_epochs=1, deterministic=True, **quiet())
+    assert not torch.are_deterministic_algorithms_enabled()  # constructing a Trainer changes nothing
+    trainer.fit(Probe(), loader(8, 4))
+    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        phalanx.Trainer(max_epochs=1, deterministic=True, **quiet()).fit(Boom(), loader(8, 4))
+    assert seen[-1] is True and not torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # a setting of the user's own survives too
+    try:
+        phalanx.Trainer(max_epochs=1, deterministic=True, **quiet()).fit(Probe(), loader(8, 4))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_resuming_from_last_without_a_checkpoint_says_so(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("phalanx")
+    attach = not logger.propagate  # phalanx's own handler is there when nothing was configured before it
+    if attach:
+        logger.addHandler(caplog.handler)
+    try:
+        trainer = phalanx.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet(enable_checkpointing=True))
+        trainer.fit(Regressor(), loader(8, 4), ckpt_path="last")
+    finally:
+        if attach:
+            logger.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records if r.name == "phalanx"] == [
+        "ckpt_path='last': no last.ckpt found in the ModelCheckpoint folders; starting from scratch."
+    ]
+    assert trainer.global_step == 2

@@ -13,7 +13,7 @@ from mp import run_job
 from test_trainer_support import Regressor, flat, loader, quiet
 
 import phalanx
-from phalanx.strategies import available_strategies
+from phalanx._compat import FSDP_ON_CPU
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,11 +90,8 @@ def _manual_accumulation_reference() -> torch.Tensor:
     return flat(model)
 
 
-STRATEGIES = ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
-    "fsdp" not in available_strategies(), reason="strategy 'fsdp' is not available in this build"))]
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
+    not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})"))])
 def test_accumulation_counts_and_parameters(tmp_path: Path, strategy: str) -> None:
     job = run_job(ACCUM_JOB, tmp_path, args=(strategy,)).check()
     trainer = phalanx.Trainer(devices=1, max_epochs=2, accumulate_grad_batches=4, **quiet())
@@ -179,3 +176,33 @@ def test_lr_finder_then_ddp_fit_via_phalanx_run(tmp_path: Path) -> None:
     assert r0["val_mae"] == r1["val_mae"]
     assert (tmp_path / "lr_find.png").stat().st_size > 1000
     assert Path(r0["best"]).is_file()
+
+
+SEED_JOB = """
+import torch, phalanx
+from torch.utils.data import DataLoader, TensorDataset
+from mp import report
+from phalanx.trainer.data import prepare_train_loader
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+phalanx.seed_everything(100 + fabric.global_rank)  # each rank seeded differently on purpose (e.g. dropout)
+data = TensorDataset(torch.arange(16))
+fabric_loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+trainer_loader, _ = prepare_train_loader(DataLoader(data, batch_size=4, shuffle=True), fabric, True)
+report(fabric, fabric_order=[int(i) for (batch,) in fabric_loader for i in batch],
+       trainer_order=[int(i) for (batch,) in trainer_loader for i in batch])
+"""
+
+
+def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) -> None:
+    """The samplers' seed is rank 0's torch seed, broadcast (no environment variable): every sample is
+    read exactly once per epoch, and the order is the one rank 0's seed gives."""
+    from phalanx.trainer.data import TrainSampler
+
+    reps = run_job(SEED_JOB, tmp_path).check().reports
+    permutation = torch.randperm(16, generator=torch.Generator().manual_seed(100)).tolist()  # DistributedSampler's
+    for rank in (0, 1):
+        assert reps[rank]["fabric_order"] == permutation[rank::2]
+        assert reps[rank]["trainer_order"] == list(TrainSampler(16, 2, rank, shuffle=True, seed=100))
+    assert sorted(reps[0]["trainer_order"] + reps[1]["trainer_order"]) == list(range(16))

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,9 +13,11 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 
+from phalanx.diagnostics import warn
 from phalanx.errors import CollectiveMismatchError, MisconfigurationError
 from phalanx.utils import move_to_device
 
@@ -56,14 +56,21 @@ def _sampler_shuffle(loader: DataLoader[Any]) -> bool:
     )
 
 
-def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int) -> DataLoader[Any]:
+def shared_seed(broadcast: Callable[[int], int]) -> int:
+    """The seed of every rank's sampler: torch's seed on rank 0 (``torch.initial_seed()``, which
+    ``seed_everything`` sets), sent to all ranks with ``broadcast``. Ranks that seeded torch
+    differently still draw one permutation, so their shards never overlap. Seeds from
+    ``seed_everything`` (< 2**32) pass unchanged."""
+    return int(broadcast(torch.initial_seed() % 2**32))
+
+
+def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int, seed: int = 0) -> DataLoader[Any]:
     """A copy of ``loader`` that reads this rank's shard (every sample once per epoch across ranks,
-    padded by DistributedSampler to equal length unless ``drop_last``)."""
+    padded by DistributedSampler to equal length unless ``drop_last``). ``seed`` must be the same on
+    every rank (see :func:`shared_seed`), or the shards overlap."""
     if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
         return loader
     shuffle = _sampler_shuffle(loader)
-    # Same seed on every rank, or the shards overlap: seed_everything() sets it for all ranks.
-    seed = int(os.environ.get("PHALANX_SEED", "0"))
     sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
         drop_last=loader.drop_last,
@@ -125,7 +132,7 @@ class FabricDataLoader:
         return self._loader
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Sampler[Any] | Iterable[Any]:
         return self._loader.sampler
 
     def set_epoch(self, epoch: int) -> None:
@@ -155,10 +162,11 @@ class FabricDataLoader:
         return getattr(self._loader, name)
 
 
-def warn_iterable(loader: DataLoader[Any], is_global_zero: bool) -> None:
-    if isinstance(loader.dataset, IterableDataset) and is_global_zero:
-        print(
-            "[phalanx] The dataloader wraps an IterableDataset, which no sampler can split: make sure each "
-            "rank yields a different shard (see torch.utils.data.get_worker_info and fabric.global_rank).",
-            file=sys.stderr,
+def warn_iterable(loader: DataLoader[Any], rank: int) -> None:
+    """Say (on rank 0) that phalanx cannot shard an IterableDataset: each rank must yield its own part."""
+    if isinstance(loader.dataset, IterableDataset):
+        warn(
+            "The dataloader wraps an IterableDataset, which no sampler can split: make sure each rank yields "
+            "a different shard (see torch.utils.data.get_worker_info and fabric.global_rank).",
+            rank=rank,
         )

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from phalanx import launch as launcher
 from phalanx.accelerator import resolve_accelerator, resolve_devices
 from phalanx.anomaly import AnomalyDetector
-from phalanx.data import FabricDataLoader, distribute_dataloader, warn_iterable
+from phalanx.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
+from phalanx.diagnostics import warn
 from phalanx.errors import MisconfigurationError
 from phalanx.precision import canonical_precision
 from phalanx.seed import seed_everything as _seed_everything
@@ -53,10 +54,11 @@ def _apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
             continue
         given = args[key]
         if given != _DEFAULTS[key] and str(given) != value and not isinstance(given, Strategy):
-            print(
-                f"[phalanx] The code sets {key}={given!r} but the job was launched with --{key.replace('_', '-')} "
-                f"{value}; using {value}.",
-                file=sys.stderr,
+            env = launcher.detect_environment()
+            warn(
+                f"The code sets {key}={given!r} but the job was launched with --{key.replace('_', '-')} {value}; "
+                f"using {value}. Remove one of the two so the script says what runs.",
+                rank=env.rank if env is not None else None,
             )
         if isinstance(given, Strategy) and key == "strategy":
             continue
@@ -258,8 +260,8 @@ class Fabric:
                 raise MisconfigurationError(f"setup_dataloaders expects DataLoaders, got {type(loader).__name__}.")
             sampler_kwargs = self._strategy.distributed_sampler_kwargs()
             if use_distributed_sampler and sampler_kwargs is not None and self.world_size > 1:
-                warn_iterable(loader, self.is_global_zero)
-                loader = distribute_dataloader(loader, **sampler_kwargs)
+                warn_iterable(loader, self.global_rank)
+                loader = distribute_dataloader(loader, **sampler_kwargs, seed=shared_seed(self.broadcast))
             checked = self._strategy if self.world_size > 1 else None
             out.append(FabricDataLoader(loader, self.device if move_to_device else None, checked))
         return out[0] if len(out) == 1 else out

@@ -79,8 +79,9 @@ class Precision:
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Called before clipping so norms are measured on true gradients."""
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        return optimizer.step(**kwargs)
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
+        loss: float | None = optimizer.step(**kwargs)  # the closure's loss, if one was passed
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -108,7 +109,12 @@ class HalfTruePrecision(Precision):
 
 
 class MixedPrecision(Precision):
-    """float32 parameters, forward under autocast; ``16-mixed`` adds a GradScaler (state is saved)."""
+    """float32 parameters, forward under autocast; ``16-mixed`` adds a ``torch.amp.GradScaler``.
+
+    The one place loss scaling lives, for every strategy whose gradients are tensors or DTensors:
+    the loss is scaled before backward, gradients are unscaled at most once per step (clipping does it
+    early, the step must not repeat it), a step with inf/nan gradients is skipped, and the scaler's
+    state is saved and loaded with the checkpoint."""
 
     def __init__(self, dtype: torch.dtype, device_type: str) -> None:
         self.dtype = dtype
@@ -117,8 +123,7 @@ class MixedPrecision(Precision):
         self.scaler: torch.amp.GradScaler | None = None
         if dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(device_type)
-        # Gradients are unscaled at most once per step: clipping does it early, step() must not repeat.
-        self._unscaled: set[int] = set()
+        self._unscaled: set[int] = set()  # optimizers unscaled since their last step
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -133,12 +138,17 @@ class MixedPrecision(Precision):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
-            self.scaler.unscale_(optimizer)
+            self._unscale(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+    def _unscale(self, optimizer: Optimizer) -> None:
+        assert self.scaler is not None
+        self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
         if self.scaler is None:
-            return optimizer.step(**kwargs)
+            return super().optimizer_step(optimizer, **kwargs)
+        self.unscale_gradients(optimizer)  # here rather than inside scaler.step, so _unscale runs for it
         out = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         self._unscaled.discard(id(optimizer))

@@ -15,18 +15,23 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     """Seed Python's, NumPy's and torch's generators (all devices) and return the seed used.
 
-    With ``seed=None`` the seed comes from ``PHALANX_SEED`` or is 0, so every rank of a job agrees.
-    ``workers=True`` additionally makes dataloader workers derive distinct, reproducible seeds
-    (see :func:`phalanx.data.worker_init_fn`).
+    With ``seed=None`` the seed is ``PHALANX_SEED`` when the environment sets it, else 0 (Lightning
+    reads ``PL_GLOBAL_SEED`` the same way). Unlike Lightning, the seed is not written back to the
+    environment: the samplers phalanx builds read torch's seed on rank 0 (``torch.initial_seed()``)
+    and broadcast it, so every rank shards the same permutation however each rank was seeded
+    (see :func:`phalanx.data.shared_seed`).
+
+    ``workers`` is accepted for Lightning compatibility and changes nothing: torch already gives each
+    dataloader worker its own reproducible seed for ``random``, NumPy and torch (the loader's base
+    seed plus the worker id). That base seed comes from the main process's torch generator, so after
+    ``seed_everything(s)`` on every rank, worker ``i`` of each rank draws the same numbers: seed
+    ``s + rank`` if random augmentations must differ across ranks.
     """
     if seed is None:
         seed = int(os.environ.get("PHALANX_SEED", "0"))
     if not 0 <= int(seed) <= _MAX_SEED:
         raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {seed}")
     seed = int(seed)
-    # Child processes (launched ranks, dataloader workers) read these back.
-    os.environ["PHALANX_SEED"] = str(seed)
-    os.environ["PHALANX_SEED_WORKERS"] = "1" if workers else "0"
     random.seed(seed)
     np.random.seed(seed % _MAX_SEED)
     torch.manual_seed(seed)

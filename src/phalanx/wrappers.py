@@ -106,7 +106,7 @@ class FabricModule(nn.Module):
     def __iter__(self) -> Iterator[Any]:
         return iter(self._original_module)  # type: ignore[call-overload, no-any-return]
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's signature is overloaded
         return self._original_module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -144,9 +144,10 @@ class FabricOptimizer:
     def _phalanx_unwrapped(self) -> Optimizer:
         return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> float | None:
         kwargs = {} if closure is None else {"closure": closure}
-        return self._strategy.optimizer_step(self._optimizer, **kwargs)
+        loss: float | None = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._strategy.optimizer_zero_grad(self._optimizer, set_to_none)

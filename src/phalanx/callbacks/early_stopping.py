@@ -7,10 +7,15 @@ ranks stop at the same epoch (no rank is left waiting in a collective).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.diagnostics import info, warn
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
 
 
 class EarlyStopping(Callback):
@@ -51,7 +56,7 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:
@@ -60,7 +65,9 @@ class EarlyStopping(Callback):
                     "Log it (e.g. self.log('val_loss', loss) in validation_step) or pass strict=False."
                 )
             if not self._warned:
-                trainer.print(f"[phalanx] EarlyStopping: {self.monitor!r} is not logged yet; not checking.")
+                warn(f"EarlyStopping: {self.monitor!r} is not logged yet, so it is not checked. Log it with "
+                     "self.log(...) before the end of each training epoch, or remove the callback.",
+                     rank=trainer.global_rank)
                 self._warned = True
             return
         stop, reason = self.evaluate(float(metrics[self.monitor]))
@@ -68,7 +75,7 @@ class EarlyStopping(Callback):
             trainer.should_stop = True
             self.stopped_epoch = trainer.current_epoch
             self.reason = reason
-            trainer.print(f"[phalanx] EarlyStopping at epoch {trainer.current_epoch}: {reason}")
+            info(f"EarlyStopping at epoch {trainer.current_epoch}: {reason}", rank=trainer.global_rank)
 
     def evaluate(self, current: float) -> tuple[bool, str]:
         """Update the state with ``current``; return whether to stop and why."""

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.diagnostics import info
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
+    from phalanx.tuner import LRFinderResult
 
 
 class LearningRateFinder(Callback):
@@ -27,26 +33,26 @@ class LearningRateFinder(Callback):
         self.min_lr, self.max_lr, self.num_training_steps = min_lr, max_lr, num_training_steps
         self.mode, self.early_stop_threshold, self.attr_name = mode, early_stop_threshold, attr_name
         self.plot_path = Path(plot_path) if plot_path is not None else None
-        self.optimal_lr: Any = None  # the LRFinderResult of the search
+        self.optimal_lr: LRFinderResult | None = None  # the result of the search
         self.lr: float | None = None
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
+    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
         from phalanx.tuner import Tuner, _lr_attr
 
         if trainer.ckpt_path is not None:
             if self.lr is not None:
                 setattr(module, _lr_attr(module, self.attr_name), self.lr)
             return
-        self.optimal_lr = Tuner(trainer).lr_find(
+        self.optimal_lr = result = Tuner(trainer).lr_find(
             module, min_lr=self.min_lr, max_lr=self.max_lr, num_training=self.num_training_steps, mode=self.mode,
             early_stop_threshold=self.early_stop_threshold, update_attr=True, attr_name=self.attr_name,
         )
-        self.lr = self.optimal_lr.suggestion()
+        self.lr = result.suggestion()
         if self.lr is not None:
-            trainer.print(f"[phalanx] LearningRateFinder: using lr={self.lr:.4g}")
+            info(f"LearningRateFinder: using lr={self.lr:.4g}", rank=trainer.global_rank)
         if self.plot_path is not None and trainer.is_global_zero:
             self.plot_path.parent.mkdir(parents=True, exist_ok=True)
-            self.optimal_lr.plot(suggest=True).savefig(self.plot_path)
+            result.plot(suggest=True).savefig(self.plot_path)
 
     def state_dict(self) -> dict[str, Any]:
         return {"lr": self.lr}

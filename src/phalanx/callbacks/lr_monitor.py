@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
 
 from phalanx.callbacks.base import Callback
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):
@@ -24,11 +30,11 @@ class LearningRateMonitor(Callback):
         self._last_step = -1
         self.last_values: dict[str, float] = {}
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
         if stage == "fit" and not trainer.loggers:
             raise MisconfigurationError("LearningRateMonitor needs a logger: pass Trainer(logger=...) (not False).")
 
-    def values(self, optimizer: Any) -> dict[str, float]:
+    def values(self, optimizer: Optimizer) -> dict[str, float]:
         name = type(getattr(optimizer, "optimizer", optimizer)).__name__
         groups = optimizer.param_groups
         out: dict[str, float] = {}
@@ -41,18 +47,18 @@ class LearningRateMonitor(Callback):
                     out[f"momentum-{name}{suffix}"] = float(momentum)
         return out
 
-    def _log(self, trainer: Any) -> None:
+    def _log(self, trainer: Trainer) -> None:
         if trainer.optimizer is None:
             return
         self.last_values = self.values(trainer.optimizer)
         trainer.fabric.log_dict(self.last_values, step=trainer.global_step)
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.logging_interval == "step" and step != self._last_step and step % trainer.log_every_n_steps == 0:
             self._last_step = step
             self._log(trainer)
 
-    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
         if self.logging_interval == "epoch":
             self._log(trainer)

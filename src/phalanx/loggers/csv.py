@@ -12,7 +12,10 @@ from phalanx.loggers.base import flatten_hparams, log_dir_of
 
 
 class CSVLogger:
-    """Writes ``<root_dir>/<name>/version_<n>/metrics.csv`` and ``hparams.json``."""
+    """Writes ``<root_dir>/<name>/version_<n>/metrics.csv`` and ``hparams.json``.
+
+    Rows are buffered and appended every ``flush_every`` rows, so a flush costs O(rows since the last
+    one); the file is rewritten (atomically) only when a metric name appears that its header lacks."""
 
     def __init__(
         self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None,
@@ -21,7 +24,8 @@ class CSVLogger:
         self._root, self._name, self._version = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._rows: list[dict[str, Any]] = []
-        self._columns: list[str] = []
+        self._columns: list[str] = []  # every key logged so far, in order of appearance
+        self._header: list[str] | None = None  # metrics.csv's columns as last read or written
         self._flush_every = flush_every
 
     @property
@@ -49,26 +53,38 @@ class CSVLogger:
             self.save()
 
     def save(self) -> None:
-        """Rewrite the file with all rows so far (atomic; columns may have grown)."""
-        if not self._rows and self.metrics_file.exists():
+        """Append the buffered rows; rewrite the file only when its header must grow."""
+        exists = self.metrics_file.exists()
+        if not self._rows and exists:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._header is None:  # a file from before this logger (a resumed run): keep its columns
+            self._header = self._read_header() if exists else []
+        new = [c for c in self._columns if c not in self._header]
+        if new or not exists:
+            self._rewrite(self._header + new)
+        else:
+            with open(self.metrics_file, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=self._header).writerows(self._rows)
+        self._rows = []
+
+    def _read_header(self) -> list[str]:
+        with open(self.metrics_file, newline="") as fh:
+            return next(csv.reader(fh), [])
+
+    def _rewrite(self, header: list[str]) -> None:
         existing: list[dict[str, Any]] = []
         if self.metrics_file.exists():
             with open(self.metrics_file, newline="") as fh:
-                reader = csv.DictReader(fh)
-                existing = list(reader)
-                for col in reader.fieldnames or []:
-                    if col not in self._columns:
-                        self._columns.insert(0, col)
+                existing = list(csv.DictReader(fh))
         tmp = self.metrics_file.with_suffix(".csv.tmp")
         with open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self._columns)
+            writer = csv.DictWriter(fh, fieldnames=header)
             writer.writeheader()
             writer.writerows(existing)
             writer.writerows(self._rows)
         os.replace(tmp, self.metrics_file)
-        self._rows = []
+        self._header = header
 
     def finalize(self, status: str = "success") -> None:
         self.save()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams, log_dir_of
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class TensorBoardLogger:
@@ -15,7 +18,7 @@ class TensorBoardLogger:
     def __init__(self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None) -> None:
         self._root, self._name, self._version = Path(root_dir), name, version
         self._log_dir: Path | None = None
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
 
     @property
     def log_dir(self) -> Path:
@@ -24,7 +27,7 @@ class TensorBoardLogger:
         return self._log_dir
 
     @property
-    def experiment(self) -> Any:
+    def experiment(self) -> SummaryWriter:
         """The ``SummaryWriter`` (created on first use)."""
         if self._writer is None:
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,8 @@ from phalanx.checkpoint import io as ckpt_io
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
+
+T = TypeVar("T")
 
 #: How the lockstep guard cross-checks collectives: names and tensor signatures, or also call sites.
 LOCKSTEP_MODES = ("default", "strict")
@@ -147,7 +149,7 @@ class Strategy:
     def check_ready_to_step(self, optimizer: Optimizer) -> None:
         """Raise before an optimizer step that would make ranks diverge."""
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
         self.check_ready_to_step(optimizer)
         return self.precision.optimizer_step(optimizer, **kwargs)
 
@@ -177,7 +179,7 @@ class Strategy:
     def barrier(self, name: str = "barrier") -> None:
         pass
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: T, src: int = 0) -> T:
         return obj
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ A second way to diverge: calling ``optimizer.step()`` after a backward that ran 
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from phalanx.diagnostics import warn
 from phalanx.errors import GradientSyncError
 from phalanx.strategies.parallel import ParallelStrategy
 
@@ -155,15 +155,14 @@ class DDPStrategy(ParallelStrategy):
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
         self.collectives.all_reduce_grads(grads, name="gradient all-reduce (bypassed DDP forward)")
-        if not state.warned and self.is_global_zero:
+        if not state.warned:
             state.warned = True
-            print(
-                f"[phalanx] Gradients of {state.name} were computed without going through its DDP forward "
+            warn(
+                f"Gradients of {state.name} were computed without going through its DDP forward "
                 "(a submodule or method was called directly, e.g. model.student(x)). phalanx averaged them "
                 "across ranks after backward, so training stays correct, but communication no longer overlaps "
                 "with backward. For overlap, call the set-up model itself or set up the submodule separately.",
-                file=sys.stderr,
-                flush=True,
+                rank=self.global_rank,
             )
 
     def check_ready_to_step(self, optimizer: Optimizer) -> None:

@@ -13,7 +13,9 @@ hard to misuse:
   enclosing unit would run on sharded (or never reduced) parameters, so phalanx raises instead.
 * Gradient accumulation skips the reduce-scatter (``set_requires_gradient_sync(False)``), and an
   optimizer step after such a backward raises, exactly as under DDP.
-* Gradient clipping measures the norm over all shards of all ranks, not of the local shard.
+* Gradient clipping measures the norm over all shards of all ranks, not of the local shard (torch's
+  own norm functions on DTensor gradients), and 16-mixed skips a step on every rank when any shard
+  overflowed (torch's GradScaler reduces its found-inf flag over the mesh).
 
 Checkpoint I/O lives in :mod:`phalanx.checkpoint.sharded`.
 """
@@ -31,16 +33,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from phalanx._compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from phalanx.checkpoint import sharded
 from phalanx.checkpoint.sharded import class_name
 from phalanx.errors import GradientSyncError, MisconfigurationError
-from phalanx.precision import PRECISIONS, Precision
+from phalanx.launch import ClusterEnvironment
+from phalanx.precision import PRECISIONS, MixedPrecision, Precision
 from phalanx.strategies.parallel import ParallelStrategy
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -70,109 +74,72 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
 
 
-class ShardedLossScaler:
-    """Dynamic loss scaling for sharded gradients (``16-mixed``).
-
-    Each rank sees only its shards, so an overflow on one rank must skip the step on all of them:
-    the found-inf flag is combined with a guarded all-reduce before anyone steps."""
-
-    def __init__(
-        self,
-        all_reduce_max: Callable[[torch.Tensor], torch.Tensor],
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-    ) -> None:
-        self._all_reduce_max = all_reduce_max
-        self.scale_value = init_scale
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.growth_tracker = 0
-        self._found: dict[int, bool] = {}  # per optimizer, between unscale_ and step
-        self._skipped = False
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
-
-    def unscale_(self, optimizer: Optimizer) -> None:
-        if id(optimizer) in self._found:
-            return  # already unscaled for this step (clip_gradients does it early)
-        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        found = torch.zeros(1)
-        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in grads:
-            by_key.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (device, _), group in by_key.items():
-            flag = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / self.scale_value, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-            found = torch.maximum(found, flag.cpu())
-        self._found[id(optimizer)] = bool(self._all_reduce_max(found).item() > 0)
-
-    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        self.unscale_(optimizer)
-        if self._found.pop(id(optimizer)):
-            self._skipped = True
-            return None
-        return optimizer.step(**kwargs)
-
-    def update(self) -> None:
-        if self._skipped:
-            self.scale_value *= self.backoff_factor
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker >= self.growth_interval:
-                self.scale_value *= self.growth_factor
-                self.growth_tracker = 0
-        self._skipped = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale_value, "growth_tracker": self.growth_tracker}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale_value = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-
-
-class FSDPMixedPrecision(Precision):
+class FSDPMixedPrecision(MixedPrecision):
     """``bf16-mixed``/``16-mixed`` done by FSDP2 itself: parameters are all-gathered and used in
     ``dtype``, gradients are reduced and kept in float32, and the optimizer updates float32 shards.
-    There is no autocast: FSDP casts parameters and floating-point inputs."""
+    There is no autocast: FSDP casts parameters and floating-point inputs.
 
-    def __init__(self, dtype: torch.dtype, scaler: ShardedLossScaler | None) -> None:
-        self.compute_dtype = dtype
-        self.scaler = scaler
-        self.name = "bf16-mixed" if dtype == torch.bfloat16 else "16-mixed"
+    Loss scaling is :class:`~phalanx.precision.MixedPrecision`'s ``torch.amp.GradScaler``: on DTensor
+    gradients torch all-reduces its found-inf flag over the mesh, so an overflow in one rank's shard
+    skips the step on every rank (shards would diverge otherwise)."""
+
+    def __init__(
+        self, dtype: torch.dtype, device_type: str, guarded: Callable[[str], contextlib.AbstractContextManager[None]]
+    ) -> None:
+        super().__init__(dtype, device_type)
+        self._guarded = guarded
 
     def policy(self) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
-    def convert_output(self, data: Any) -> Any:
-        from phalanx.utils import apply_to_tensors
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
-        return apply_to_tensors(data, lambda t: t.float() if torch.is_floating_point(t) else t)
+    def _unscale(self, optimizer: Optimizer) -> None:
+        # The found-inf all-reduce is a collective: meet the other ranks first, so a rank that never
+        # steps makes them raise (naming this op) instead of waiting for the process-group timeout.
+        with self._guarded("loss scaler (inf/nan in any gradient shard)"):
+            super()._unscale(optimizer)
 
-    def pre_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+def _decide_root_now(module: nn.Module) -> bool:
+    """Make ``module`` FSDP's root before any forward: otherwise the first unit to run forward becomes
+    the root, and calling ``model.student(x)`` before ``model(x)`` would break the real root for good.
+    The hook is private to torch; without it (False) phalanx guards the call order instead."""
+    try:
+        lazy_init = module._get_fsdp_state()._lazy_init  # type: ignore[operator]
+    except AttributeError:
+        return False
+    lazy_init()
+    return True
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if self.scaler is None:
-            return optimizer.step(**kwargs)
-        out = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+def _reduce_scatter_averages(world_size: int) -> bool:
+    """Whether the default process group's reduce-scatter with ``ReduceOp.AVG`` averages. FSDP2 reduces
+    float32/bfloat16 gradients with it; older torch's gloo silently summed instead (pytorch issue
+    162338), which makes every gradient ``world_size`` times too large."""
+    out = torch.zeros(1)
+    try:
+        dist.reduce_scatter_tensor(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
+    except RuntimeError:  # a backend that refuses AVG outright
+        return False
+    return bool(out.item() == 1.0)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
+
+def _clip_grad_norm(
+    params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """Scale the gradients so that their norm over every shard of every rank is at most ``max_norm``;
+    returns that norm (a plain tensor, the same on every rank)."""
+    utils = torch.nn.utils
+    if hasattr(utils, "get_total_norm"):  # torch >= 2.6
+        total = utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type, error_if_nonfinite)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        utils.clip_grads_with_norm_(params, max_norm, total)
+    else:  # clip_grad_norm_ reduces the DTensor norms itself
+        total = utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+    return total
 
 
 @dataclass
@@ -183,6 +150,7 @@ class _Root:
     param_ids: frozenset[int]
     sync_enabled: bool = True
     ran_forward: bool = False  # some unit of this root ran forward since the last backward
+    root_ready: bool = True  # FSDP knows this module is its root (see _decide_root_now)
     local_only: bool = False  # last backward ran without reduce-scatter
     optimizers: dict[int, bool] = field(default_factory=dict)
 
@@ -250,20 +218,31 @@ class FSDPStrategy(ParallelStrategy):
         self._warned_state_dict = False
 
     # ------------------------------------------------------------------ precision
-    def select_precision(self, precision: str) -> Precision:
-        if precision not in ("bf16-mixed", "16-mixed"):
-            return super().select_precision(precision)
-        if precision == "bf16-mixed":
-            if self.device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
+        if device_type == "cpu" and not FSDP_ON_CPU:
+            raise MisconfigurationError(
+                f"strategy='fsdp' on CPU needs torch >= 2.7 (torch {torch.__version__}'s FSDP2 cannot run on CPU). "
+                "Upgrade torch, or use strategy='ddp' on CPU."
+            )
+        super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)
+
+    def setup_environment(self, env: ClusterEnvironment | None) -> None:
+        super().setup_environment(env)
+        if self.world_size > 1 and dist.get_backend() == "gloo":
+            with self.guard.guarded("FSDP gradient-average check (gloo reduce-scatter)"):
+                averages = _reduce_scatter_averages(self.world_size)
+            if not averages:
                 raise MisconfigurationError(
-                    "precision='bf16-mixed' needs a GPU with bfloat16 support (Ampere or newer). "
-                    "Use precision='16-mixed' on this GPU."
+                    f"strategy='fsdp' on gloo (CPU) needs a torch whose gloo reduce-scatter averages: torch "
+                    f"{torch.__version__}'s sums instead, so FSDP2's gradients would be {self.world_size}x too "
+                    "large. Upgrade torch (2.13 is known good), or use strategy='ddp' on CPU."
                 )
-            return FSDPMixedPrecision(torch.bfloat16, None)
-        scaler = ShardedLossScaler(
-            lambda t: self.collectives.all_reduce(t, "max", name="loss scaler (inf/nan in any gradient shard)")
-        )
-        return FSDPMixedPrecision(torch.float16, scaler)
+
+    def select_precision(self, precision: str) -> Precision:
+        plugin = super().select_precision(precision)
+        if isinstance(plugin, MixedPrecision):  # FSDP2 casts itself (MixedPrecisionPolicy), no autocast
+            return FSDPMixedPrecision(plugin.dtype, self.device_type, lambda name: self.guard.guarded(name))
+        return plugin
 
     # ------------------------------------------------------------------ mesh and modules
     @property
@@ -307,16 +286,14 @@ class FSDPStrategy(ParallelStrategy):
             if any(on_meta):
                 self._materialize(module)
             try:
-                # Decide the root now: otherwise the first unit to run forward becomes the root, and
-                # calling model.student(x) before model(x) would break the real root for good.
-                module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+                root_ready = _decide_root_now(module)
             except (RuntimeError, ValueError) as err:
                 raise MisconfigurationError(
                     f"FSDP could not set up {type(module).__name__}: {err}. Parameters shared between modules "
                     "(tied weights) must live in one sharded unit: leave those modules out of auto_wrap_policy."
                 ) from err
         self._stale.update(originals)
-        self._install_hooks(module)
+        self._install_hooks(module, root_ready)
         return module
 
     def _shard(self, module: nn.Module) -> None:
@@ -369,14 +346,18 @@ class FSDPStrategy(ParallelStrategy):
             for _, m in owners:
                 m.reset_parameters()
 
-    def _install_hooks(self, root: nn.Module) -> None:
-        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()))
+    def _install_hooks(self, root: nn.Module, root_ready: bool) -> None:
+        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()), root_ready=root_ready)
         self._roots[id(root)] = record
+        if not root_ready:
+            root.register_forward_pre_hook(lambda *_: setattr(record, "root_ready", True))
 
         def visit(mod: nn.Module, path: str, unit: nn.Module) -> None:
             if isinstance(mod, FSDPModule):
                 unit = mod
                 self._track_unit(mod, record)
+                if not root_ready and mod is not root:
+                    self._require_root_first(mod, path, record)
             elif any(True for _ in mod.parameters(recurse=False)):
                 self._guard_direct_call(mod, path, unit)
             for name, child in mod.named_children():
@@ -398,10 +379,24 @@ class FSDPStrategy(ParallelStrategy):
                 record.ran_forward = True
 
         def leave(*_: Any) -> None:
-            self._active[id(unit)] -= 1
+            # Also called when a pre-forward hook raised before enter() ran: never count below zero.
+            self._active[id(unit)] = max(0, self._active[id(unit)] - 1)
 
         unit.register_forward_pre_hook(enter)
         unit.register_forward_hook(leave, always_call=True)
+
+    def _require_root_first(self, unit: nn.Module, path: str, record: _Root) -> None:
+        def check(*_: Any) -> None:
+            if not record.root_ready:
+                raise MisconfigurationError(
+                    f"{path} ({class_name(unit)}) was called directly before {record.name} ever ran forward. "
+                    f"This torch offers phalanx no way to make {record.name} FSDP's root at setup, so FSDP would "
+                    f"make {path} the root and {record.name} unusable. Call the set-up model once first (e.g. on "
+                    "one batch under torch.no_grad()), then call its submodules directly."
+                )
+
+        # In front of FSDP's own pre-forward hook, which would pick the root.
+        unit.register_forward_pre_hook(check, prepend=True)
 
     def _guard_direct_call(self, mod: nn.Module, path: str, unit: nn.Module) -> None:
         unit_id = id(unit)
@@ -536,36 +531,13 @@ class FSDPStrategy(ParallelStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
+        if max_norm is None:  # by value: each shard clamps its own elements, nothing to communicate
+            return super().clip_gradients(optimizer, max_norm, clip_val, norm_type, error_if_nonfinite)
         self.precision.unscale_gradients(optimizer)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if clip_val is not None:
-            for grad in grads:
-                local_tensor(grad).clamp_(-clip_val, clip_val)
-            return None
-        assert max_norm is not None
-        p = float(norm_type)
-        norms = [
-            torch.linalg.vector_norm(local_tensor(g).detach(), p, dtype=torch.float32).to(self.root_device)
-            for g in grads
-            # A replicated gradient is identical everywhere: count it once (on rank 0).
-            if is_sharded(g) or self.global_rank == 0
-        ]
-        stacked = torch.stack(norms) if norms else torch.zeros(1, device=self.root_device)
-        name = "clip_gradients (global gradient norm over all shards)"
-        if p == float("inf"):
-            total = self.collectives.all_reduce(stacked.max().reshape(1), "max", name=name)[0]
-        else:
-            total = self.collectives.all_reduce(stacked.pow(p).sum().reshape(1), "sum", name=name)[0].pow(1.0 / p)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total gradient norm (order {p}) is {float(total)}: some gradient holds inf or nan. Lower the "
-                "learning rate, check the loss, or pass error_if_nonfinite=False to clip_gradients."
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            local = local_tensor(grad)
-            local.mul_(coef.to(local.device, local.dtype))
-        return total
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # The norm of DTensor gradients is a partial result per rank; full_tensor() all-reduces it.
+        with self.guard.guarded("clip_gradients (global gradient norm over all shards)"):
+            return _clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0
@@ -604,4 +576,4 @@ class FSDPStrategy(ParallelStrategy):
             return sharded.load(self, Path(path), state, strict)
 
 
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedLossScaler"]
+__all__ = ["FSDPMixedPrecision", "FSDPStrategy"]

@@ -13,15 +13,17 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from phalanx.data import warn_iterable
+from phalanx.data import shared_seed, warn_iterable
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.fabric import Fabric
 
 # DataLoader settings carried over when the Trainer rebuilds a loader around its own sampler.
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -64,7 +66,9 @@ class TrainSampler(Sampler[int]):
         return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return len(self._order()) // self.num_replicas
+        # What _order() yields per rank, without drawing the permutation: pad, skip, pad again.
+        padded = math.ceil(self.length / self.num_replicas) * self.num_replicas
+        return math.ceil(max(0, padded - self.skip) / self.num_replicas)
 
 
 class EvalBatchSampler(Sampler[list[int]]):
@@ -126,14 +130,14 @@ def _custom_sampler_error(loader: DataLoader[Any], what: str) -> Misconfiguratio
 
 
 def prepare_train_loader(
-    loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool
+    loader: DataLoader[Any], fabric: Fabric, use_distributed_sampler: bool
 ) -> tuple[Any, TrainSampler | None]:
     """The loader training iterates, and the Trainer's sampler inside it (None when the user's own
     sampler is kept: then resuming mid-epoch re-reads and discards the consumed batches)."""
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"train_dataloaders must be a torch DataLoader, got {type(loader).__name__}.")
     if isinstance(loader.dataset, IterableDataset):
-        warn_iterable(loader, fabric.is_global_zero)
+        warn_iterable(loader, fabric.global_rank)
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False), None
     if not _standard(loader):
         if use_distributed_sampler and fabric.world_size > 1:
@@ -141,19 +145,19 @@ def prepare_train_loader(
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False), None
     world = fabric.world_size if use_distributed_sampler else 1
     rank = fabric.global_rank if use_distributed_sampler else 0
-    seed = int(os.environ.get("PHALANX_SEED", "0"))  # seed_everything() sets it, identically on all ranks
+    seed = shared_seed(fabric.broadcast)
     sampler = TrainSampler(len(loader.dataset), world, rank, isinstance(loader.sampler, RandomSampler), seed)  # type: ignore[arg-type]
     rebuilt = _rebuild(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
     return fabric.setup_dataloaders(rebuilt, use_distributed_sampler=False), sampler
 
 
-def prepare_eval_loader(loader: DataLoader[Any], fabric: Any, use_distributed_sampler: bool) -> Any:
+def prepare_eval_loader(loader: DataLoader[Any], fabric: Fabric, use_distributed_sampler: bool) -> Any:
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"Evaluation dataloaders must be torch DataLoaders, got {type(loader).__name__}.")
     if fabric.world_size == 1 or not use_distributed_sampler:
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     if isinstance(loader.dataset, IterableDataset):
-        warn_iterable(loader, fabric.is_global_zero)
+        warn_iterable(loader, fabric.global_rank)
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     if not _standard(loader):
         raise _custom_sampler_error(loader, "evaluation")

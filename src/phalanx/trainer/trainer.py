@@ -7,14 +7,17 @@ plain ``python train.py`` the script re-runs in 2 processes right at the Trainer
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from phalanx.diagnostics import notice
 from phalanx.errors import MisconfigurationError
 from phalanx.fabric import Fabric
 from phalanx.trainer import checkpointing, loops
@@ -36,6 +39,26 @@ def _check_limit(name: str, value: Any) -> int | float:
     return value
 
 
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """torch's deterministic mode for one run, then the process's previous settings (they are global)."""
+    if not enabled:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.benchmark = benchmark
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
 class Trainer:
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
@@ -51,7 +74,9 @@ class Trainer:
         callbacks: objects whose hook methods (``on_train_epoch_end(trainer, module)``, ...) are called.
         logger: True (a CSVLogger under default_root_dir), False, a logger or a list of loggers.
         enable_progress_bar, enable_checkpointing: add a ProgressBar / ModelCheckpoint unless one is given.
-        deterministic: ``torch.use_deterministic_algorithms(True)``.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` and ``cudnn.benchmark = False`` while
+            fit/validate/test/predict (or the tuner) runs; the previous settings are restored when it
+            returns, so code after it, or another Trainer in the process, is unaffected.
         default_root_dir: where logs and checkpoints go (default: the working directory).
         log_every_n_steps: how often step-level metrics go to the loggers.
         use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
@@ -99,10 +124,7 @@ class Trainer:
             loggers=self._make_loggers(logger),
         )
         self.fabric.launch()
-        if deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
+        self.deterministic = deterministic
         self.max_steps = max_steps
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps < 0 else sys.maxsize)
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -355,9 +377,10 @@ class Trainer:
         module = self._attach(model, datamodule, stage)
         self.stage = stage
         try:
-            module.setup(stage)
-            self.call("setup", stage)
-            return fn(*args)
+            with _deterministic(self.deterministic):
+                module.setup(stage)
+                self.call("setup", stage)
+                return fn(*args)
         except BaseException as exc:
             self.call("on_exception", exc)
             raise
@@ -439,8 +462,8 @@ class Trainer:
                     raise MisconfigurationError(
                         "ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a checkpoint."
                     )
-                self.print("[phalanx] ckpt_path='last': no last.ckpt found in the ModelCheckpoint folders; starting "
-                           "from scratch.", file=sys.stderr)
+                notice("ckpt_path='last': no last.ckpt found in the ModelCheckpoint folders; starting from scratch.",
+                       rank=self.global_rank)
                 return None
             return Path(existing[0])
         path = Path(ckpt_path)
