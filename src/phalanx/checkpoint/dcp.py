@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -169,6 +170,15 @@ def _read_all_public(directory: Path) -> dict[str, Any]:
     return out
 
 
+def _first_cause(err: BaseException) -> str:
+    """DCP's error lists every rank's traceback; the first rank's exception says what went wrong."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (exc, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return f"{type(err).__name__}: {err}"
+
+
 class DCPShards:
     """The ``torch.distributed.checkpoint`` layout (see the module docstring).
 
@@ -196,7 +206,12 @@ class DCPShards:
         # zero step): it goes into the marker as a plain state dict.
         tensors = self._tensors(entries, with_state_only=True)
         with self._collective("save: writing shards (torch.distributed.checkpoint)"):
-            dcp_save(tensors, storage_writer=FileSystemWriter(str(directory)))
+            try:
+                dcp_save(tensors, storage_writer=FileSystemWriter(str(directory)))
+            except CheckpointException as err:
+                # DCP gathers every rank's failure and raises the same on all of them, as a BaseException;
+                # the checkpoint layer finds the operating system's cause behind it.
+                raise RuntimeError(_first_cause(err)) from err
         return {"sharded": list(tensors), "optimizers": [e.key for e in entries if e.key in tensors
                                                          and e.kind == OPTIMIZER]}
 
@@ -221,8 +236,9 @@ class DCPShards:
             try:
                 dcp_load(template, storage_reader=FileSystemReader(str(directory)),
                          planner=DefaultLoadPlanner(allow_partial_load=not strict))
-            except Exception as err:  # DCP raises the same failure on every rank
-                raise CheckpointError(f"Reading the sharded checkpoint {directory} failed: {err}") from err
+            except (Exception, CheckpointException) as err:  # DCP raises the same failure on every rank
+                raise CheckpointError(f"Reading the sharded checkpoint {directory} failed: "
+                                      f"{_first_cause(err)}") from err
             for e in entries:
                 if e.kind == MODULE:
                     set_model_state_dict(e.obj, template[e.key], options=StateDictOptions(strict=strict))
@@ -235,8 +251,8 @@ class DCPShards:
             sd = _read_all_private(directory)
             if sd is None:
                 sd = _read_all_public(directory)
-        except Exception as err:
-            raise CheckpointError(f"Cannot read the sharded checkpoint {directory}: {err}") from err
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(f"Cannot read the sharded checkpoint {directory}: {_first_cause(err)}") from err
         for key in info.get("optimizers", []):
             sd[key] = to_index_keyed(sd[key])
         return sd

@@ -216,7 +216,7 @@ def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
 def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) -> dict[str, Any]:
     try:
         return shards.write(tmp, entries)
-    except CheckpointError:
+    except (CheckpointError, CollectiveError):
         raise
     except Exception as err:
         raise storage.write_error(err, path, "write the shards of checkpoint") from err

@@ -101,10 +101,10 @@ def os_error_in(err: BaseException) -> OSError | None:
         seen.add(id(item))
         if isinstance(item, OSError):
             return item
-        stack += [item.__cause__, item.__context__, getattr(item, "exc", None)]
+        stack += [item.__cause__, item.__context__]
         failures = getattr(item, "failures", None)  # torch.distributed.checkpoint: one error per rank
-        if isinstance(failures, dict):
-            stack += [f if isinstance(f, BaseException) else getattr(f, "exc", None) for f in failures.values()]
+        if isinstance(failures, dict):  # values: (exception, traceback summary)
+            stack += [f[0] if isinstance(f, tuple) and f else None for f in failures.values()]
     return None
 
 
