@@ -369,3 +369,42 @@ def test_load_finds_the_previous_checkpoint_after_a_crash_mid_publish(
     (tmp_path / ".ckpt.old-0123456789" / MARKER).unlink()
     with pytest.raises(CheckpointError, match=r"\.ckpt\.old-0123456789 is not a complete sharded checkpoint"):
         read_everything(tmp_path / "ckpt")
+
+
+def test_consolidate_without_torch_private_helpers(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch may rename its private DCP helpers; consolidation then takes torch's public converter."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    saved_dir, _ = saved
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "private.pt")]) == 0
+    monkeypatch.delattr(loader, "_load_state_dict")
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "public.pt")]) == 0
+    private, public = torch.load(tmp_path / "private.pt"), torch.load(tmp_path / "public.pt")
+    assert sorted(private) == sorted(public)
+    for key, value in private["model"].items():
+        assert torch.equal(public["model"][key], value)
+    for i, entry in private["optimizer"]["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(public["optimizer"]["state"][i][k], v)
+
+
+def test_sharded_metadata_that_could_run_code_is_refused(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """torch reads DCP's .metadata with plain pickle; phalanx vets it first (weights_only=True)."""
+    import pickle
+    import shutil
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned > pwned.txt",))
+
+    saved_dir, _ = saved
+    shutil.copytree(saved_dir / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata names posix\.system.*could run code"):
+        read_everything(tmp_path / "ckpt")
+    assert phalanx_main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 1
+    assert not (tmp_path / "pwned.txt").exists() and not Path("pwned.txt").exists()

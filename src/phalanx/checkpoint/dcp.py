@@ -18,7 +18,12 @@ in torch breaks at most one code path of ``phalanx consolidate``, never ``strate
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import io
+import pathlib
+import pickle
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -170,6 +175,47 @@ def _read_all_public(directory: Path) -> dict[str, Any]:
     return out
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` (a plain pickle that torch loads with ``pickle.load``) allowing only the
+    inert types DCP puts there: its own dataclasses and enums, dtypes, sizes, layouts and paths. A
+    file naming anything else could run code when torch opens it, so it is refused before torch does."""
+
+    _PLAIN = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set,
+              ("builtins", "frozenset"): frozenset, ("torch", "Size"): torch.Size,
+              ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._PLAIN:
+            return self._PLAIN[(module, name)]
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+            return getattr(pathlib, name)
+        if module.startswith("torch.distributed.checkpoint."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_metadata(directory: Path) -> None:
+    """Refuse a ``.metadata`` that names anything but DCP's plain types (see ``_MetadataUnpickler``)."""
+    try:
+        with open(directory / METADATA, "rb") as fh:
+            _MetadataUnpickler(fh).load()
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{directory / METADATA} names {err}, which torch.distributed.checkpoint's metadata never holds, so the "
+            "checkpoint was not opened: unpickling it could run code. If you trust where it comes from, load it "
+            "with weights_only=False."
+        ) from err
+    except Exception as err:
+        raise CheckpointError(f"{directory / METADATA} is truncated or corrupt: {type(err).__name__}: {err}") from err
+
+
 def _first_cause(err: BaseException) -> str:
     """DCP's error lists every rank's traceback; the first rank's exception says what went wrong."""
     failures = getattr(err, "failures", None)
@@ -215,11 +261,13 @@ class DCPShards:
         return {"sharded": list(tensors), "optimizers": [e.key for e in entries if e.key in tensors
                                                          and e.kind == OPTIMIZER]}
 
-    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry]) -> None:
+    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
         if not (directory / METADATA).is_file():
             raise CheckpointError(
                 f"{directory} is not a complete sharded checkpoint: {METADATA} is missing. Use an earlier checkpoint."
             )
+        if weights_only:
+            check_metadata(directory)
 
     def saved_shapes(self, directory: Path, info: dict[str, Any], key: str) -> Shapes | None:
         md = FileSystemReader(str(directory)).read_metadata()
@@ -245,8 +293,8 @@ class DCPShards:
                 else:
                     set_optimizer_state_dict(_require_module(e.module, e.obj), e.obj, template[e.key])
 
-    def read_all(self, directory: Path, info: dict[str, Any]) -> dict[str, Any]:
-        self.check(directory, info, [])
+    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
+        self.check(directory, info, [], weights_only)
         try:
             sd = _read_all_private(directory)
             if sd is None:

@@ -257,7 +257,7 @@ def read_everything(path: str | Path, weights_only: bool = True, host: Host | No
         return read_file(found, weights_only)
     marker = _read_marker(found, weights_only)
     meta = marker[META_KEY]
-    out = _reader(host, meta["layout"], found).read_all(found, meta.get("shards", {}))
+    out = _reader(host, meta["layout"], found).read_all(found, meta.get("shards", {}), weights_only)
     out.update(marker["extras"])
     out[META_KEY] = meta
     return out
@@ -277,7 +277,7 @@ def _plan(
         io = _reader(host, meta["layout"], found)
         loadable = check_entries(entries, meta["entries"], strict, path)
         in_shards = set(info.get("sharded", []))
-        io.check(found, info, [e for e in loadable if e.key in in_shards])
+        io.check(found, info, [e for e in loadable if e.key in in_shards], weights_only)
         for e in of_kind(loadable, MODULE):
             _check_module(host, e, io.saved_shapes(found, info, e.key) if e.key in in_shards else extras[e.key], strict)
         plan = {
@@ -415,7 +415,7 @@ def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> 
     if src.is_dir() and not (src / MARKER).is_file():
         from phalanx.checkpoint.dcp import DCPShards  # a plain torch.distributed.checkpoint directory?
 
-        sd = DCPShards().read_all(src, {})
+        sd = DCPShards().read_all(src, {}, weights_only)
     else:
         sd = read_everything(src, weights_only)
         sd[META_KEY] = {k: v for k, v in sd[META_KEY].items() if k != "shards"} | {"layout": FILE_LAYOUT}

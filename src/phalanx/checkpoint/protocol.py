@@ -42,8 +42,9 @@ class ShardIO(Protocol):
         leaves out are gathered into the checkpoint's marker file."""
         ...
 
-    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry]) -> None:
-        """Raise ``CheckpointError`` if ``entries`` cannot be restored from these shards here."""
+    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
+        """Raise ``CheckpointError`` if ``entries`` cannot be restored from these shards here (or, with
+        ``weights_only``, if opening them could run code)."""
         ...
 
     def saved_shapes(self, directory: Path, info: dict[str, Any], key: str) -> Shapes | None:
@@ -54,7 +55,7 @@ class ShardIO(Protocol):
         """Restore ``entries`` (all of them sharded in this checkpoint) in place."""
         ...
 
-    def read_all(self, directory: Path, info: dict[str, Any]) -> dict[str, Any]:
+    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
         """Every sharded entry as full CPU tensors in the single-file layout, without a process group."""
         ...
 

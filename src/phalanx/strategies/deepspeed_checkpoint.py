@@ -92,7 +92,7 @@ class DeepSpeedCheckpointIO:
         sharded = [model.key] + ([opt.key] if opt is not None else [])
         return {"sharded": sharded, "stage": self.stage, "world_size": self.world_size}
 
-    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry]) -> None:
+    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
         how = (
             "Resume with the configuration it was saved with, or save it in the portable form: in the original "
             "setup, use DeepSpeedStrategy(state_dict_type='full'), which loads at any world size and stage."
@@ -130,7 +130,7 @@ class DeepSpeedCheckpointIO:
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint in {directory} (see its log above).")
 
-    def read_all(self, directory: Path, info: dict[str, Any]) -> dict[str, Any]:
+    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
         diagnostics.warn(
             f"{directory} is a sharded DeepSpeed checkpoint: reading it without state returns its other entries "
             f"only, not the engine's {info.get('sharded')}. Load those into the set-up objects "
