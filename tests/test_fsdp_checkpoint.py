@@ -167,8 +167,8 @@ def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, d
         for k, v in entry.items():
             assert torch.equal(plain["optimizer"]["state"][i][k], v)
     assert plain["step"] == 2 and plain["counter"] == {"n": 2}
-    # Both single files load into a one-process, unsharded model (any strategy reads them).
-    for path in (out, tmp_path / "ckpt.pt"):
+    # Both single files and the sharded directory load into a one-process, unsharded model.
+    for path in (out, tmp_path / "ckpt.pt", tmp_path / "ckpt"):
         got = _load_single_process(path)
         _close(got["params"].tolist(), reports[0]["params"])
         _close(got["opt"].tolist(), reports[0]["opt"])
@@ -230,6 +230,36 @@ def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int
     assert rep["broken"].startswith("broken is not a complete sharded checkpoint: phalanx_meta.pt is missing")
     assert rep["mismatch"].startswith("The checkpoint does not match Linear: missing keys: [weight, bias]; "
                                       "unexpected keys: [inp.weight, inp.bias, blocks.0.l1.weight")
+
+
+DDP_LOAD_JOB = """
+import torch, phalanx
+from mp import report
+from models import make_model, full_params
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
+    model = make_model()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(name, state, strict=False)
+    exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
+                     for p in model.parameters()])
+    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":opt": exp,
+                      name.split("/")[-1] + ":step": state["step"]})
+"""
+
+
+def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    saved_dir, reports = saved
+    _write_models(tmp_path)
+    job = run_job(DDP_LOAD_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    for rank in (0, 1):
+        for name in ("ckpt", "ckpt.pt"):
+            _close(job.reports[rank][name], reports[0]["params"])
+            _close(job.reports[rank][name + ":opt"], reports[0]["opt"])
+            assert job.reports[rank][name + ":step"] == 2
 
 
 def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
@@ -374,12 +404,18 @@ def test_load_finds_the_previous_checkpoint_after_a_crash_mid_publish(
 def test_consolidate_without_torch_private_helpers(
     saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch may rename its private DCP helpers; consolidation then takes torch's public converter."""
+    """torch may rename its private DCP helpers: phalanx notices, and consolidation takes torch's public
+    converter (which torch keeps working across its own renames)."""
     import torch.distributed.checkpoint.state_dict_loader as loader
+
+    from phalanx.checkpoint import dcp
 
     saved_dir, _ = saved
     assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "private.pt")]) == 0
-    monkeypatch.delattr(loader, "_load_state_dict")
+    with monkeypatch.context() as patch:
+        patch.delattr(loader, "_load_state_dict")
+        assert dcp._read_all_private(saved_dir / "ckpt") is None  # the rename is detected, not a crash
+    monkeypatch.setattr(dcp, "_read_all_private", lambda directory: None)
     assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "public.pt")]) == 0
     private, public = torch.load(tmp_path / "private.pt"), torch.load(tmp_path / "public.pt")
     assert sorted(private) == sorted(public)

@@ -23,6 +23,7 @@ import enum
 import io
 import pathlib
 import pickle
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -282,8 +283,11 @@ class DCPShards:
         with self._collective("load: reading shards (torch.distributed.checkpoint)"):
             template = self._tensors(entries, with_state_only=False)
             try:
-                dcp_load(template, storage_reader=FileSystemReader(str(directory)),
-                         planner=DefaultLoadPlanner(allow_partial_load=not strict))
+                with warnings.catch_warnings():
+                    # Loading in one process (no process group) is intended here, not an accident.
+                    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+                    dcp_load(template, storage_reader=FileSystemReader(str(directory)),
+                             planner=DefaultLoadPlanner(allow_partial_load=not strict))
             except (Exception, CheckpointException) as err:  # DCP raises the same failure on every rank
                 raise CheckpointError(f"Reading the sharded checkpoint {directory} failed: "
                                       f"{_first_cause(err)}") from err

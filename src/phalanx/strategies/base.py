@@ -267,8 +267,10 @@ class Strategy:
     def weights_finite(self, module: nn.Module) -> bool:
         """Whether every floating-point parameter and buffer of ``module`` is finite on every rank (one
         collective; every rank gets the same answer)."""
-        checks = [torch.isfinite(t.detach()).all() for t in self._local_tensors(module)
-                  if t.is_floating_point() and t.numel() > 0]
-        local = bool(torch.stack(checks).all()) if checks else True
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in self._local_tensors(module):
+            if t.is_floating_point() and t.numel() > 0:
+                by_device.setdefault(t.device, []).append(torch.isfinite(t.detach()).all())
+        local = all(bool(torch.stack(checks).all()) for checks in by_device.values())  # one sync per device
         flag = torch.tensor([1.0 if local else 0.0], device=self.root_device)
         return bool(self.all_reduce(flag, "min").item() > 0)
