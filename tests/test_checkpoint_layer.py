@@ -231,6 +231,24 @@ def test_unwritable_directory_gives_the_true_cause(tmp_path: Path, monkeypatch: 
     assert fabric.load(path)["step"] == 1
 
 
+def test_a_write_error_that_lost_its_cause_is_asked_of_the_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.distributed.checkpoint shares each rank's exception by pickling it, which drops the OSError
+    behind torch's "unexpected pos": phalanx asks the filesystem again with a test write."""
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    generic = storage.write_error(lost, tmp_path / "ckpt", "write the shards of checkpoint")
+    assert "unexpected pos" in str(generic)  # the filesystem is fine here: torch's words are all there is
+
+    def no_space(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(storage.os, "posix_fallocate", no_space)
+    err = storage.write_error(lost, tmp_path / "ckpt", "write the shards of checkpoint")
+    assert str(err).startswith(f"Cannot write the shards of checkpoint {tmp_path / 'ckpt'}: [Errno 28] No space left")
+    assert not list(tmp_path.iterdir()), "the probe file was left behind"
+
+
 def _tmpfs_available() -> bool:
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return False

@@ -18,7 +18,6 @@ leaves a half-deleted directory that looks like a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -108,6 +107,32 @@ def os_error_in(err: BaseException) -> OSError | None:
     return None
 
 
+def probe_write(directory: Path, size: int = 2**20) -> OSError | None:
+    """The error the operating system gives for a test write of ``size`` bytes in ``directory`` (None if
+    it succeeds). Some writers lose the real ``OSError`` on the way (torch.distributed.checkpoint
+    pickles each rank's exception to share it, which drops its context); asking the filesystem again
+    recovers the true cause."""
+    probe = directory / f".phalanx-probe-{uuid.uuid4().hex[:10]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+    except OSError as err:
+        return OSError(err.errno, err.strerror, str(directory))
+    try:
+        fallocate = getattr(os, "posix_fallocate", None)
+        if fallocate is not None:
+            fallocate(fd, 0, size)
+        else:
+            os.write(fd, bytes(size))
+        os.fsync(fd)
+    except OSError as err:
+        return OSError(err.errno, err.strerror, str(directory))
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return None
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -116,6 +141,8 @@ def write_error(err: BaseException, path: Path, action: str, needed: int | None 
     """A ``CheckpointError`` that names ``path`` and the true cause of a failed write (``action``: what
     was attempted, e.g. "write checkpoint")."""
     os_err = os_error_in(err)
+    if os_err is None and not isinstance(err, CheckpointError):
+        os_err = probe_write(path.parent if path.parent.exists() else Path.cwd())
     if os_err is None:
         return err if isinstance(err, CheckpointError) else CheckpointError(
             f"Cannot {action} {path}: {type(err).__name__}: {err}. The previous checkpoint, if any, is unchanged."
@@ -216,6 +243,8 @@ def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
     if not sys.platform.startswith("linux"):
         return False
+    import ctypes  # only directory checkpoints need it; keeps `import phalanx` light
+
     fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is None:
         return False
