@@ -118,10 +118,11 @@ def probe_write(directory: Path, size: int = 2**20) -> OSError | None:
     except OSError as err:
         return OSError(err.errno, err.strerror, str(directory))
     try:
-        fallocate = getattr(os, "posix_fallocate", None)
-        if fallocate is not None:
-            fallocate(fd, 0, size)
-        else:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except (AttributeError, OSError) as err:  # no fallocate here (platform or filesystem): write zeros
+            if isinstance(err, OSError) and err.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
             os.write(fd, bytes(size))
         os.fsync(fd)
     except OSError as err:
