@@ -15,9 +15,22 @@ from phalanx.errors import MisconfigurationError, PhalanxWarning
 from phalanx.trainer.checkpointing import callback_keys
 
 
+class FakeStrategy:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def weights_finite(self, module: Any) -> bool:
+        return True
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if self.rank == 0:
+            Path(path).unlink(missing_ok=True)
+
+
 class FakeFabric:
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
         self.logged: list[tuple[dict[str, float], int | None]] = []
+        self.strategy = FakeStrategy(rank)
 
     def log_dict(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.logged.append((dict(metrics), step))
@@ -28,9 +41,8 @@ class FakeTrainer:
         self.global_step, self.current_epoch, self.batches_done = 0, 0, 0
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.progress_bar_metrics: dict[str, float] = {}
-        self.is_global_zero, self.in_window, self.should_stop = rank == 0, False, False
-        self.global_rank = rank
-        self.log_dir, self.loggers, self.fabric = tmp, [object()], FakeFabric()
+        self.is_global_zero, self.global_rank, self.in_window, self.should_stop = rank == 0, rank, False, False
+        self.log_dir, self.loggers, self.fabric, self.model = tmp, [object()], FakeFabric(rank), None
         self.saved: list[str] = []
         self.log_every_n_steps, self.num_training_batches, self.num_eval_batches = 1, 5, [3]
         self.stage = "fit"

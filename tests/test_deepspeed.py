@@ -206,9 +206,9 @@ def test_checkpoint_round_trip_and_world_size_change(tmp_path: Path, stage: int)
     final = _params(saved, 0)
     torch.testing.assert_close(final, _params(saved, 0, "reference"), rtol=0, atol=1e-6)
     assert saved.reports[0]["broken"].startswith("CheckpointError: ")
-    assert "has no phalanx_meta.pt" in saved.reports[0]["broken"]
+    assert "is not a complete sharded checkpoint: phalanx_meta.pt is missing" in saved.reports[0]["broken"]
     assert (tmp_path / "ckpt" / "phalanx_meta.pt").is_file() and (tmp_path / "full.pt").is_file()
-    assert not list(tmp_path.glob(".ckpt.tmp-*"))
+    assert not list(tmp_path.glob(".ckpt.*"))  # no temporary directory left behind
 
     # Same world size: the sharded checkpoint resumes exactly (momentum included).
     resumed = run_job(CKPT_JOB, tmp_path, args=("load_sharded", str(stage), "2"), timeout=TIMEOUT).check()
@@ -230,9 +230,11 @@ def test_zero3_save_refuses_incomplete_dirs_and_full_file_loads_into_plain_torch
     job = run_job(CKPT_JOB, tmp_path, args=("save", "3", "2"), timeout=TIMEOUT).check()
     for rank in (0, 1):
         torch.testing.assert_close(_params(job, rank), _params(job, rank, "reference"), rtol=0, atol=1e-6)
-        assert "has no phalanx_meta.pt" in job.reports[rank]["broken"]
-    assert not list(tmp_path.glob(".ckpt.tmp-*"))
-    ckpt = torch.load(tmp_path / "full.pt", weights_only=False)
+        assert "is not a complete sharded checkpoint: phalanx_meta.pt is missing" in job.reports[rank]["broken"]
+    assert not list(tmp_path.glob(".ckpt.*"))
+    # Both files phalanx wrote open with torch's safe loader: the marker of the sharded form and the full file.
+    assert torch.load(tmp_path / "ckpt" / "phalanx_meta.pt", weights_only=True)["extras"] == {"step": 2}
+    ckpt = torch.load(tmp_path / "full.pt", weights_only=True)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     model.load_state_dict(ckpt["model"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -20,7 +20,7 @@ from test_fsdp import MODEL_CODE
 
 from phalanx import Fabric
 from phalanx._compat import FSDP_ON_CPU
-from phalanx.checkpoint.sharded import MARKER, read_sharded
+from phalanx.checkpoint import MARKER, read_everything
 from phalanx.cli import main as phalanx_main
 from phalanx.errors import CheckpointError
 
@@ -135,7 +135,7 @@ def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any
     assert sum(f.endswith(".distcp") for f in files) == 2  # every rank wrote its own shards
     assert not list(tmp_path.glob(".ckpt.partial-*"))  # the temporary directory was renamed away
     # The full file is the usual single-file layout: plain torch.load, index-keyed optimizer state.
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "ckpt.pt")  # torch's defaults: weights_only=True on torch >= 2.6
     assert set(ckpt["optimizer"]["state"]) == set(range(12))
     flat = torch.cat([t.reshape(-1).double() for t in ckpt["model"].values()])
     _close(flat.tolist(), reports[0]["params"])
@@ -159,8 +159,8 @@ def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, d
     tmp_path, reports = saved
     out = tmp_path / "consolidated.pt"
     assert phalanx_main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 0
-    plain = torch.load(out, weights_only=False)
-    full = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    plain = torch.load(out, weights_only=True)
+    full = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert sorted(plain) == sorted(full)
     for key in full["model"]:
         assert torch.equal(plain["model"][key], full["model"][key])
@@ -169,8 +169,8 @@ def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, d
         for k, v in entry.items():
             assert torch.equal(plain["optimizer"]["state"][i][k], v)
     assert plain["step"] == 2 and plain["counter"] == {"n": 2}
-    # Both single files load into a one-process, unsharded model (any strategy reads them).
-    for path in (out, tmp_path / "ckpt.pt"):
+    # Both single files and the sharded directory load into a one-process, unsharded model.
+    for path in (out, tmp_path / "ckpt.pt", tmp_path / "ckpt"):
         got = _load_single_process(path)
         _close(got["params"].tolist(), reports[0]["params"])
         _close(got["opt"].tolist(), reports[0]["opt"])
@@ -234,6 +234,36 @@ def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int
                                       "unexpected keys: [inp.weight, inp.bias, blocks.0.l1.weight")
 
 
+DDP_LOAD_JOB = """
+import torch, phalanx
+from mp import report
+from models import make_model, full_params
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
+    model = make_model()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(name, state, strict=False)
+    exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
+                     for p in model.parameters()])
+    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":opt": exp,
+                      name.split("/")[-1] + ":step": state["step"]})
+"""
+
+
+def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    saved_dir, reports = saved
+    _write_models(tmp_path)
+    job = run_job(DDP_LOAD_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    for rank in (0, 1):
+        for name in ("ckpt", "ckpt.pt"):
+            _close(job.reports[rank][name], reports[0]["params"])
+            _close(job.reports[rank][name + ":opt"], reports[0]["opt"])
+            assert job.reports[rank][name + ":step"] == 2
+
+
 def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
     _write_models(tmp_path)
     reports = run_job(SAVE_JOB.replace("PRECISION", repr("16-mixed")), tmp_path).check().reports
@@ -242,7 +272,7 @@ def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
         _close(rep["ckpt:params"], rep["params"])
         _close(rep["ckpt.pt:opt"], rep["opt"])
         _close(rep["ckpt:after"], rep["after"])
-    meta = torch.load(tmp_path / "ckpt" / MARKER, weights_only=False)["__phalanx__"]
+    meta = torch.load(tmp_path / "ckpt" / MARKER, weights_only=True)["__phalanx__"]
     assert meta["precision"] == "16-mixed" and meta["precision_state"]["scaler"]["scale"] == reports[0]["scale"]
 
 
@@ -276,7 +306,7 @@ def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
         assert rep["error"] is not None, job.output[-3000:]
         assert rep["error"].startswith("CollectiveMismatchError")
         # The lockstep check's own error, naming both operations (a timeout would say something else).
-        assert "save (sharded checkpoint)" in rep["error"] and "after save" in rep["error"]
+        assert "rank 0 called save at job.py" in rep["error"] and "after save" in rep["error"]
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -327,7 +357,7 @@ def _kill_trial(tmp_path: Path, seed: int) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    sd = read_sharded(tmp_path / "ckpt")  # raises CheckpointError if not complete
+    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
     step = sd["step"]
     for key, value in sd["model"].items():
         assert torch.all(value == float(step)), f"{key} holds a mix of saves"
@@ -349,11 +379,70 @@ def test_kill_during_save_many_trials(tmp_path: Path) -> None:
 
 def test_load_refuses_missing_and_partial_checkpoints(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="No checkpoint at"):
-        read_sharded(tmp_path / "nothing")
-    (tmp_path / ".ckpt.old-abc").mkdir()
-    with pytest.raises(CheckpointError, match=r"interrupted while replacing it; the previous checkpoint is at"):
-        read_sharded(tmp_path / "ckpt")
+        read_everything(tmp_path / "nothing")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"phalanx_meta\.pt is missing"):
-        read_sharded(tmp_path / "ckpt")
+        read_everything(tmp_path / "ckpt")
+
+
+def test_load_finds_the_previous_checkpoint_after_a_crash_mid_publish(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without an atomic exchange, publishing takes two renames; a crash between them leaves nothing at
+    the path and the previous checkpoint under .old-: load must find it there."""
+    import shutil
+
+    saved_dir, _ = saved
+    shutil.copytree(saved_dir / "ckpt", tmp_path / ".ckpt.old-0123456789")
+    sd = read_everything(tmp_path / "ckpt")
+    assert sd["step"] == 2 and "interrupted while replacing it" in caplog.text
+    # An interrupted copy that is itself incomplete is still refused, naming it.
+    (tmp_path / ".ckpt.old-0123456789" / MARKER).unlink()
+    with pytest.raises(CheckpointError, match=r"\.ckpt\.old-0123456789 is not a complete sharded checkpoint"):
+        read_everything(tmp_path / "ckpt")
+
+
+def test_consolidate_without_torch_private_helpers(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch may rename its private DCP helpers: phalanx notices, and consolidation takes torch's public
+    converter (which torch keeps working across its own renames)."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    from phalanx.checkpoint import dcp
+
+    saved_dir, _ = saved
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "private.pt")]) == 0
+    with monkeypatch.context() as patch:
+        patch.delattr(loader, "_load_state_dict")
+        assert dcp._read_all_private(saved_dir / "ckpt") is None  # the rename is detected, not a crash
+    monkeypatch.setattr(dcp, "_read_all_private", lambda directory: None)
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "public.pt")]) == 0
+    private, public = torch.load(tmp_path / "private.pt"), torch.load(tmp_path / "public.pt")
+    assert sorted(private) == sorted(public)
+    for key, value in private["model"].items():
+        assert torch.equal(public["model"][key], value)
+    for i, entry in private["optimizer"]["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(public["optimizer"]["state"][i][k], v)
+
+
+def test_sharded_metadata_that_could_run_code_is_refused(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """torch reads DCP's .metadata with plain pickle; phalanx vets it first (weights_only=True)."""
+    import pickle
+    import shutil
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned > pwned.txt",))
+
+    saved_dir, _ = saved
+    shutil.copytree(saved_dir / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata names posix\.system.*could run code"):
+        read_everything(tmp_path / "ckpt")
+    assert phalanx_main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 1
+    assert not (tmp_path / "pwned.txt").exists() and not Path("pwned.txt").exists()

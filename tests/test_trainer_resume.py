@@ -53,7 +53,7 @@ def test_interrupted_fit_resumes_bit_identical(tmp_path: Path) -> None:
     full_trainer, full_model = _fit(tmp_path / "full")
     with pytest.raises(Interrupt):
         _fit(tmp_path / "cut", stop_at=7)  # checkpoints at steps 3 and 6, mid-epoch 0 (8 steps per epoch)
-    last = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=False)
+    last = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
     assert last["loops"]["global_step"] == 6 and last["loops"]["batches_done"] == 12
     resumed_trainer, resumed_model = _fit(tmp_path / "cut", ckpt_path="last")
     assert resumed_trainer.global_step == full_trainer.global_step == 24

@@ -384,20 +384,29 @@ class Fabric:
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
         self._strategy.save_checkpoint(path, dict(state))
 
-    def load(self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+    def load(
+        self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; returns the checkpoint entries ``state`` did not ask
-        for (or the whole checkpoint when ``state`` is None). Call it on every rank."""
+        for (or the whole checkpoint when ``state`` is None). Call it on every rank. ``strict=False``
+        loads what matches and warns what it skipped. ``weights_only`` (None means True): open only
+        tensors and plain values; pass False for a trusted file holding other objects (unpickling
+        those can run code)."""
         self._ensure_launched()
-        return self._strategy.load_checkpoint(path, state, strict)
+        return self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
 
-    def load_raw(self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
+    def load_raw(
+        self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None
+    ) -> None:
         """Load a plain state dict (e.g. from ``torch.save(model.state_dict())``) into one module/optimizer."""
         self._ensure_launched()
-        holder = {"obj": obj}
-        ckpt = {"obj": torch.load(Path(path), map_location="cpu", weights_only=True)}
-        from phalanx.checkpoint.io import apply_state
+        self._strategy.load_raw_checkpoint(path, obj, strict, weights_only is not False)
 
-        apply_state(holder, ckpt, self._strategy, strict)
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Delete a checkpoint written by ``save`` (a file or a sharded directory). Call it on every rank."""
+        self._ensure_launched()
+        self._strategy.remove_checkpoint(path)
 
     # ------------------------------------------------------------------ logging and callbacks
     def log(self, name: str, value: Any, step: int | None = None) -> None:

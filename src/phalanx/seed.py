@@ -41,10 +41,15 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Snapshot every generator this process uses; :func:`restore_rng_state` puts it back exactly."""
+    """Snapshot every generator this process uses; :func:`restore_rng_state` puts it back exactly.
+
+    Only tensors and plain Python values, so a checkpoint holding it opens with
+    ``torch.load(weights_only=True)`` (NumPy's state array is stored as a list of ints)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -53,8 +58,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        np.random.set_state((npy["kind"], np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))
+    else:  # written by phalanx 0.1: NumPy's own tuple
+        np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

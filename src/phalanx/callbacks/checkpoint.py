@@ -1,9 +1,13 @@
 """``ModelCheckpoint``: save the best k checkpoints by a metric, and/or the latest one.
 
 Every rank runs this callback and makes the same decisions (``trainer.callback_metrics`` is
-identical on all ranks), so ``trainer.save_checkpoint`` (a collective) is always called by all of
-them together. Files are written atomically by rank 0 through ``fabric.save``; only rank 0 deletes
-files that drop out of the top k.
+identical on all ranks), so ``trainer.save_checkpoint`` and the removal of checkpoints that drop out
+of the top k (collectives: rank 0 writes and deletes, through the strategy) are always called by all
+of them together. A checkpoint is a file or, with sharded strategies, a directory.
+
+A run that went non-finite never replaces a good checkpoint: before each save every rank checks its
+weights (one collective, so all agree), and a non-finite monitor value never enters the top k.
+Either case skips the save with a warning and keeps what is on disk.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from phalanx import diagnostics
 from phalanx.callbacks.base import Callback
 from phalanx.errors import MisconfigurationError
 
@@ -90,6 +95,14 @@ class ModelCheckpoint(Callback):
     def _save(self, trainer: Any) -> None:
         assert self.dirpath is not None
         self._last_step_saved = trainer.global_step
+        if not trainer.fabric.strategy.weights_finite(trainer.model):
+            diagnostics.warn(
+                f"ModelCheckpoint: the model's weights hold inf/nan at epoch {trainer.current_epoch}, step "
+                f"{trainer.global_step}; no checkpoint is written and the existing ones in {self.dirpath} are kept "
+                "(the run diverged: lower the learning rate, clip gradients, or check the data).",
+                rank=trainer.global_rank,
+            )
+            return
         if self.monitor is not None:
             self._save_top_k(trainer)
         elif self.save_top_k != 0:
@@ -117,9 +130,14 @@ class ModelCheckpoint(Callback):
                 "validation metric)."
             )
         score = float(metrics[self.monitor])
-        if math.isnan(score):
-            score = math.inf if self.mode == "min" else -math.inf
         if self.save_top_k == 0:
+            return
+        if not math.isfinite(score):
+            diagnostics.warn(
+                f"ModelCheckpoint: {self.monitor}={score} at epoch {trainer.current_epoch}, step {trainer.global_step} "
+                "is not finite, so this checkpoint is not ranked among the best and none is replaced.",
+                rank=trainer.global_rank,
+            )
             return
         full = self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k
         if full and not self._better(score, self._worst()[1]):
@@ -146,8 +164,8 @@ class ModelCheckpoint(Callback):
         return path, self.best_k_models[path]
 
     def _remove(self, trainer: Any, path: str) -> None:
-        if trainer.is_global_zero and path != self.last_model_path:
-            Path(path).unlink(missing_ok=True)
+        if path != self.last_model_path:
+            trainer.fabric.strategy.remove_checkpoint(path)  # every rank calls; rank 0 deletes file or directory
 
     def format_filename(self, trainer: Any, metrics: dict[str, Any] | None = None) -> str:
         values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}

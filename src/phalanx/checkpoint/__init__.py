@@ -1,5 +1,20 @@
-"""Checkpoint I/O: atomic single-file writes, validated reads, state collection and restoration."""
+"""Checkpoints: one layer for every strategy (atomic publish, safe reads, one strict check and one
+mismatch report). Strategies plug in through :mod:`phalanx.checkpoint.protocol`."""
 
-from phalanx.checkpoint.io import META_KEY, atomic_save, read_checkpoint
+from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, read_file
+from phalanx.checkpoint.layer import Found, consolidate, find, load, load_raw, read_everything, remove, save
 
-__all__ = ["META_KEY", "atomic_save", "read_checkpoint"]
+__all__ = [
+    "MARKER",
+    "META_KEY",
+    "Found",
+    "check_plain",
+    "consolidate",
+    "find",
+    "load",
+    "load_raw",
+    "read_everything",
+    "read_file",
+    "remove",
+    "save",
+]

@@ -35,7 +35,7 @@ def _describe(sd: dict[str, Any]) -> str:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from phalanx.checkpoint.sharded import consolidate
+    from phalanx.checkpoint.layer import consolidate
 
     src, dst = Path(args.sharded_dir), Path(args.out_file)
     if src.resolve() == dst.resolve():

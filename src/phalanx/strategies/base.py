@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.checkpoint import io as ckpt_io
+from phalanx import checkpoint
+from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
@@ -202,32 +203,76 @@ class Strategy:
         """Raise naming the first tensor that differs across ranks (a no-op on one process)."""
 
     # ------------------------------------------------------------------ state and checkpoints
+    #: phalanx.checkpoint.protocol.Host: single-file loads read the file on every rank.
+    loads_full_state_on_rank0: ClassVar[bool] = False
+
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The module's full (unsharded) state dict, on every rank."""
         return module.state_dict()
 
     def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
-        ckpt_io.load_module_state(module, state, strict)
+        module.load_state_dict(state, strict=strict)
 
     def optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's full state in torch's index-keyed layout, on every rank."""
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
+    # The checkpoint layer's view (phalanx.checkpoint.protocol.Host); backends override what differs.
+    def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
+        return None
+
+    def gather_module_state(self, module: nn.Module) -> dict[str, Any]:
+        return self.module_state_dict(module)
+
+    def gather_optimizer_state(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
+        return self.optimizer_state_dict(module, optimizer)
+
+    def scatter_module_state(self, module: nn.Module, state: dict[str, Any], strict: bool, from_rank0: bool) -> None:
+        self.load_module_state_dict(module, state, strict)
+
+    def scatter_optimizer_state(
+        self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any], from_rank0: bool
+    ) -> None:
+        self.load_optimizer_state_dict(module, optimizer, state)
+
+    def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
+        shapes: Shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                          for k, v in module.state_dict().items()}
+        return type(module).__name__, shapes
+
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
-        with self._checkpoint_op("save"):
-            full = ckpt_io.collect_state(state, self)
-            if self.is_global_zero:
-                ckpt_io.atomic_save(full, Path(path))
+        checkpoint.save(self, path, state)
 
-    def load_checkpoint(self, path: str | Path, state: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
-        with self._checkpoint_op("load"):
-            ckpt = ckpt_io.read_checkpoint(Path(path))
-            if state is None:
-                return ckpt_io.strip_meta(ckpt)
-            return ckpt_io.apply_state(state, ckpt, self, strict)
+    def load_checkpoint(
+        self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
+    ) -> dict[str, Any]:
+        return checkpoint.load(self, path, state, strict, weights_only)
 
-    @contextlib.contextmanager
-    def _checkpoint_op(self, name: str) -> Iterator[None]:
-        """Brackets a save/load so every rank enters and leaves it together (parallel strategies)."""
-        yield
+    def load_raw_checkpoint(self, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
+        checkpoint.load_raw(self, path, obj, strict, weights_only)
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Delete a checkpoint (file or directory). Call it on every rank; rank 0 deletes."""
+        checkpoint.remove(self, path)
+
+    def _local_tensors(self, module: nn.Module) -> list[torch.Tensor]:
+        """This rank's part of every parameter and buffer (a DTensor's local shard)."""
+        out = []
+        for t in (*module.parameters(), *module.buffers()):
+            to_local = getattr(t, "to_local", None)
+            out.append(to_local() if callable(to_local) else t)
+        return out
+
+    def weights_finite(self, module: nn.Module) -> bool:
+        """Whether every floating-point parameter and buffer of ``module`` is finite on every rank (one
+        collective; every rank gets the same answer)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in self._local_tensors(module):
+            if t.is_floating_point() and t.numel() > 0:
+                by_device.setdefault(t.device, []).append(torch.isfinite(t.detach()).all())
+        local = all(bool(torch.stack(checks).all()) for checks in by_device.values())  # one sync per device
+        flag = torch.tensor([1.0 if local else 0.0], device=self.root_device)
+        return bool(self.all_reduce(flag, "min").item() > 0)

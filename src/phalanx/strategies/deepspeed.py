@@ -41,8 +41,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.errors import GradientSyncError, MisconfigurationError
+from phalanx.checkpoint.protocol import Shapes, ShardIO
+from phalanx.errors import CheckpointError, GradientSyncError, MisconfigurationError
 from phalanx.precision import Precision
+from phalanx.strategies.deepspeed_checkpoint import DeepSpeedCheckpointIO
 from phalanx.strategies.deepspeed_config import PRECISION_SECTIONS, apply_precision, build_zero_config, conflict
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utils import apply_to_tensors
@@ -375,49 +377,64 @@ class DeepSpeedStrategy(ParallelStrategy):
         return None
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
+    def _checkpoint_io(self) -> DeepSpeedCheckpointIO | None:
+        if self._engine is None or self._client_optimizer is None:
+            return None
+        return DeepSpeedCheckpointIO(
+            self._engine, self._client_optimizer, self._param_groups, self.stage, self.world_size,
+            guarded=self.guard.guarded, unguarded=self.guard.unguarded,
+        )
 
-        with self._checkpoint_op("save"):
-            ds_ckpt.save(self, Path(path), state)
+    def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
+        if layout not in (None, DeepSpeedCheckpointIO.layout) or (layout is None and self.state_dict_type == "full"):
+            return None
+        io = self._checkpoint_io()
+        if io is None:
+            raise CheckpointError(
+                "A sharded DeepSpeed checkpoint is the engine's: set up the model with its optimizer first "
+                "(`model, optimizer = fabric.setup(model, optimizer)`), or use state_dict_type='full'."
+            )
+        return io
 
-    def load_checkpoint(self, path: str | Path, state: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
-
-        with self._checkpoint_op("load"):
-            return ds_ckpt.load(self, Path(path), state, strict)
-
-    # The hooks below serve the "full" format (phalanx's generic collect/apply over a consolidated state).
-    def _owns(self, module: nn.Module | None) -> bool:
-        return self._engine is not None and module is self._engine.module
+    def _io_for(
+        self, module: nn.Module | None = None, optimizer: Optimizer | None = None
+    ) -> DeepSpeedCheckpointIO | None:
+        """The engine's checkpoint helper if ``module``/``optimizer`` is the engine's (else None)."""
+        io = self._checkpoint_io()
+        if io is not None and ((module is not None and module is io.engine.module) or
+                               (optimizer is not None and optimizer is io.optimizer)):
+            return io
+        return None
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
-
-        return ds_ckpt.full_module_state(self) if self._owns(module) else module.state_dict()
+        io = self._io_for(module=module)
+        return io.full_module_state() if io is not None else module.state_dict()
 
     def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
-
-        if self._owns(module):
-            ds_ckpt.load_full_module_state(self, state, strict)
+        io = self._io_for(module=module)
+        if io is not None:
+            io.load_full_module_state(state)
         else:
             super().load_module_state_dict(module, state, strict)
 
     def optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
-
-        if optimizer is self._client_optimizer:
-            return ds_ckpt.full_optimizer_state(self)
-        return optimizer.state_dict()
+        io = self._io_for(optimizer=optimizer)
+        return io.full_optimizer_state() if io is not None else optimizer.state_dict()
 
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        from phalanx.strategies import deepspeed_checkpoint as ds_ckpt
-
-        if optimizer is self._client_optimizer:
-            ds_ckpt.load_full_optimizer_state(self, state)
+        io = self._io_for(optimizer=optimizer)
+        if io is not None:
+            io.load_full_optimizer_state(state)
         else:
             optimizer.load_state_dict(state)
+
+    def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
+        io = self._io_for(module=module)
+        return (type(module).__name__, io.module_layout()) if io is not None else super().module_layout(module)
+
+    def _local_tensors(self, module: nn.Module) -> list[torch.Tensor]:
+        # ZeRO-3 parameters are empty placeholders; this rank's values are in their ds_tensor partition.
+        return [getattr(t, "ds_tensor", t) for t in super()._local_tensors(module)]
 
     def teardown(self, error: BaseException | None = None) -> None:
         if self._engine is not None:

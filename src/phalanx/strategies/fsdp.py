@@ -17,7 +17,7 @@ hard to misuse:
   own norm functions on DTensor gradients), and 16-mixed skips a step on every rank when any shard
   overflowed (torch's GradScaler reduces its found-inf flag over the mesh).
 
-Checkpoint I/O lives in :mod:`phalanx.checkpoint.sharded`.
+Checkpoint I/O: :mod:`phalanx.checkpoint` (the layer) and :mod:`phalanx.checkpoint.dcp` (FSDP's shards).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from phalanx._compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from phalanx.checkpoint import sharded
-from phalanx.checkpoint.sharded import class_name
+from phalanx.checkpoint import dcp
+from phalanx.checkpoint.dcp import class_name
+from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.launch import ClusterEnvironment
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
@@ -547,33 +548,62 @@ class FSDPStrategy(ParallelStrategy):
         super().verify_in_sync(kept, what, rtol, atol)
 
     # ------------------------------------------------------------------ state and checkpoints
+    #: A single-file load is read by rank 0 alone; each tensor is broadcast and every rank keeps its shard.
+    loads_full_state_on_rank0: ClassVar[bool] = True
+
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full (unsharded) state dict, on every rank. A collective: call it on every rank."""
-        with self.internal_state_dict():
-            return sharded.full_model_state(module, rank0_only=False)
+        with self.internal_state_dict(), self.guard.unguarded("module_state_dict (FSDP all-gather)"):
+            return dcp.full_model_state(module, rank0_only=False)
 
     def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
-        with self.internal_state_dict():
-            sharded.load_full_model_state(module, state, strict, broadcast=False)
+        self.scatter_module_state(module, state, strict, from_rank0=False)
 
     def optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
-        with self.internal_state_dict():
-            return sharded.full_optimizer_state(module, optimizer, rank0_only=False)
+        with self.internal_state_dict(), self.guard.unguarded("optimizer_state_dict (FSDP all-gather)"):
+            return dcp.full_optimizer_state(module, optimizer, rank0_only=False)
 
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        with self.internal_state_dict():
-            sharded.load_full_optimizer_state(module, optimizer, state, broadcast=False)
+        self.scatter_optimizer_state(module, optimizer, state, from_rank0=False)
+
+    def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
+        if layout is None and self.state_dict_type == "full":
+            return None
+        if layout not in (None, dcp.DCPShards.layout):
+            return None
+        return dcp.DCPShards(self.guard.unguarded)
+
+    def gather_module_state(self, module: nn.Module) -> dict[str, Any]:
+        with self.internal_state_dict(), self.guard.unguarded("save: gathering the full model on rank 0"):
+            return dcp.full_model_state(module, rank0_only=True)
+
+    def gather_optimizer_state(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
+        with self.internal_state_dict(), self.guard.unguarded("save: gathering the full optimizer state on rank 0"):
+            return dcp.full_optimizer_state(module, optimizer, rank0_only=True)
+
+    def scatter_module_state(self, module: nn.Module, state: dict[str, Any], strict: bool, from_rank0: bool) -> None:
+        with self.internal_state_dict(), self.guard.unguarded("load: sharding the full model"):
+            dcp.load_full_model_state(module, state, strict, broadcast=from_rank0)
+
+    def scatter_optimizer_state(
+        self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any], from_rank0: bool
+    ) -> None:
+        with self.internal_state_dict(), self.guard.unguarded("load: sharding the full optimizer state"):
+            dcp.load_full_optimizer_state(module, optimizer, state, broadcast=from_rank0)
+
+    def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
+        with self.internal_state_dict():  # DTensor shapes are the full shapes: no gather needed
+            return class_name(module), super().module_layout(module)[1]
 
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
         with self.internal_state_dict():
-            if self.state_dict_type == "sharded":
-                sharded.save_sharded(self, Path(path), state)
-            else:
-                sharded.save_full(self, Path(path), state)
+            super().save_checkpoint(path, state)
 
-    def load_checkpoint(self, path: str | Path, state: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
+    ) -> dict[str, Any]:
         with self.internal_state_dict():
-            return sharded.load(self, Path(path), state, strict)
+            return super().load_checkpoint(path, state, strict, weights_only)
 
 
 __all__ = ["FSDPMixedPrecision", "FSDPStrategy"]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -227,12 +225,3 @@ class ParallelStrategy(Strategy):
                     f"(rank 0: sum={ref[i, 0]:.6g}, |sum|={ref[i, 1]:.6g}; rank {r}: sum={gathered[r, i, 0]:.6g}, "
                     f"|sum|={gathered[r, i, 1]:.6g}). {int((~close).sum())} of {len(named)} tensors differ."
                 )
-
-    @contextlib.contextmanager
-    def _checkpoint_op(self, name: str) -> Iterator[None]:
-        # Enter together (so a save called on rank 0 alone fails fast), leave together (so nobody
-        # reads a checkpoint before rank 0 has renamed it into place).
-        with self.guard.guarded(name):
-            pass
-        yield
-        self.collectives.barrier(f"{name} (finish)")

@@ -7,15 +7,24 @@ accumulators. Resuming restores all of it, so a run killed mid-epoch and resumed
 to one that never stopped (deterministic CPU runs).
 
 Checkpoints are taken only between optimizer steps: saving inside an accumulation window would drop
-the gradients accumulated so far, so the Trainer refuses.
+the gradients accumulated so far, so the Trainer refuses. Everything stored is a tensor or a plain
+Python value (hyperparameters are converted), so the file opens with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from phalanx import checkpoint, diagnostics
+from phalanx.checkpoint.format import find_unsafe
 from phalanx.errors import CheckpointError, MisconfigurationError
 from phalanx.seed import capture_rng_state
 
@@ -39,6 +48,37 @@ def callback_keys(callbacks: list[Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def plain_hparams(value: Any, where: str = "hparams") -> Any:
+    """Hyperparameters as plain values: a Namespace, dataclass or mapping becomes a dict, a path a str,
+    an enum its value, a NumPy scalar or array a number or list. Anything else is stored as its
+    ``repr`` with a warning (hyperparameters are a record, not state that resuming needs)."""
+    if find_unsafe(value) is None:
+        return value
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k) if find_unsafe(k) else k: plain_hparams(v, f"{where}[{k!r}]")
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_hparams(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, (PurePath, os.PathLike)):
+        return os.fspath(value)
+    if isinstance(value, enum.Enum):
+        return plain_hparams(value.value, where)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()  # a tensor subclass: stored as a plain tensor
+    tolist = getattr(value, "tolist", None)  # NumPy scalars and arrays
+    if callable(tolist) and type(value).__module__.startswith("numpy"):
+        return plain_hparams(tolist(), where)
+    diagnostics.warn(
+        f"The hyperparameter {where} is a {type(value).__qualname__}, which a checkpoint cannot hold (it must open "
+        f"with torch.load(weights_only=True)); its repr is stored instead. Pass plain values to save_hyperparameters."
+    )
+    return repr(value)
+
+
 def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None:
     """Write a checkpoint (call on every rank; rank 0 writes, atomically)."""
     t = trainer
@@ -50,7 +90,8 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
             "so far are not part of a checkpoint, so resuming would not match. Save after an optimizer step "
             "(e.g. when trainer.global_step changes), as ModelCheckpoint does."
         )
-    state: dict[str, Any] = {"model": t.model, "phalanx_trainer": FORMAT, "hyper_parameters": dict(t.module.hparams)}
+    state: dict[str, Any] = {"model": t.model, "phalanx_trainer": FORMAT,
+                             "hyper_parameters": plain_hparams(dict(t.module.hparams))}
     if not weights_only:
         if t.optimizer is not None:
             state["optimizer"] = t.optimizer
@@ -82,6 +123,57 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
     t.fabric.save(path, state)
 
 
+def resolve(trainer: Trainer, ckpt_path: str | Path | None) -> Path | None:
+    """The checkpoint ``ckpt_path`` ("last", "best" or a path) names, decided on rank 0 for every rank.
+    A file or a sharded directory counts; an incomplete one is an error, never a silent fresh start."""
+    t = trainer
+    if ckpt_path is None:
+        return None
+    verdict: tuple[str | None, str | None, str | None] = (None, None, None)  # path, error kind, message
+    if t.is_global_zero:
+        verdict = _resolve_here(t, ckpt_path)
+    found, kind, message = t.fabric.broadcast(verdict)
+    if kind == "missing":
+        raise MisconfigurationError(message)
+    if kind == "incomplete":
+        raise CheckpointError(message)
+    if kind == "fresh":
+        diagnostics.warn(str(message), rank=t.global_rank)
+    return Path(found) if found is not None else None
+
+
+def _resolve_here(t: Trainer, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:
+    if ckpt_path in ("last", "best"):
+        attr = "last_model_path" if ckpt_path == "last" else "best_model_path"
+        candidates = [getattr(cb, attr, "") for cb in t.checkpoint_callbacks]
+        if ckpt_path == "last":
+            candidates += [str(Path(cb.dirpath) / "last.ckpt") for cb in t.checkpoint_callbacks if cb.dirpath]
+        for candidate in filter(None, candidates):
+            found = checkpoint.find(candidate)
+            if found is None:
+                continue
+            if found.problem:
+                return None, "incomplete", (
+                    f"ckpt_path={ckpt_path!r} resolves to {candidate}, which cannot be resumed from: {found.problem} "
+                    "Pass the path of an earlier checkpoint as ckpt_path."
+                )
+            return candidate, None, None
+        if ckpt_path == "best":
+            return None, "missing", ("ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a "
+                                     "checkpoint.")
+        folders = sorted({str(cb.dirpath) for cb in t.checkpoint_callbacks if cb.dirpath})
+        return None, "fresh", (
+            f"ckpt_path='last': no last.ckpt in the ModelCheckpoint folders {folders}; training starts from scratch. "
+            "Give ModelCheckpoint save_last=True and a fixed dirpath to resume across runs."
+        )
+    found = checkpoint.find(ckpt_path)
+    if found is None:
+        return None, "missing", f"ckpt_path={str(ckpt_path)!r} does not exist."
+    if found.problem:
+        return None, "incomplete", f"ckpt_path={str(ckpt_path)!r} cannot be loaded: {found.problem}"
+    return str(ckpt_path), None, None
+
+
 def load_weights(trainer: Trainer, path: str | Path) -> None:
     """Only the model (for validate/test/predict with ckpt_path)."""
     trainer.fabric.load(path, {"model": trainer.model}, strict=False)
@@ -111,9 +203,9 @@ def restore(trainer: Trainer, path: str | Path) -> None:
     for key, cb_state in saved.items():
         if key in current:
             current[key].load_state_dict(cb_state)
-        elif t.is_global_zero:
-            print(f"[phalanx] The checkpoint holds state of callback {key!r}, which this Trainer does not have; "
-                  "it is ignored.", file=sys.stderr)
+        else:
+            diagnostics.warn(f"The checkpoint holds state of callback {key!r}, which this Trainer does not have; "
+                             "it is ignored.", rank=t.global_rank)
     if t.datamodule is not None and "datamodule" in rest:
         t.datamodule.load_state_dict(rest["datamodule"])
     ranks = rest["rank_states"]
@@ -121,10 +213,9 @@ def restore(trainer: Trainer, path: str | Path) -> None:
         mine = ranks[t.global_rank]
     else:
         # A different world size cannot replay per-rank random streams; say so, keep going.
-        if t.is_global_zero:
-            print(f"[phalanx] The checkpoint was written by {len(ranks)} ranks and this job has {t.world_size}: data "
-                  "order and counters are restored, per-rank RNG states and partial epoch metrics are not.",
-                  file=sys.stderr)
+        diagnostics.notice(f"The checkpoint was written by {len(ranks)} ranks and this job has {t.world_size}: "
+                           "data order and counters are restored, per-rank RNG states and partial epoch metrics are "
+                           "not.", rank=t.global_rank)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
     t.set_resume_state({
         "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)),

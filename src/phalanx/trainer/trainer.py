@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from phalanx.diagnostics import notice
 from phalanx.errors import MisconfigurationError
 from phalanx.fabric import Fabric
 from phalanx.trainer import checkpointing, loops
@@ -449,27 +448,7 @@ class Trainer:
         return interval if interval > 0 else None
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
-        if ckpt_path is None:
-            return None
-        if ckpt_path in ("last", "best"):
-            attr = "last_model_path" if ckpt_path == "last" else "best_model_path"
-            found = [getattr(cb, attr, "") for cb in self.checkpoint_callbacks]
-            if ckpt_path == "last":
-                found += [str(Path(cb.dirpath) / "last.ckpt") for cb in self.checkpoint_callbacks if cb.dirpath]
-            existing = [p for p in found if p and Path(p).is_file()]
-            if not existing:
-                if ckpt_path == "best":
-                    raise MisconfigurationError(
-                        "ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a checkpoint."
-                    )
-                notice("ckpt_path='last': no last.ckpt found in the ModelCheckpoint folders; starting from scratch.",
-                       rank=self.global_rank)
-                return None
-            return Path(existing[0])
-        path = Path(ckpt_path)
-        if not path.exists():
-            raise MisconfigurationError(f"ckpt_path={str(ckpt_path)!r} does not exist.")
-        return path
+        return checkpointing.resolve(self, ckpt_path)
 
     # ------------------------------------------------------------------ public entry points
     def fit(

@@ -1,0 +1,172 @@
+"""What a phalanx checkpoint file may contain, and opening one without running code.
+
+torch.load unpickles, and unpickling can run any code the file names. torch >= 2.6 therefore opens
+files with ``weights_only=True`` by default, which accepts tensors and plain containers only. Every
+file phalanx writes (single-file checkpoints, the marker inside a sharded directory, ``phalanx
+consolidate`` output) is checked against that set *before* it is written, so plain ``torch.load(path)``
+opens it, and phalanx reads with ``weights_only=True`` unless the caller trusts the file and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import re
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.errors import CheckpointError
+
+META_KEY = "__phalanx__"
+#: The file inside a directory checkpoint that holds phalanx's metadata and the non-sharded entries;
+#: written last, so a directory without it is an interrupted save.
+MARKER = "phalanx_meta.pt"
+#: 2: only plain values (loads with weights_only=True); entry kinds and the shard layout recorded.
+FORMAT_VERSION = 2
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set, torch.Size)
+
+
+def find_unsafe(obj: Any, root: str = "state") -> tuple[str, Any] | None:
+    """The first value in ``obj`` that ``torch.load(weights_only=True)`` would refuse, with its location
+    (e.g. ``state['hparams']['cfg']``); None when everything is tensors and plain containers."""
+    stack: list[tuple[Any, list[str]]] = [(obj, [root])]
+    seen: set[int] = set()
+    while stack:
+        item, where = stack.pop()
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind in _PLAIN_TENSORS:
+            # A tensor carrying Python attributes pickles them too; they must be plain as well.
+            extra = getattr(item, "__dict__", None)
+            if extra:
+                stack += [(v, [*where, f".{k}"]) for k, v in extra.items()]
+            continue
+        if kind not in _CONTAINERS:
+            return "".join(where), item
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if type(key) not in _PLAIN_SCALARS and type(key) is not tuple:
+                    return "".join([*where, f" (key {key!r})"]), key
+                stack.append((value, [*where, f"[{key!r}]"]))
+        else:
+            stack += [(value, [*where, f"[{i}]"]) for i, value in enumerate(item)]
+    return None
+
+
+def check_plain(obj: Any, root: str = "state") -> None:
+    """Refuse to write what could not be opened safely (see the module docstring)."""
+    found = find_unsafe(obj, root)
+    if found is None:
+        return
+    where, value = found
+    raise CheckpointError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold: "
+        "phalanx writes only tensors and plain Python values (dict, list, tuple, str, int, float, bool, None) "
+        "so that torch.load opens the file with weights_only=True, without running code from it. Store a "
+        "plain form instead (e.g. str(path), vars(namespace), value.item(), the object's state_dict(); an "
+        "object with state_dict()/load_state_dict() is saved that way automatically)."
+    )
+
+
+def make_meta(host: Any, layout: str, entries: dict[str, str], **extra: Any) -> dict[str, Any]:
+    """phalanx's own record in every checkpoint: who wrote it and how (plain values only)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "layout": layout,
+        "entries": dict(entries),
+        "strategy": str(host.name),
+        "world_size": int(host.world_size),
+        "precision": str(host.precision.name),
+        "precision_state": host.precision.state_dict(),
+        "torch_version": str(torch.__version__),
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------- reading
+def _legacy_globals() -> list[Any]:
+    """The inert types phalanx 0.1 (format 1) put into its files: torch's version string class and a
+    NumPy RNG state array. Allowed by name so those checkpoints still open with weights_only=True;
+    none of them runs code when rebuilt."""
+    out: list[Any] = []
+    with contextlib.suppress(Exception):
+        from torch.torch_version import TorchVersion
+
+        out.append(TorchVersion)
+    with contextlib.suppress(Exception):
+        import numpy as np
+
+        core = getattr(np, "_core", None) or np.core
+        out += [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    return out
+
+
+@contextlib.contextmanager
+def _allow_legacy() -> Iterator[None]:
+    safe_globals = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
+    if safe_globals is None:
+        yield
+        return
+    with safe_globals(_legacy_globals()):
+        yield
+
+
+def _refused_global(err: BaseException) -> str | None:
+    """The class or function a weights_only load refused to rebuild (None: the file is damaged instead)."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    return found.group(1) if found else None
+
+
+def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -> dict[str, Any]:
+    """Load a checkpoint file onto the CPU, turning every way it can be unreadable into a clear error."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        if weights_only:
+            with _allow_legacy():
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except (ImportError, AttributeError) as err:
+        raise CheckpointError(
+            f"{what} {path} refers to code that cannot be imported here ({type(err).__name__}: {err}). "
+            "Make the classes it was saved with importable (same package and module path), then load again."
+        ) from err
+    except Exception as err:
+        refused = _refused_global(err)
+        if refused is not None:
+            raise CheckpointError(
+                f"{what} {path} holds objects other than tensors and plain Python values (a {refused}), so it "
+                "was not opened: unpickling it could run code. If you trust where the file comes from, "
+                "load it with fabric.load(path, state, weights_only=False) (or fabric.load_raw(..., "
+                "weights_only=False)); saving it again with phalanx then gives a file that opens safely."
+            ) from err
+        # A file cut short, zero-filled past its data (a killed save's preallocated temporary) or otherwise
+        # damaged can fail anywhere in torch.load: in the zip reader, in the legacy tar fallback (KeyError),
+        # or in unpickling. All of it means the same to the user.
+        raise CheckpointError(
+            f"{what} {path} ({size} bytes) is truncated or corrupt and cannot be read: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
+            "phalanx writes checkpoints atomically, so this file was not produced by a completed phalanx save; "
+            "use an earlier checkpoint."
+        ) from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{what} {path} holds a {type(ckpt).__name__}, not a dict of state.")
+    return ckpt
+
+
+def strip_meta(ckpt: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in ckpt.items() if k != META_KEY}

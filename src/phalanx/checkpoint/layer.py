@@ -1,0 +1,431 @@
+"""Saving, loading and removing checkpoints on any strategy: the one place this logic lives.
+
+Layouts: one file (``torch.save`` of plain state dicts plus ``__phalanx__`` metadata), or a directory
+of a backend's shards plus the marker file ``phalanx_meta.pt`` (metadata and every entry the shards
+do not hold), written last. Every operation is a collective: all ranks call it, rank 0 decides and
+writes, and a failure on any rank reaches every rank as a ``CheckpointError`` carrying its true
+cause, so ranks never part ways (one raising while the others wait, or go on with a half-written
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from phalanx import diagnostics
+from phalanx.checkpoint import storage
+from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, make_meta, read_file, strip_meta
+from phalanx.checkpoint.protocol import Host, ShardIO
+from phalanx.checkpoint.state import (
+    MODULE,
+    OPTIMIZER,
+    PLAIN,
+    STATEFUL,
+    Entry,
+    check_entries,
+    looks_like_raw_state_dict,
+    module_mismatch,
+    of_kind,
+    sort_state,
+)
+from phalanx.errors import CheckpointError, CollectiveError
+
+FILE_LAYOUT = "file"
+DCP_LAYOUT = "torch.distributed.checkpoint"
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------- every rank learns every failure
+def _describe(err: BaseException) -> str:
+    if isinstance(err, CheckpointError):
+        return str(err)
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def _raise_failure(host: Host, own: BaseException | None, statuses: list[Any], what: str) -> None:
+    failed = [(rank, status) for rank, status in enumerate(statuses) if status is not None]
+    if not failed:
+        return
+    if own is not None:
+        if isinstance(own, CheckpointError):
+            raise own
+        raise CheckpointError(f"{what} failed on rank {host.global_rank}: {_describe(own)}") from own
+    rank, status = failed[0]
+    raise CheckpointError(f"{what} failed on rank {rank}: {status}")
+
+
+def _together(host: Host, name: str, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it failed anywhere, every rank raises (the failing rank its own error)."""
+    result: Any = None
+    own: BaseException | None = None
+    try:
+        result = fn()
+    except CollectiveError:
+        raise  # the ranks are out of step already: the guard has said so to everyone
+    except Exception as err:
+        own = err
+    statuses = host.all_gather_object(None if own is None else _describe(own), name=name)
+    _raise_failure(host, own, statuses, what)
+    return result  # type: ignore[no-any-return]
+
+
+def _on_rank0(host: Host, name: str, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and hand its result (or its failure) to every rank."""
+    result: Any = None
+    own: BaseException | None = None
+    if host.is_global_zero:
+        try:
+            result = fn()
+        except CollectiveError:
+            raise
+        except Exception as err:
+            own = err
+    shared = host.all_gather_object((result, None if own is None else _describe(own)) if host.is_global_zero
+                                    else None, name=name)[0]
+    _raise_failure(host, own, [shared[1]], what)
+    return shared[0]  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------- where a checkpoint is
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint on disk: ``path`` (the previous checkpoint's ``.old-`` copy when ``recovered``),
+    and ``problem``: why it cannot be loaded, or None."""
+
+    path: Path
+    recovered: bool
+    problem: str | None
+
+
+def _incomplete(path: Path) -> str:
+    hint = (" (If it is a torch.distributed.checkpoint directory written without phalanx, `phalanx consolidate` "
+            "turns it into one file.)" if (path / ".metadata").is_file() else "")
+    return (
+        f"{path} is not a complete sharded checkpoint: {MARKER} is missing. phalanx moves a checkpoint directory "
+        "into place only after every rank finished writing, so this directory was not produced by a completed "
+        f"phalanx save (or was copied incompletely). Use an earlier checkpoint.{hint}"
+    )
+
+
+def find(path: str | Path) -> Found | None:
+    """Whether a checkpoint exists at ``path`` and is complete (no process group needed; reads no data)."""
+    located = storage.locate(Path(path))
+    if located is None:
+        return None
+    found, recovered = located
+    return Found(found, recovered, _incomplete(found) if found.is_dir() and not (found / MARKER).is_file() else None)
+
+
+def _locate_for_load(path: Path) -> Path:
+    found = find(path)
+    if found is None:
+        raise CheckpointError(f"No checkpoint at {path}.")
+    if found.recovered:
+        diagnostics.notice(
+            f"A save of {path} was interrupted while replacing it; loading the previous checkpoint, {found.path}."
+        )
+    if found.problem:
+        raise CheckpointError(found.problem)
+    return found.path
+
+
+# ---------------------------------------------------------------------- save
+def _gather(host: Host, entries: list[Entry]) -> dict[str, Any]:
+    """Plain state of each entry (modules and optimizers: collectives; rank 0's result is complete)."""
+    out: dict[str, Any] = {}
+    for e in entries:
+        if e.kind == MODULE:
+            out[e.key] = host.gather_module_state(e.obj)
+        elif e.kind == OPTIMIZER:
+            out[e.key] = host.gather_optimizer_state(e.module, e.obj)
+        elif e.kind == STATEFUL:
+            out[e.key] = e.obj.state_dict()
+        else:
+            out[e.key] = e.obj
+    return out
+
+
+def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
+    path = Path(path)
+    entries = sort_state(state)
+    host.barrier("save")  # enter together: a save reached by some ranks only fails here, named
+    shards = host.checkpoint_shards()
+    kinds = {e.key: e.kind for e in entries}
+    if shards is None:
+        def write_file() -> None:
+            payload = _gather(host, entries)
+            if host.is_global_zero:
+                payload[META_KEY] = make_meta(host, FILE_LAYOUT, kinds)
+                check_plain(payload)
+                storage.write_file(payload, path)
+
+        _together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file)
+        return
+
+    def prepare() -> str:
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(
+                f"Cannot write the checkpoint directory {path}: a file exists at that path (a single-file "
+                "checkpoint?). Choose another path or remove it first."
+            )
+        if path.is_dir() and not (path / MARKER).is_file():
+            raise CheckpointError(f"{path} exists and is not a phalanx checkpoint; refusing to replace it. "
+                                  "Choose another path.")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise storage.write_error(err, path, "write checkpoint") from err
+        storage.clear_stale(path)
+        return uuid.uuid4().hex[:12]
+
+    token = _on_rank0(host, "save: agree on the temporary directory", f"Saving {path}", prepare)
+    tmp = storage.partial_dir(path, token)
+    try:
+        info = _together(host, "save: every rank wrote its shards", f"Saving {path}",
+                         lambda: _write_shards(shards, tmp, path, entries))
+        rest = [e for e in entries if e.key not in info["sharded"]]
+
+        def publish() -> None:
+            extras = _gather(host, rest)
+            if host.is_global_zero:
+                marker = {META_KEY: make_meta(host, shards.layout, kinds, shards=info), "extras": extras}
+                check_plain(marker)
+                storage.write_file(marker, tmp / MARKER, "checkpoint marker")
+                storage.fsync_dir(tmp)
+                try:
+                    storage.publish_dir(tmp, path)
+                except OSError as err:
+                    raise storage.write_error(err, path, "publish checkpoint") from err
+
+        _together(host, "save: rank 0 published the checkpoint", f"Saving {path}", publish)
+    except BaseException:
+        if host.is_global_zero:
+            storage.delete_now(tmp)
+        raise
+
+
+def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) -> dict[str, Any]:
+    try:
+        return shards.write(tmp, entries)
+    except (CheckpointError, CollectiveError):
+        raise
+    except Exception as err:
+        raise storage.write_error(err, path, "write the shards of checkpoint") from err
+
+
+# ---------------------------------------------------------------------- load
+def _read_marker(directory: Path, weights_only: bool) -> dict[str, Any]:
+    marker = read_file(directory / MARKER, weights_only, what="Checkpoint marker")
+    meta = marker.get(META_KEY)
+    if not isinstance(meta, dict) or "layout" not in meta or not isinstance(marker.get("extras"), dict):
+        raise CheckpointError(
+            f"{directory / MARKER} is not a marker this phalanx version reads (format "
+            f"{meta.get('format_version') if isinstance(meta, dict) else '?'}). Load it with the phalanx version "
+            "that wrote it and save it again."
+        )
+    return marker
+
+
+def _reader(host: Host | None, layout: str, path: Path) -> ShardIO:
+    io = host.checkpoint_shards(layout) if host is not None else None
+    if io is None and layout == DCP_LAYOUT:
+        from phalanx.checkpoint.dcp import DCPShards
+
+        io = DCPShards()
+    if io is None:
+        raise CheckpointError(
+            f"{path} holds {layout} shards, which {'this strategy' if host is None else repr(host.name)} cannot "
+            "read. Load it with the strategy that wrote it (or save it there with state_dict_type='full', a single "
+            "file every strategy reads)."
+        )
+    return io
+
+
+def read_everything(path: str | Path, weights_only: bool = True, host: Host | None = None) -> dict[str, Any]:
+    """Every entry of a checkpoint as plain CPU state (full tensors), without a process group."""
+    found = _locate_for_load(Path(path))
+    if not found.is_dir():
+        return read_file(found, weights_only)
+    marker = _read_marker(found, weights_only)
+    meta = marker[META_KEY]
+    out = _reader(host, meta["layout"], found).read_all(found, meta.get("shards", {}), weights_only)
+    out.update(marker["extras"])
+    out[META_KEY] = meta
+    return out
+
+
+def _plan(
+    host: Host, path: Path, entries: list[Entry], strict: bool, weights_only: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0: check the checkpoint against ``entries``. Returns what every rank needs (plain, small)
+    and, for a single file, the file's content (kept on rank 0)."""
+    found = _locate_for_load(path)
+    names = {e.key for e in entries}
+    if found.is_dir():
+        marker = _read_marker(found, weights_only)
+        meta, extras = marker[META_KEY], marker["extras"]
+        info = meta.get("shards", {})
+        io = _reader(host, meta["layout"], found)
+        loadable = check_entries(entries, meta["entries"], strict, path)
+        in_shards = set(info.get("sharded", []))
+        io.check(found, info, [e for e in loadable if e.key in in_shards], weights_only)
+        for e in of_kind(loadable, MODULE):
+            _check_module(host, e, io.saved_shapes(found, info, e.key) if e.key in in_shards else extras[e.key], strict)
+        plan = {
+            "found": str(found), "layout": meta["layout"], "info": info, "meta": meta,
+            "keys": [e.key for e in loadable],
+            "values": {e.key: extras[e.key] for e in loadable if e.key not in in_shards},
+            "unrequested": {k: v for k, v in extras.items() if k not in names},
+        }
+        return plan, {}
+    ckpt = read_file(found, weights_only)
+    meta = ckpt.get(META_KEY, {})
+    saved = meta.get("entries") or {k: "unknown" for k in ckpt if k != META_KEY}
+    loadable = check_entries(entries, saved, strict, path, raw_state_dict=looks_like_raw_state_dict(ckpt))
+    for e in of_kind(loadable, MODULE, OPTIMIZER):
+        if not isinstance(ckpt[e.key], dict):
+            raise CheckpointError(f"Entry {e.key!r} of {path} is a {type(ckpt[e.key]).__name__}, not a state dict.")
+        if e.kind == MODULE:
+            _check_module(host, e, ckpt[e.key], strict)
+    plan = {"found": str(found), "layout": FILE_LAYOUT, "meta": meta, "keys": [e.key for e in loadable]}
+    if host.loads_full_state_on_rank0:
+        # Only rank 0 holds the file: what is not broadcast tensor by tensor travels with the plan.
+        # An optimizer that has not stepped has no tensors, only hyperparameters every rank needs.
+        plan["values"] = {e.key: ckpt[e.key] for e in loadable
+                          if e.kind in (STATEFUL, PLAIN) or (e.kind == OPTIMIZER and not ckpt[e.key].get("state"))}
+        plan["unrequested"] = {k: v for k, v in strip_meta(ckpt).items() if k not in names}
+    return plan, ckpt
+
+
+def _check_module(host: Host, e: Entry, given: dict[str, Any] | None, strict: bool) -> None:
+    if given is None:
+        return  # the layout cannot tell its shapes: the backend's own load checks them
+    name, expected = host.module_layout(e.obj)
+    error = module_mismatch(name, expected, given, strict)
+    if error:
+        raise CheckpointError(error)
+
+
+def load(
+    host: Host, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
+) -> dict[str, Any]:
+    """Restore ``state`` in place; return the checkpoint's entries ``state`` did not ask for (all of
+    them, as full tensors, when ``state`` is None)."""
+    path = Path(path)
+    host.barrier("load")
+    if state is None:
+        # Each rank reads everything for itself; nothing to agree on but the end.
+        everything = _together(host, "load (finish)", f"Loading {path}",
+                               lambda: strip_meta(read_everything(path, weights_only, host)))
+        return everything
+    entries = sort_state(state)
+    local: dict[str, Any] = {}
+
+    def plan() -> dict[str, Any]:
+        shared, ckpt = _plan(host, path, entries, strict, weights_only)
+        local.update(ckpt)
+        return shared
+
+    verdict = _on_rank0(host, "load: rank 0 checked the checkpoint", f"Loading {path}", plan)
+
+    def restore() -> dict[str, Any]:
+        return _restore(host, verdict, [e for e in entries if e.key in verdict["keys"]], state, strict,
+                        local, weights_only)
+
+    return _together(host, "load (finish)", f"Loading {path}", restore)
+
+
+def _restore(
+    host: Host, verdict: dict[str, Any], entries: list[Entry], state: dict[str, Any], strict: bool,
+    local: dict[str, Any], weights_only: bool,
+) -> dict[str, Any]:
+    found = Path(verdict["found"])
+    values: dict[str, Any] = verdict.get("values", {})
+    from_rank0 = False
+    unrequested = verdict.get("unrequested")
+    if verdict["layout"] != FILE_LAYOUT:
+        in_shards = set(verdict["info"].get("sharded", []))
+        if in_shards & {e.key for e in entries}:
+            sharded = [e for e in entries if e.key in in_shards]
+            _reader(host, verdict["layout"], found).read(found, verdict["info"], sharded, strict)
+        entries = [e for e in entries if e.key not in in_shards]
+    elif host.loads_full_state_on_rank0:
+        from_rank0 = True
+    elif not host.is_global_zero:
+        local = read_file(found, weights_only)  # every rank reads the file itself
+    if unrequested is None:
+        names = set(state)
+        unrequested = {k: v for k, v in strip_meta(local).items() if k not in names}
+    # Modules first, then optimizers: under FSDP each is a collective, in the same order on every rank.
+    for e in of_kind(entries, MODULE):
+        value = values[e.key] if e.key in values else local.get(e.key, {})
+        host.scatter_module_state(e.obj, value, strict, from_rank0 and e.key not in values)
+    for e in of_kind(entries, OPTIMIZER):
+        value = values[e.key] if e.key in values else local.get(e.key, {})
+        host.scatter_optimizer_state(e.module, e.obj, value, from_rank0 and e.key not in values)
+    for e in of_kind(entries, STATEFUL, PLAIN):
+        value = values[e.key] if e.key in values else local[e.key]
+        if e.kind == STATEFUL:
+            e.obj.load_state_dict(value)
+        else:
+            state[e.key] = value
+    precision_state = verdict["meta"].get("precision_state")
+    if precision_state:
+        host.precision.load_state_dict(precision_state)
+    return dict(unrequested)
+
+
+def load_raw(host: Host, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
+    """Load a plain state dict file (``torch.save(model.state_dict())``) into one module or optimizer."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"No state dict file at {path}." if not path.exists() else
+                              f"{path} is a directory; load_raw reads one state dict file. Use fabric.load.")
+    sd = read_file(path, weights_only, what="State dict file")
+    if META_KEY in sd:
+        first = next((k for k in sd if k != META_KEY), "model")
+        raise CheckpointError(
+            f"{path} is a phalanx checkpoint (entries {sorted(strip_meta(sd))}), not a plain state dict: load it "
+            f"with fabric.load(path, {{{first!r}: ...}})."
+        )
+    (entry,) = sort_state({"obj": obj})
+    if entry.kind == MODULE:
+        _check_module(host, entry, sd, strict)
+        host.scatter_module_state(entry.obj, sd, strict, False)
+    elif entry.kind == OPTIMIZER:
+        host.scatter_optimizer_state(entry.module, entry.obj, sd, False)
+    else:
+        raise CheckpointError(f"load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+
+
+def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """One single-file checkpoint (what ``torch.load`` and every strategy read) from a sharded one."""
+    src, dst = Path(src), Path(dst)
+    if src.is_file():
+        raise CheckpointError(f"{src} is a file, not a sharded checkpoint directory.")
+    if src.is_dir() and not (src / MARKER).is_file():
+        from phalanx.checkpoint.dcp import DCPShards  # a plain torch.distributed.checkpoint directory?
+
+        sd = DCPShards().read_all(src, {}, weights_only)
+    else:
+        sd = read_everything(src, weights_only)
+        sd[META_KEY] = {k: v for k, v in sd[META_KEY].items() if k != "shards"} | {"layout": FILE_LAYOUT}
+    check_plain(sd, "checkpoint")
+    storage.write_file(sd, dst)
+    return sd
+
+
+# ---------------------------------------------------------------------- remove
+def remove(host: Host, path: str | Path) -> None:
+    """Delete the checkpoint at ``path`` (file or directory); every rank calls, rank 0 deletes."""
+    target = Path(path)
+    _on_rank0(host, "remove checkpoint", f"Removing {target}", lambda: storage.remove(target))

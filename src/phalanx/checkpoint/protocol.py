@@ -1,0 +1,110 @@
+"""The narrow interface between the checkpoint layer and a strategy.
+
+The layer (``phalanx.checkpoint.layer``) owns everything that is the same for every backend: sorting
+the state, atomic publishing, reading safely, checking keys and shapes, telling every rank about a
+failure. A strategy only says how *its* tensors are gathered, scattered and sharded. Keeping the
+layer ignorant of strategy classes (it never imports ``phalanx.strategies``) is what stops the two
+from importing each other and copying each other's logic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx.checkpoint.state import Entry
+
+Shapes = dict[str, tuple[int, ...] | None]
+
+
+class PrecisionState(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ShardIO(Protocol):
+    """How a backend writes and reads the shards of a directory checkpoint. ``write``/``read`` are
+    collectives (every rank calls them); ``check``/``saved_shapes`` run on rank 0 alone before a load
+    and must not communicate; ``read_all`` runs in any single process."""
+
+    #: Recorded in the checkpoint; picks the reader on load.
+    layout: str
+
+    def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
+        """Write this rank's shards of the entries it handles into ``directory`` (which it may create).
+        Returns plain info kept in the checkpoint, with ``"sharded"``: the keys it wrote. Entries it
+        leaves out are gathered into the checkpoint's marker file."""
+        ...
+
+    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
+        """Raise ``CheckpointError`` if ``entries`` cannot be restored from these shards here (or, with
+        ``weights_only``, if opening them could run code)."""
+        ...
+
+    def saved_shapes(self, directory: Path, info: dict[str, Any], key: str) -> Shapes | None:
+        """Key -> shape of a sharded module entry as saved (None if the layout cannot tell)."""
+        ...
+
+    def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
+        """Restore ``entries`` (all of them sharded in this checkpoint) in place."""
+        ...
+
+    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
+        """Every sharded entry as full CPU tensors in the single-file layout, without a process group."""
+        ...
+
+
+class Host(Protocol):
+    """What a strategy provides to the checkpoint layer (``phalanx.strategies.Strategy`` implements it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def precision(self) -> PrecisionState: ...
+    @property
+    def loads_full_state_on_rank0(self) -> bool:
+        """Single-file loads: only rank 0 reads the file and the strategy broadcasts the tensors (FSDP);
+        otherwise every rank reads it."""
+        ...
+
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def barrier(self, name: str = "barrier") -> None: ...
+    def all_gather_object(self, obj: Any, name: str = "all_gather_object") -> list[Any]: ...
+
+    def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
+        """With ``layout=None``: how to save (None: one file). Otherwise: the reader of ``layout``, or
+        None if this strategy cannot read it."""
+        ...
+
+    def gather_module_state(self, module: nn.Module) -> dict[str, Any]:
+        """The module's full state dict; a collective. Only rank 0's result is written."""
+        ...
+
+    def gather_optimizer_state(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's full state in torch's index-keyed layout; a collective (rank 0's is written)."""
+        ...
+
+    def scatter_module_state(self, module: nn.Module, state: dict[str, Any], strict: bool, from_rank0: bool) -> None:
+        """Load a full state dict (already checked) into the module; with ``from_rank0`` only rank 0's
+        ``state`` holds the values."""
+        ...
+
+    def scatter_optimizer_state(
+        self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any], from_rank0: bool
+    ) -> None: ...
+
+    def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
+        """The module's name for messages and its full state-dict keys -> shapes."""
+        ...
