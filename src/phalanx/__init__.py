@@ -64,12 +64,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Callback",
     "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DataModule",
-    "Callback",
     "Fabric",
     "GradientSyncError",
     "LightningCLI",

@@ -71,7 +71,7 @@ def _dataset_length(trainer: Trainer, method: str) -> int | None:
         loader = loaders[0] if loaders else None
     dataset = getattr(getattr(loader, "loader", loader), "dataset", None)
     try:
-        return len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        return len(dataset) if dataset is not None else None
     except TypeError:
         return None
 

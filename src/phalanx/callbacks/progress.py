@@ -121,7 +121,9 @@ class ProgressBar(Callback):
     def on_validation_epoch_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "validation")
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._advance(trainer, "validation")
 
     def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
@@ -130,7 +132,9 @@ class ProgressBar(Callback):
     def on_test_epoch_start(self, trainer: Any, module: Any) -> None:
         self._eval_start(trainer, "test")
 
-    def on_test_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._advance(trainer, "test")
 
     def on_test_epoch_end(self, trainer: Any, module: Any) -> None:

@@ -12,7 +12,12 @@ from phalanx.loggers.base import flatten_hparams, log_dir_of
 class TensorBoardLogger:
     """Writes event files to ``<root_dir>/<name>/version_<n>/``."""
 
-    def __init__(self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None) -> None:
+    def __init__(
+        self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None, *,
+        save_dir: str | Path | None = None,
+    ) -> None:
+        # save_dir: Lightning's name for root_dir.
+        root_dir = save_dir if save_dir is not None else root_dir
         self._root, self._name, self._version = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._writer: Any = None

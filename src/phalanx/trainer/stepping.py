@@ -47,7 +47,8 @@ class StepOptimizer:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The user's torch optimizer."""
-        return self._fabric_optimizer.optimizer
+        raw: torch.optim.Optimizer = self._fabric_optimizer.optimizer
+        return raw
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         trainer = self._trainer
@@ -99,8 +100,9 @@ class StepOptimizer:
 
 
 def _raw(optimizer: Any) -> torch.optim.Optimizer:
-    raw: torch.optim.Optimizer = optimizer.optimizer if isinstance(optimizer, (StepOptimizer, FabricOptimizer)) else (
-        optimizer)
+    if isinstance(optimizer, (StepOptimizer, FabricOptimizer)):
+        return optimizer.optimizer
+    raw: torch.optim.Optimizer = optimizer
     return raw
 
 

@@ -626,8 +626,11 @@ class Trainer:
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
             if self.is_global_zero:
-                for lg in self.loggers:
-                    if callable(getattr(lg, "save", None)):
+                status = "failed" if self.interrupted else "success"
+                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
+                    if callable(getattr(lg, "finalize", None)):
+                        lg.finalize(status)
+                    elif callable(getattr(lg, "save", None)):
                         lg.save()
             self.profiler.describe()
             self.profiler.teardown(stage)
@@ -666,8 +669,7 @@ class Trainer:
                 "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on CPU processes. Remove it, or "
                 "train on CUDA devices."
             )
-        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        assert converted is module  # the root is a Module, never a BatchNorm layer itself
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # converts children in place; the root is a Module
         return module
 
     def _set_optimizers(self, optimizers: list[Any]) -> None:
