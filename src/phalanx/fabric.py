@@ -411,12 +411,12 @@ class Fabric:
         """Reduce tensors, numbers (or a collection of them) across ranks with ``reduce_op``: "mean"
         (or "avg"), "sum", "max", "min", "product", or a ``torch.distributed.ReduceOp``. As in Lightning,
         a tensor already on this rank's device receives the result in place and is returned. The mean
-        of an integer tensor is refused (it would be truncated)."""
+        of an integer tensor is refused (it would be truncated); Python ints are averaged as floats."""
         self._ensure_launched()
         _no_group(group, "all_reduce")
         op = collectives_api.reduce_op_name(reduce_op)
         reduce = functools.partial(collectives_api.reduce, self._strategy, op=op)
-        return apply_to_tensors(collectives_api.to_tensors(data, self.device), reduce)
+        return apply_to_tensors(collectives_api.to_tensors(data, self.device, float_ints=op == "mean"), reduce)
 
     def _as_device_tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if t.device != self.device else t

@@ -24,15 +24,18 @@ _OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "
              "prod": "product"}
 
 
-def to_tensors(data: Any, device: torch.device) -> Any:
+def to_tensors(data: Any, device: torch.device, float_ints: bool = False) -> Any:
     """Python numbers and bools become tensors on ``device`` (anywhere in a collection); tensors
-    elsewhere are moved there (a moved tensor is a new tensor: in-place results land on the copy)."""
+    elsewhere are moved there (a moved tensor is a new tensor: in-place results land on the copy).
+    ``float_ints``: Python ints become float tensors (their mean is then exact)."""
+    if isinstance(data, int) and not isinstance(data, bool) and float_ints:
+        return torch.tensor(float(data), device=device)
     if isinstance(data, (bool, int, float)):
         return torch.tensor(data, device=device)
     if isinstance(data, dict):
-        return type(data)({k: to_tensors(v, device) for k, v in data.items()})
+        return type(data)({k: to_tensors(v, device, float_ints) for k, v in data.items()})
     if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(to_tensors(v, device) for v in data)
+        return type(data)(to_tensors(v, device, float_ints) for v in data)
     return apply_to_tensors(data, lambda t: t if t.device == device else t.to(device))
 
 

@@ -123,11 +123,13 @@ def summarize(module: nn.Module, max_depth: int = 1) -> Summary:
               (max_depth == -1 or name.count(".") < max_depth)]
     sizes: dict[str, tuple[Any, Any]] = {}
     example = getattr(module, "example_input_array", None)
+    def recorder(name: str) -> Any:
+        def hook(_module: nn.Module, inputs: Any, output: Any) -> None:
+            sizes.setdefault(name, (_shapes(inputs[0] if len(inputs) == 1 else inputs), _shapes(output)))
+        return hook
+
     if example is not None and layers:
-        handles = [m.register_forward_hook(
-            lambda _m, inp, outp, name=name: sizes.setdefault(name, (_shapes(inp[0] if len(inp) == 1 else inp),
-                                                                    _shapes(outp))))
-            for name, m in layers]
+        handles = [m.register_forward_hook(recorder(name)) for name, m in layers]
         was_training = module.training
         try:
             module.eval()

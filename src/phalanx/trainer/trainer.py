@@ -140,12 +140,12 @@ class Trainer:
             precision=precision if precision is not None else "32-true",
             loggers=self._make_loggers(settings.logger), detect_anomaly=detect_anomaly,
         )
+        if benchmark and deterministic:
+            raise MisconfigurationError("benchmark=True picks kernels by speed, which deterministic=True forbids.")
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
         if benchmark is not None:
-            if benchmark and deterministic:
-                raise MisconfigurationError("benchmark=True picks kernels by speed, which deterministic=True forbids.")
             torch.backends.cudnn.benchmark = benchmark
         elif deterministic:
             torch.backends.cudnn.benchmark = False
@@ -870,7 +870,8 @@ class Trainer:
         self.sanity_checking = True
         try:
             self.call("on_sanity_check_start")
-            limit = self.limit_val_batches if math.isinf(n) else int(n)
+            limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
+            limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
             loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
             self.call("on_sanity_check_end")
         finally:
