@@ -10,12 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
 from torch.utils.data import DataLoader
 from train_digits import DigitsClassifier, digits_datasets
 
 import phalanx as L
 
-__all__ = ["DigitsClassifier", "DigitsDataModule"]
+__all__ = ["DigitsDataModule", "DigitsModel"]
+
+
+class DigitsModel(DigitsClassifier):
+    """train_digits.py's classifier, plus test and predict steps for `phalanx test` / `phalanx predict`."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("test_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("test_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(1)
 
 
 class DigitsDataModule(L.LightningDataModule):

@@ -119,9 +119,12 @@ class AdvancedProfiler(Profiler):
     """``cProfile`` per action; the report lists each action's functions by cumulative time."""
 
     def __init__(self, dirpath: str | Path | None = None, filename: str | None = None,
-                 line_count_restriction: float = 1.0) -> None:
+                 line_count_restriction: float = 1.0, dump_stats: bool = False) -> None:
         super().__init__(dirpath, filename)
+        if dump_stats and dirpath is None:
+            raise MisconfigurationError("AdvancedProfiler(dump_stats=True) needs dirpath= for the .prof files.")
         self.line_count_restriction = line_count_restriction
+        self.dump_stats = dump_stats
         self.profiled: dict[str, cProfile.Profile] = {}
 
     def start(self, action_name: str) -> None:
@@ -136,6 +139,10 @@ class AdvancedProfiler(Profiler):
     def summary(self) -> str:
         parts = []
         for name, prof in self.profiled.items():
+            if self.dump_stats and self.dirpath is not None:
+                self.dirpath.mkdir(parents=True, exist_ok=True)
+                safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+                prof.dump_stats(str(self.dirpath / f"{self._stage}-{safe}-rank{self._rank}.prof"))
             out = io.StringIO()
             pstats.Stats(prof, stream=out).strip_dirs().sort_stats("cumulative").print_stats(
                 self.line_count_restriction)

@@ -124,11 +124,17 @@ class Tuner:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
-    def scale_batch_size(self, model: Module, *args: Any, **kwargs: Any) -> int:
+    def scale_batch_size(
+        self, model: Module, train_dataloaders: Any = None, val_dataloaders: Any = None, dataloaders: Any = None,
+        datamodule: Any = None, method: str = "fit", mode: str = "power", steps_per_trial: int = 3,
+        init_val: int = 2, max_trials: int = 25, batch_arg_name: str = "batch_size", margin: float = 0.05,
+        max_val: int = 8192,
+    ) -> int:
         """Find the largest batch size that fits (see :mod:`phalanx.batch_size_scaling`)."""
         from phalanx.batch_size_scaling import scale_batch_size
 
-        return scale_batch_size(self.trainer, model, *args, **kwargs)
+        return scale_batch_size(self.trainer, model, train_dataloaders, val_dataloaders, dataloaders, datamodule,
+                                method, mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
 
     def lr_find(
         self,

@@ -5,7 +5,13 @@ from phalanx.callbacks.base import Callback
 from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.checkpoint import ModelCheckpoint
 from phalanx.callbacks.early_stopping import EarlyStopping
-from phalanx.callbacks.extras import BasePredictionWriter, LambdaCallback, RichProgressBar, TQDMProgressBar
+from phalanx.callbacks.extras import (
+    BasePredictionWriter,
+    GradientAccumulationScheduler,
+    LambdaCallback,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from phalanx.callbacks.lr_finder import LearningRateFinder
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
@@ -17,6 +23,7 @@ __all__ = [
     "BatchSizeFinder",
     "Callback",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "LambdaCallback",
     "LearningRateFinder",
     "LearningRateMonitor",

@@ -84,3 +84,34 @@ class BasePredictionWriter(Callback):
     def on_predict_epoch_end(self, trainer: Any, module: Any) -> None:
         if self.interval in ("epoch", "batch_and_epoch"):
             self.write_on_epoch_end(trainer, module, self._predictions, self._indices)
+
+
+class GradientAccumulationScheduler(Callback):
+    """Change ``accumulate_grad_batches`` by epoch: ``GradientAccumulationScheduler({0: 1, 4: 2, 8: 4})``
+    accumulates 2 batches from epoch 4 and 4 from epoch 8 (the window sizes of an epoch are fixed at its
+    start, so accumulation keeps its meaning on every strategy)."""
+
+    def __init__(self, scheduling: dict[int, int]) -> None:
+        if not scheduling or any(not isinstance(k, int) or k < 0 for k in scheduling) or any(
+                not isinstance(v, int) or v < 1 for v in scheduling.values()):
+            raise MisconfigurationError(
+                f"GradientAccumulationScheduler scheduling={scheduling!r}: keys are epochs >= 0, values ints >= 1."
+            )
+        self.scheduling = dict(sorted(scheduling.items()))
+        if 0 not in self.scheduling:
+            self.scheduling[0] = 1
+            self.scheduling = dict(sorted(self.scheduling.items()))
+
+    def going_to_accumulate_grad_batches(self, epoch: int) -> int:
+        return next(v for k, v in reversed(self.scheduling.items()) if k <= epoch)
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        if not module.automatic_optimization:
+            raise MisconfigurationError("GradientAccumulationScheduler is for automatic optimization.")
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "Pass accumulate_grad_batches through GradientAccumulationScheduler only, not also to the Trainer."
+            )
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        trainer.accumulate_grad_batches = self.going_to_accumulate_grad_batches(trainer.current_epoch)

@@ -32,6 +32,11 @@ class Module(HyperparametersMixin, nn.Module):
     ``phalanx.LightningModule`` is this class: a LightningModule ports by changing its import.
     """
 
+    # Checkpoint keys of the hyperparameters (Lightning's constants, the same keys).
+    CHECKPOINT_HYPER_PARAMS_KEY = "hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "hparams_type"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trainer: Trainer | None = None
@@ -451,6 +456,9 @@ class DataModule(HyperparametersMixin):
     ``phalanx.LightningDataModule`` is this class."""
 
     name: str | None = None
+    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "datamodule_hparams_type"
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None

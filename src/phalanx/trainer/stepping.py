@@ -179,14 +179,14 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
     module = t.module
     if not module.automatic_optimization:
         with t.profile("run_training_batch"):
-            return t.model.training_step(batch, batch_idx)
+            return as_outputs(t.model.training_step(batch, batch_idx))
     optimizer = t.step_optimizers[0]
     if batch_idx % t.accumulate_grad_batches == 0:
         t.hook("on_before_zero_grad", optimizer)
         module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
     if not boundary:
         with t.profile("run_training_batch"):
-            return micro_batch(t, batch, batch_idx, window_size, boundary)
+            return as_outputs(micro_batch(t, batch, batch_idx, window_size, boundary))
     ran: dict[str, Any] = {}
 
     def closure() -> torch.Tensor:
@@ -210,7 +210,17 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
         )
     if t.global_step > steps_before:
         step_schedulers(module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
-    return ran["output"]
+    return as_outputs(ran["output"])
+
+
+def as_outputs(output: Any) -> Any:
+    """What ``on_train_batch_end`` receives, as in Lightning: a dict (``{"loss": loss}`` for a returned
+    tensor, ``{}`` for None)."""
+    if output is None:
+        return {}
+    if isinstance(output, torch.Tensor):
+        return {"loss": output}
+    return output
 
 
 def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
