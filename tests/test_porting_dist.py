@@ -93,5 +93,5 @@ def test_trainer_launches_at_fit_and_manual_optimization_under_ddp_equals_one_pr
     reference = manual_reference(list(DataLoader(data(24), batch_size=8)))
     for rank in (0, 1):
         assert job.reports[rank]["steps"] == 6
-        assert torch.allclose(torch.tensor(job.reports[rank]["params"]), flat(reference).double(), atol=1e-6)
+        assert torch.allclose(torch.tensor(job.reports[rank]["params"]).double(), flat(reference).double(), atol=1e-6)
     del TwoOptimizers

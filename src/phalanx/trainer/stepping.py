@@ -15,7 +15,8 @@ Automatic optimization, one accumulation window of N micro-batches:
 
 Manual optimization: training_step runs once per batch and does the rest itself; each real
 ``opt.step()`` counts one ``global_step`` (two optimizers stepped per batch count two, as in
-Lightning), and schedulers are stepped by the user.
+Lightning), and schedulers are stepped by the user. Every ``manual_backward`` leaves gradients
+averaged across ranks (see ``train_batch``); validated on the single-device and DDP strategies.
 """
 
 from __future__ import annotations
@@ -178,8 +179,13 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
     t = trainer
     module = t.module
     if not module.automatic_optimization:
-        with t.profile("run_training_batch"):
-            return as_outputs(t.model.training_step(batch, batch_idx))
+        # Not through the set-up model's forward: manual_backward runs INSIDE training_step, i.e. inside
+        # that forward, before DDP's reducer is prepared for it, so DDP would not reduce those gradients
+        # (and would then wait for a backward that never comes). Called directly, every manual_backward
+        # takes the strategy's other path: the gradients it produced are averaged across ranks right
+        # after it, however many backward passes and toggled optimizers the step has.
+        with t.profile("run_training_batch"), t.fabric.autocast():
+            return as_outputs(module.training_step(batch, batch_idx))
     optimizer = t.step_optimizers[0]
     if batch_idx % t.accumulate_grad_batches == 0:
         t.hook("on_before_zero_grad", optimizer)
