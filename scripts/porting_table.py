@@ -65,7 +65,10 @@ DIFFERENCES: dict[str, str] = {
     "LightningModule.training_step": "returning None (skip the batch) is refused in automatic optimization: on "
                                      "several ranks the others would wait in backward",
     "LightningModule.log": "sync_dist=False metrics take rank 0's value on every rank (Lightning keeps each "
-                           "rank's), so callbacks decide identically everywhere",
+                           "rank's), so callbacks decide identically everywhere; enable_graph=True, "
+                           "sync_dist_group, add_dataloader_idx=False, metric_attribute and rank_zero_only=True "
+                           "are refused with the reason",
+    "LightningModule.log_dict": "as LightningModule.log",
     "LightningModule.load_from_checkpoint": "weights_only=False is refused; map_location must be a device",
     "LightningModule.all_gather": "as Fabric.all_gather",
     "LightningModule.trainer": "under a Fabric loop, self.trainer raises (use self.fabric)",
@@ -82,7 +85,7 @@ def params(obj: Any) -> list[str] | None:
     except (TypeError, ValueError):
         return None
     return [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-            and p.name not in ("self", "cls")]
+            and p.name not in ("self", "cls") and not p.name.startswith("_")]
 
 
 def accepts_anything(obj: Any) -> bool:
@@ -108,9 +111,11 @@ def row(section: str, name: str, theirs: Any, ours_owner: Any, ours_name: str | 
         ours_owner, "__dict__", {}))
     if not found:
         return (section, name, "missing", "")
-    if key in DIFFERENCES:
-        return (section, name, "deliberate difference", DIFFERENCES[key])
     ours = getattr(ours_owner, ours_name)
+    if key in DIFFERENCES:
+        absent = _absent(theirs, ours)
+        extra = f"; not accepted: {', '.join(absent)}" if absent else ""
+        return (section, name, "deliberate difference", DIFFERENCES[key] + extra)
     if callable(theirs) and callable(ours) and not isinstance(inspect.getattr_static(ours_owner, ours_name, None),
                                                                 property):
         mine = params(ours)
@@ -125,6 +130,15 @@ def row(section: str, name: str, theirs: Any, ours_owner: Any, ours_name: str | 
             if absent:
                 return (section, name, "yes, other parameters", "not accepted: " + ", ".join(absent))
     return (section, name, "yes", "")
+
+
+def _absent(theirs: Any, ours: Any) -> list[str]:
+    if not (callable(theirs) and callable(ours)) or accepts_anything(ours):
+        return []
+    mine, want = params(ours), params(theirs)
+    if mine is None or want is None:
+        return []
+    return [p for p in want if p not in mine]
 
 
 def table_rows() -> list[tuple[str, ...]]:

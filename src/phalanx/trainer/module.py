@@ -204,6 +204,11 @@ class Module(HyperparametersMixin, nn.Module):
         sync_dist: bool = False,
         reduce_fx: str | Any = "mean",
         batch_size: int | None = None,
+        enable_graph: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Record a scalar metric.
 
@@ -213,6 +218,7 @@ class Module(HyperparametersMixin, nn.Module):
         rank 0 is used on every rank, so ``trainer.callback_metrics`` is always identical everywhere.
         ``reduce_fx``: "mean", "sum", "max" or "min" (or torch.mean/sum/max/min).
         """
+        _refuse_log_options(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute, rank_zero_only)
         if self._trainer is None and self._fabric is not None:
             if logger:  # in a Fabric loop the loggers are the only destination
                 self._fabric.log(name, value)
@@ -530,6 +536,28 @@ class DataModule(HyperparametersMixin):
         from phalanx.trainer.loading import load_datamodule
 
         return load_datamodule(cls, checkpoint_path, hparams_file, weights_only, kwargs)
+
+
+def _refuse_log_options(
+    name: str, enable_graph: bool, group: Any, add_dataloader_idx: bool, metric_attribute: str | None,
+    rank_zero_only: bool,
+) -> None:
+    """Lightning's other ``self.log`` options: each is refused with the reason (never ignored)."""
+    reasons = []
+    if enable_graph:
+        reasons.append("enable_graph=True (logged values are detached: log the tensor you need and keep it yourself)")
+    if group is not None:
+        reasons.append("sync_dist_group (sync_dist reduces over all ranks)")
+    if not add_dataloader_idx:
+        reasons.append("add_dataloader_idx=False (with several loaders the names get '/dataloader_idx_N' so "
+                       "they stay apart; log distinct names instead)")
+    if metric_attribute is not None:
+        reasons.append("metric_attribute (log the metric's computed value)")
+    if rank_zero_only:
+        reasons.append("rank_zero_only=True (every rank must log the same names: call self.log on every rank, "
+                       "the value of rank 0 is what unsynced metrics show)")
+    if reasons:
+        raise MisconfigurationError(f"self.log({name!r}): not supported: " + "; ".join(reasons) + ".")
 
 
 def _fabric_of(module: Module, what: str) -> Fabric:
