@@ -211,8 +211,9 @@ needs_lightning = pytest.mark.skipif(not LIGHTNING_PYTHON.exists(), reason="the 
 def test_the_same_examples_run_under_lightning(name: str, tmp_path: Path) -> None:
     ported = tmp_path / name
     ported.write_text(lightning_version(EXAMPLES / name))
-    assert ported.read_text().replace("lightning.pytorch.", "phalanx.").replace(
-        "import lightning as L", "import phalanx as L") == (EXAMPLES / name).read_text()
+    original = (EXAMPLES / name).read_text().splitlines()
+    changed = [a for a, b in zip(original, ported.read_text().splitlines()) if a != b]
+    assert changed and all(line.startswith(("import phalanx", "from phalanx")) for line in changed)
     line = run_example(str(LIGHTNING_PYTHON), ported, EXAMPLE_ARGS[name], tmp_path, 1)
     ours_dir = tmp_path / "phalanx"
     ours_dir.mkdir()
