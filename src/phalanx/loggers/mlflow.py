@@ -6,7 +6,10 @@ only when the logger first talks to the store (``pip install 'phalanx[mlflow]'``
 phalanx logger it is called on global rank 0 only.
 
 The store is ``tracking_uri`` (any MLflow URI: ``http://host:port`` for a server, ``sqlite:///x.db``,
-``file:/path``), else ``$MLFLOW_TRACKING_URI``, else a file store under ``save_dir``.
+``file:/path``), else ``$MLFLOW_TRACKING_URI``, else a SQLite store ``<save_dir>/mlflow.db`` with the
+artifacts in ``<save_dir>/artifacts``. (Lightning's default is a file store under ``save_dir``, which
+MLflow 3 no longer accepts without ``MLFLOW_ALLOW_FILE_STORE=true``; pass ``tracking_uri="file:..."``
+for one.)
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ class MLFlowLogger:
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if tracking_uri is None and save_dir:
-            tracking_uri = Path(save_dir).absolute().as_uri()
+            root = Path(save_dir).absolute()
+            root.mkdir(parents=True, exist_ok=True)
+            tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+            artifact_location = artifact_location or (root / "artifacts").as_uri()
         self._tracking_uri = tracking_uri
         self._experiment_name, self._run_name, self._tags = experiment_name, run_name, tags
         self._save_dir = save_dir
@@ -75,6 +81,7 @@ class MLFlowLogger:
         self._experiment_id: str | None = None
         self._checkpoint_callbacks: list[Any] = []
         self._logged_checkpoints: dict[str, float] = {}  # path -> mtime when uploaded
+        self._finished = False  # the run is marked ended; logging again reopens it
 
     # ------------------------------------------------------------------ the run
     @property
@@ -141,6 +148,7 @@ class MLFlowLogger:
         entries = [Param(k, str(v)[:6000]) for k, v in flat.items()]
         for start in range(0, len(entries), 100):
             self.experiment.log_batch(self.run_id, params=entries[start:start + 100], **self._kwargs())
+        self._finished = False
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
@@ -152,6 +160,7 @@ class MLFlowLogger:
             entries.append(Metric(_BAD_KEY.sub("_", name), float(value), now, step or 0))
         if entries:
             self.experiment.log_batch(self.run_id, metrics=entries, **self._kwargs())
+            self._finished = False
 
     def log_graph(self, model: Any, input_array: Any = None) -> None: ...
 
@@ -175,8 +184,10 @@ class MLFlowLogger:
     def save(self) -> None: ...
 
     def finalize(self, status: str = "success") -> None:
-        if self._client is None:
+        # Each stage ends the run (as in Lightning); the interpreter-exit call then has nothing to do.
+        if self._client is None or self._finished:
             return
+        self._finished = True
         if self._log_model is True:
             for callback in self._checkpoint_callbacks:
                 self._log_checkpoints(callback)
