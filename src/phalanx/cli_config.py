@@ -122,7 +122,8 @@ class LightningCLI:
 
     # ------------------------------------------------------------------ parser
     def _new_parser(self, **kwargs: Any) -> Any:
-        return self.parser_class(**{**self.parser_kwargs, **kwargs})
+        # allow_abbrev=False: argparse would otherwise take "--trainer.max_epoch" for "--trainer.max_epochs".
+        return self.parser_class(**{"allow_abbrev": False, **self.parser_kwargs, **kwargs})
 
     def _build_parser(self, run: bool) -> Any:
         if not run:
@@ -222,16 +223,13 @@ class LightningCLI:
             if scheduler is not None and optimizer is None:
                 raise MisconfigurationError("--lr_scheduler needs --optimizer (the scheduler steps that optimizer).")
             return
-        ja = self.jsonargparse
         model = self.model
 
         def configure_optimizers() -> Any:
-            opt = ja.instantiate_class(model.parameters(), optimizer) if hasattr(ja, "instantiate_class") else None
-            if opt is None:
-                raise MisconfigurationError("This jsonargparse has no instantiate_class; upgrade jsonargparse.")
+            opt = instantiate_class(model.parameters(), optimizer)
             if scheduler is None:
                 return opt
-            return {"optimizer": opt, "lr_scheduler": ja.instantiate_class(opt, scheduler)}
+            return {"optimizer": opt, "lr_scheduler": instantiate_class(opt, scheduler)}
 
         model.configure_optimizers = configure_optimizers
 
@@ -248,6 +246,19 @@ class LightningCLI:
         after: Callable[[], None] | None = getattr(self, f"after_{subcommand}", None)
         if callable(after):
             after()
+
+
+def instantiate_class(args: Any, init: Any) -> Any:
+    """``class_path(args, **init_args)`` from a ``{"class_path": ..., "init_args": {...}}`` config."""
+    import importlib
+
+    spec = dict(init) if isinstance(init, dict) else vars(init)
+    module_name, _, class_name = str(spec["class_path"]).rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    init_args = spec.get("init_args") or {}
+    kwargs = dict(init_args) if isinstance(init_args, dict) else vars(init_args)
+    args = args if isinstance(args, tuple) else (args,)
+    return cls(*args, **kwargs)
 
 
 def main(argv: Sequence[str]) -> int:
