@@ -95,3 +95,27 @@ def test_trainer_launches_at_fit_and_manual_optimization_under_ddp_equals_one_pr
         assert job.reports[rank]["steps"] == 6
         assert torch.allclose(torch.tensor(job.reports[rank]["params"]).double(), flat(reference).double(), atol=1e-6)
     del TwoOptimizers
+
+
+FSDP_EVAL_JOB = """
+import phalanx
+from mp import report
+from test_trainer_support import Regressor, loader
+
+trainer = phalanx.Trainer(accelerator="cpu", devices=2, strategy="fsdp", max_epochs=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+model = Regressor(optimizer="adam", lr=0.01)
+trainer.fit(model, loader(32, 4), loader(16, 4))  # sanity check + validation every epoch, inference_mode=True
+report(trainer.fabric, steps=trainer.global_step, val=trainer.validate(model, loader(16, 4), verbose=False))
+"""
+
+
+def test_fsdp_evaluates_between_training_steps_with_the_default_inference_mode(tmp_path: Path) -> None:
+    from phalanx.strategies import available_strategies
+
+    if "fsdp" not in available_strategies():
+        pytest.skip("strategy 'fsdp' is not available in this build")
+    # torch.inference_mode would leave FSDP's reused all-gather buffers as inference tensors, and the
+    # next training step fails ("Inplace update to inference tensor outside InferenceMode").
+    job = run_job(FSDP_EVAL_JOB, tmp_path).check()
+    assert job.reports[0]["steps"] == 8 and job.reports[0]["val"] == job.reports[1]["val"]

@@ -33,6 +33,10 @@ class Strategy:
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     #: Whether gradients of set-up modules are averaged across ranks in ``backward``.
     syncs_gradients: ClassVar[bool] = False
+    #: Whether evaluation may run under ``torch.inference_mode``. Backends that gather parameters into
+    #: buffers they reuse in training must say False: a buffer first filled in inference mode cannot be
+    #: updated in place afterwards (the Trainer then evaluates under ``torch.no_grad``).
+    supports_inference_mode: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"

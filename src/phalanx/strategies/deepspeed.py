@@ -131,6 +131,7 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "deepspeed"
     syncs_gradients: ClassVar[bool] = True
+    supports_inference_mode: ClassVar[bool] = False  # ZeRO-3 gathers parameters into reused buffers
     supported_precisions: ClassVar[tuple[str, ...]] = tuple(PRECISION_SECTIONS)
 
     def __init__(

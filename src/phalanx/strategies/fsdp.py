@@ -208,6 +208,7 @@ class FSDPStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "fsdp"
     syncs_gradients: ClassVar[bool] = True
+    supports_inference_mode: ClassVar[bool] = False  # fully_shard reuses its all-gather buffers
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
 
     def __init__(

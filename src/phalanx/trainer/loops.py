@@ -278,5 +278,7 @@ def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> lis
 
 
 def eval_grad_mode(trainer: Trainer) -> Any:
-    """``Trainer(inference_mode=True)``: torch.inference_mode, else torch.no_grad."""
-    return torch.inference_mode() if trainer.inference_mode else torch.no_grad()
+    """``Trainer(inference_mode=True)``: torch.inference_mode where the strategy allows it (see
+    ``Strategy.supports_inference_mode``), else torch.no_grad."""
+    allowed = trainer.inference_mode and trainer.fabric.strategy.supports_inference_mode
+    return torch.inference_mode() if allowed else torch.no_grad()
