@@ -460,6 +460,17 @@ def test_manual_optimization_refuses_automatic_only_arguments() -> None:
         L.Trainer(max_epochs=1, **quiet()).fit(Auto(), DataLoader(data(8)))
 
 
+def test_manual_optimization_is_refused_on_sharding_strategies() -> None:
+    from phalanx.strategies import available_strategies
+
+    if "fsdp" not in available_strategies():
+        pytest.skip("strategy 'fsdp' is not available")
+    trainer = L.Trainer(max_epochs=1, strategy="fsdp", devices=1, **quiet())
+    with pytest.raises(MisconfigurationError, match=r"Manual optimization .* strategy='fsdp'"):
+        trainer.fit(TwoOptimizers(), DataLoader(data(8)))
+    trainer.fabric.teardown()
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def test_load_from_checkpoint_rebuilds_with_saved_hyperparameters(tmp_path: Any) -> None:
     model = Net(lr=0.2, hidden=6)

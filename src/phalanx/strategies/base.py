@@ -37,6 +37,10 @@ class Strategy:
     #: buffers they reuse in training must say False: a buffer first filled in inference mode cannot be
     #: updated in place afterwards (the Trainer then evaluates under ``torch.no_grad``).
     supports_inference_mode: ClassVar[bool] = True
+    #: Whether a set-up module's own methods may run outside the strategy's forward, with the gradients
+    #: they produce still synchronized by ``backward`` (manual optimization relies on it). Sharding
+    #: backends need their forward to gather parameters, so they say False.
+    supports_calls_outside_forward: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"

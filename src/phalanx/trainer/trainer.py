@@ -693,6 +693,14 @@ class Trainer:
     def _check_manual_optimization(self) -> None:
         if self.module.automatic_optimization:
             return
+        strategy = self.fabric.strategy
+        if not strategy.supports_calls_outside_forward:
+            raise MisconfigurationError(
+                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
+                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
+                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
+                "automatic optimization, strategy='ddp', or a Fabric loop."
+            )
         if self.accumulate_grad_batches != 1:
             raise MisconfigurationError(
                 "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
