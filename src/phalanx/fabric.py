@@ -128,7 +128,11 @@ class Fabric:
         self._launched = False
         self._modules: list[FabricModule] = []
         # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
-        self._env = launcher.detect_environment()
+        # A malformed environment is reported by launch(), where it is checked against this configuration.
+        try:
+            self._env = launcher.detect_environment()
+        except MisconfigurationError:
+            self._env = None
 
     # ------------------------------------------------------------------ launching
     def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
