@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from phalanx import diagnostics
 from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import DataModule
 
 
 @dataclass
@@ -163,3 +167,56 @@ def refuse_plugins(plugins: Any) -> None:
         "belongs to the strategy (pass a Strategy instance with its options), and SyncBatchNorm is "
         "sync_batchnorm=True."
     )
+
+
+def check_weights_only(weights_only: bool | None) -> None:
+    if weights_only is False:
+        raise MisconfigurationError(
+            "weights_only=False is refused: phalanx opens checkpoints with its own safe reader. Leave it unset."
+        )
+
+
+def split_datamodule(dataloaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """A datamodule passed where the dataloaders go (Lightning allows it)."""
+    from phalanx.trainer.module import DataModule
+
+    if isinstance(dataloaders, DataModule):
+        if datamodule is not None:
+            raise MisconfigurationError("Got two datamodules (dataloaders= and datamodule=); pass one.")
+        return None, dataloaders
+    if dataloaders is not None and datamodule is not None:
+        raise MisconfigurationError("Got both dataloaders and a datamodule; pass one source of data.")
+    return dataloaders, datamodule
+
+
+def sequential(loader: Any) -> Any:
+    """overfit_batches: the same first batches every epoch, so the training loader must not shuffle."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from phalanx.trainer.data import _rebuild
+
+    if isinstance(loader, DataLoader) and isinstance(loader.sampler, RandomSampler):
+        diagnostics.warn("overfit_batches: the training dataloader shuffles; phalanx reads it in order instead.")
+        return _rebuild(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
+    return loader
+
+def off_in_fast_dev_run(callback: Any) -> bool:
+    """Callbacks that checkpoint, stop or tune: fast_dev_run is a smoke test, they sit it out."""
+    from phalanx.callbacks import EarlyStopping, LearningRateFinder, ModelCheckpoint
+
+    skipped: tuple[type, ...] = (ModelCheckpoint, EarlyStopping, LearningRateFinder)
+    try:
+        from phalanx.callbacks.batch_size_finder import BatchSizeFinder
+
+        skipped += (BatchSizeFinder,)
+    except ImportError:  # pragma: no cover - part of the package
+        pass
+    return isinstance(callback, skipped)
+
+
+def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
+    """What changes when a ModelCheckpoint writes a file (None for other callbacks)."""
+    if not hasattr(callback, "best_model_path") or not hasattr(callback, "last_model_path"):
+        return None
+    return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
+            tuple(getattr(callback, "_kept", ())))

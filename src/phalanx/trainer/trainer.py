@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,22 @@ from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prep
 from phalanx.trainer.module import DataModule, Module, overrides
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import Entry, Results
-from phalanx.trainer.settings import refuse_plugins, resolve
+from phalanx.trainer.settings import (
+    check_weights_only,
+    checkpoint_marks,
+    off_in_fast_dev_run,
+    refuse_plugins,
+    resolve,
+    sequential,
+    split_datamodule,
+)
 from phalanx.trainer.stepping import StepOptimizer
+from phalanx.trainer.views import TrainerViews
 
 _STAGES = ("train", "validate", "test")
 
 
-class Trainer:
+class Trainer(TrainerViews):
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
     The arguments are Lightning's, with its defaults and meaning (docs/trainer.md; deliberate
@@ -276,126 +284,6 @@ class Trainer:
         return self.module
 
     @property
-    def optimizer(self) -> Any:
-        """The first set-up optimizer (None before fit)."""
-        return self.optimizers[0] if self.optimizers else None
-
-    @property
-    def should_stop(self) -> bool:
-        """Set it to True to stop after the current optimizer step. A request made before ``min_epochs``
-        / ``min_steps`` are reached waits until they are."""
-        return self._should_stop and self._minimum_reached()
-
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:
-        self._should_stop = bool(value)
-
-    def _minimum_reached(self) -> bool:
-        epochs_ok = self.min_epochs is None or self.current_epoch >= self.min_epochs
-        steps_ok = self.min_steps is None or self.global_step >= self.min_steps
-        return epochs_ok and steps_ok
-
-    @property
-    def strategy(self) -> Any:
-        return self.fabric.strategy
-
-    @property
-    def precision(self) -> str:
-        """The precision's name, e.g. ``"32-true"`` or ``"bf16-mixed"``."""
-        return str(self.fabric.strategy.precision.name)
-
-    @property
-    def num_devices(self) -> int:
-        return int(self.fabric.strategy.devices)
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.fabric.strategy.num_nodes)
-
-    @property
-    def node_rank(self) -> int:
-        return self.fabric.node_rank
-
-    @property
-    def device_ids(self) -> list[int]:
-        """Device indices this node uses (one per process)."""
-        return list(range(self.num_devices))
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
-        return self.fabric.strategy.distributed_sampler_kwargs()
-
-    @property
-    def training(self) -> bool:
-        return self.current_stage == "train"
-
-    @property
-    def validating(self) -> bool:
-        return self.current_stage == "validate" and not self.sanity_checking
-
-    @property
-    def testing(self) -> bool:
-        return self.current_stage == "test"
-
-    @property
-    def predicting(self) -> bool:
-        return self.current_stage == "predict"
-
-    @property
-    def evaluating(self) -> bool:
-        return self.current_stage in ("validate", "test")
-
-    @property
-    def enable_validation(self) -> bool:
-        return bool(self.val_dataloaders) and self.limit_val_batches != 0
-
-    @property
-    def num_val_batches(self) -> list[int | float]:
-        return [n if n is not None else float("inf") for n in
-                (num_batches(loader, self.limit_val_batches) for loader in self.val_dataloaders)]
-
-    @property
-    def num_sanity_val_batches(self) -> list[int | float]:
-        return [min(n, self.num_sanity_val_steps) for n in self.num_val_batches]
-
-    @property
-    def num_test_batches(self) -> list[int | float]:
-        return [n if n is not None else float("inf") for n in
-                (num_batches(loader, self.limit_test_batches) for loader in self.test_dataloaders)]
-
-    @property
-    def num_predict_batches(self) -> list[int | float]:
-        return [n if n is not None else float("inf") for n in
-                (num_batches(loader, self.limit_predict_batches) for loader in self.predict_dataloaders)]
-
-    @property
-    def is_last_batch(self) -> bool:
-        return self.num_training_batches is not None and self.batches_done >= self.num_training_batches
-
-    @property
-    def early_stopping_callbacks(self) -> list[Any]:
-        from phalanx.callbacks import EarlyStopping
-
-        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
-
-    @property
-    def early_stopping_callback(self) -> Any:
-        cbs = self.early_stopping_callbacks
-        return cbs[0] if cbs else None
-
-    @property
-    def progress_bar_callback(self) -> Any:
-        from phalanx.callbacks import ProgressBar
-
-        return next((c for c in self.callbacks if isinstance(c, ProgressBar)), None)
-
-    @contextlib.contextmanager
-    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
-        """Create the model directly on the device and in the precision's dtype."""
-        with self.fabric.init_module(empty_init):
-            yield
-
-    @property
     def is_global_zero(self) -> bool:
         return self.fabric.is_global_zero
 
@@ -469,12 +357,12 @@ class Trainer:
         """Call ``hook(trainer, module, *args)`` on every callback that defines it."""
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
-            if not callable(method) or (self.fast_dev_run and _off_in_fast_dev_run(cb)):
+            if not callable(method) or (self.fast_dev_run and off_in_fast_dev_run(cb)):
                 continue
-            saved = _checkpoint_marks(cb)
+            saved = checkpoint_marks(cb)
             with self.profile(f"[Callback]{type(cb).__qualname__}.{hook}"):
                 method(self, self.module, *args)
-            if saved is not None and saved != _checkpoint_marks(cb):
+            if saved is not None and saved != checkpoint_marks(cb):
                 self._after_save_checkpoint(cb)
 
     def hook(self, name: str, *args: Any) -> Any:
@@ -744,7 +632,7 @@ class Trainer:
                 "module's train_dataloader()."
             )
         if self.overfit_batches:
-            train = _sequential(train)
+            train = sequential(train)
         uds = self.use_distributed_sampler
         self.train_dataloader, self.train_sampler = prepare_train_loader(train, self.fabric, uds)
         no_val = self.limit_val_batches == 0
@@ -824,7 +712,7 @@ class Trainer:
 
         Data: ``train_dataloaders``/``val_dataloaders``, or a ``datamodule`` (also accepted in the
         place of ``train_dataloaders``), or the module's own ``train_dataloader()``/``val_dataloader()``."""
-        _check_weights_only(weights_only)
+        check_weights_only(weights_only)
         if isinstance(train_dataloaders, DataModule):
             if datamodule is not None:
                 raise MisconfigurationError("trainer.fit() got two datamodules (train_dataloaders= and datamodule=).")
@@ -893,8 +781,8 @@ class Trainer:
         verbose: bool = True, datamodule: DataModule | None = None, weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the data; returns one dict of epoch metrics per dataloader."""
-        _check_weights_only(weights_only)
-        dataloaders, datamodule = _split_datamodule(dataloaders, datamodule)
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
         return self._run("validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
 
     def test(
@@ -902,8 +790,8 @@ class Trainer:
         verbose: bool = True, datamodule: DataModule | None = None, weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the data; returns one dict of epoch metrics per dataloader."""
-        _check_weights_only(weights_only)
-        dataloaders, datamodule = _split_datamodule(dataloaders, datamodule)
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
         return self._run("test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
@@ -936,8 +824,8 @@ class Trainer:
         """``predict_step`` outputs of THIS rank's share of the data (a list per dataloader when there
         are several; None with ``return_predictions=False``). Gather them with
         ``trainer.fabric.all_gather`` if every rank needs all of them."""
-        _check_weights_only(weights_only)
-        dataloaders, datamodule = _split_datamodule(dataloaders, datamodule)
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
         out = self._run("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
         return None if return_predictions is False else out
 
@@ -968,53 +856,3 @@ class Trainer:
             )
         checkpointing.save(self, filepath, bool(weights_only))
 
-
-def _check_weights_only(weights_only: bool | None) -> None:
-    if weights_only is False:
-        raise MisconfigurationError(
-            "weights_only=False is refused: phalanx opens checkpoints with its own safe reader. Leave it unset."
-        )
-
-
-def _split_datamodule(dataloaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
-    """A datamodule passed where the dataloaders go (Lightning allows it)."""
-    if isinstance(dataloaders, DataModule):
-        if datamodule is not None:
-            raise MisconfigurationError("Got two datamodules (dataloaders= and datamodule=); pass one.")
-        return None, dataloaders
-    if dataloaders is not None and datamodule is not None:
-        raise MisconfigurationError("Got both dataloaders and a datamodule; pass one source of data.")
-    return dataloaders, datamodule
-
-
-def _sequential(loader: Any) -> Any:
-    """overfit_batches: the same first batches every epoch, so the training loader must not shuffle."""
-    from torch.utils.data import DataLoader, RandomSampler
-
-    from phalanx.trainer.data import _rebuild
-
-    if isinstance(loader, DataLoader) and isinstance(loader.sampler, RandomSampler):
-        diagnostics.warn("overfit_batches: the training dataloader shuffles; phalanx reads it in order instead.")
-        return _rebuild(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
-    return loader
-
-def _off_in_fast_dev_run(callback: Any) -> bool:
-    """Callbacks that checkpoint, stop or tune: fast_dev_run is a smoke test, they sit it out."""
-    from phalanx.callbacks import EarlyStopping, LearningRateFinder, ModelCheckpoint
-
-    skipped: tuple[type, ...] = (ModelCheckpoint, EarlyStopping, LearningRateFinder)
-    try:
-        from phalanx.callbacks.batch_size_finder import BatchSizeFinder
-
-        skipped += (BatchSizeFinder,)
-    except ImportError:  # pragma: no cover - part of the package
-        pass
-    return isinstance(callback, skipped)
-
-
-def _checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
-    """What changes when a ModelCheckpoint writes a file (None for other callbacks)."""
-    if not hasattr(callback, "best_model_path") or not hasattr(callback, "last_model_path"):
-        return None
-    return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
-            tuple(getattr(callback, "_kept", ())))
