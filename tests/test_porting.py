@@ -296,6 +296,30 @@ def test_hook_order_follows_lightning() -> None:
         assert hook in model.calls, hook
 
 
+def test_batch_transfer_hooks_are_refused_and_model_train_hooks_called() -> None:
+    class Transfers(Net):
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            return batch
+
+    with pytest.raises(MisconfigurationError, match=r"on_after_batch_transfer.*collate_fn"):
+        L.Trainer(max_epochs=1, **quiet()).fit(Transfers())
+    calls: list[str] = []
+
+    class Modes(Net):
+        def on_validation_model_train(self) -> None:
+            calls.append("train")
+            super().on_validation_model_train()
+
+    model = Modes()
+    L.Trainer(max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0, **quiet()).fit(model)
+    assert calls == ["train"] and model.training
+    L.Trainer(**quiet()).validate(model, verbose=False)
+    assert calls == ["train", "train"] and model.training  # the mode from before validation is restored
+    model.eval()
+    L.Trainer(**quiet()).validate(model, verbose=False)
+    assert calls == ["train", "train"] and not model.training
+
+
 def test_sanity_check_leaves_no_trace() -> None:
     def run(sanity: int) -> tuple[torch.Tensor, list[Any]]:
         L.seed_everything(3, verbose=False)

@@ -244,7 +244,8 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     t.call(f"on_{hook}_epoch_end")
     t.hook(f"on_{hook}_end")
     t.current_stage = previous_stage
-    t.module.train(was_training)
+    if was_training:
+        getattr(t.module, f"on_{hook}_model_train")()
     per_loader: list[dict[str, float]] = [{} for _ in loaders]
     for name, entry in results.entries.items():
         if entry.on_epoch:

@@ -491,6 +491,7 @@ class Trainer(TrainerViews):
             raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
         self._launch()
         module = self._attach(model, datamodule, stage)
+        self._refuse_batch_transfer_hooks(module)
         self.stage = stage
         self.interrupted = False
         self._add_module_callbacks(module)
@@ -524,6 +525,21 @@ class Trainer(TrainerViews):
             self.profiler.teardown(stage)
             self.stage = None
             self.current_stage = None
+
+    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
+        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
+        batches to the device inside its data loaders."""
+        for owner in (module, self.datamodule):
+            if owner is None:
+                continue
+            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+                     if overrides(owner, h)]
+            if found:
+                raise MisconfigurationError(
+                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
+                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
+                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
+                )
 
     def _add_module_callbacks(self, module: Module) -> None:
         """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
