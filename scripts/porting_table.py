@@ -73,6 +73,10 @@ DIFFERENCES: dict[str, str] = {
     "LightningModule.all_gather": "as Fabric.all_gather",
     "LightningModule.trainer": "under a Fabric loop, self.trainer raises (use self.fabric)",
     "LightningDataModule.load_from_checkpoint": "weights_only=False is refused",
+    **{f"{owner}.{hook}": "overriding it is refused (phalanx's data loaders move batches to the device; do the work "
+                          "in collate_fn or in the *_step method)"
+       for owner in ("LightningModule", "LightningDataModule")
+       for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")},
     "callbacks.TQDMProgressBar": "process_position and leave=True are refused (one bar per stage on rank 0)",
     "callbacks.RichProgressBar": "leave/theme/console_kwargs are refused",
     "Tuner.lr_find": "method must be 'fit'; val_dataloaders are accepted but not used (the range test trains only)",
