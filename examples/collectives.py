@@ -21,8 +21,9 @@ def main() -> None:
     fabric = phalanx.Fabric(accelerator="cpu", devices=2)
     fabric.launch()
     value = torch.tensor(float(fabric.global_rank + 1))
-    fabric.print("sum  ", fabric.all_reduce(value, reduce_op="sum").item())
-    fabric.print("mean ", fabric.all_reduce(value).item())
+    # all_reduce writes its result into the tensor it is given (as in Lightning); reduce copies to keep `value`.
+    fabric.print("sum  ", fabric.all_reduce(value.clone(), reduce_op="sum").item())
+    fabric.print("mean ", fabric.all_reduce(value.clone()).item())
     fabric.print("gather", fabric.all_gather(value).tolist())
     fabric.print("broadcast from rank 1:", fabric.broadcast(f"hello from rank {fabric.global_rank}", src=1))
     with fabric.rank_zero_first():

@@ -97,7 +97,7 @@ def main() -> None:
         enable_progress_bar=not args.no_progress_bar,
         log_every_n_steps=10,
         default_root_dir=out,
-    )  # with devices=2, this line re-runs the script in 2 processes
+    )  # with devices=2, the first trainer call (fit below) re-runs the script in 2 processes
 
     train_set, val_set = digits_datasets()
     model = DigitsClassifier(epochs=args.epochs)

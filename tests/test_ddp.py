@@ -227,14 +227,15 @@ def test_collectives(tmp_path: Path) -> None:
         fabric.launch()
         r = fabric.global_rank
         t = torch.tensor([1.0, 2.0]) * (r + 1)
+        fresh = lambda: t.clone()  # all_reduce writes its result into its input (Lightning's meaning)
         order = []
         with fabric.rank_zero_first():
             order.append(r)
         report(
             fabric,
-            mean=fabric.all_reduce(t),
-            sum=fabric.all_reduce(t, reduce_op="sum"),
-            max=fabric.all_reduce(t, reduce_op="max"),
+            mean=fabric.all_reduce(fresh()),
+            sum=fabric.all_reduce(fresh(), reduce_op="sum"),
+            max=fabric.all_reduce(fresh(), reduce_op="max"),
             scalar=fabric.all_reduce(3.0 * (r + 1), reduce_op="sum"),
             gathered=fabric.all_gather(t),
             nested=fabric.all_gather({"a": torch.tensor([r])}),

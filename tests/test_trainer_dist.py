@@ -141,7 +141,7 @@ class Probe:
                 "metrics": dict(trainer.callback_metrics), "results": trainer.results,
             }
         before = state()
-        result = Tuner(trainer).lr_find(module, num_training=15, min_lr=1e-4, max_lr=1.0)
+        result = Tuner(trainer).lr_find(module, num_training=15, min_lr=1e-4, max_lr=1.0, update_attr=False)
         after = state()
         report(trainer.fabric, probe_equal={k: same(before[k], after[k]) for k in before if k != "results"},
                probe_results_same=before["results"] is after["results"], probe_points=len(result.lrs))

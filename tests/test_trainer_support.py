@@ -101,6 +101,7 @@ def flat(module: nn.Module) -> torch.Tensor:
 
 def quiet(**kwargs: Any) -> dict[str, Any]:
     """Trainer arguments for tests: CPU, no bar, no files unless asked."""
-    base = {"accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": False, "logger": False}
+    base = {"accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": False, "logger": False,
+            "num_sanity_val_steps": 0, "enable_model_summary": False}
     base.update(kwargs)
     return base

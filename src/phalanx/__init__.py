@@ -1,7 +1,12 @@
 """phalanx: PyTorch training from one CPU to many devices, correct by construction.
 
-Heavy optional dependencies (tensorboard, matplotlib, deepspeed, rich) are imported only when used,
-so ``import phalanx`` costs little more than ``import torch``.
+Heavy optional dependencies (tensorboard, matplotlib, deepspeed, rich, jsonargparse, mlflow, wandb)
+are imported only when used, so ``import phalanx`` costs little more than ``import torch``.
+
+Lightning code ports by changing its imports: ``import phalanx as L`` (or ``as pl``) gives
+``L.LightningModule``, ``L.LightningDataModule``, ``L.Trainer``, ``L.Fabric``, ``L.Callback``,
+``L.seed_everything``, and ``L.callbacks`` / ``L.loggers`` / ``L.profilers`` / ``L.tuner`` /
+``L.utilities`` / ``L.cli``. Deliberate differences are listed in docs/porting.md.
 """
 
 from __future__ import annotations
@@ -21,24 +26,45 @@ from phalanx.errors import (
 )
 from phalanx.fabric import Fabric
 from phalanx.seed import seed_everything
+from phalanx.wrappers import is_wrapped
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from phalanx.callbacks import Callback
+    from phalanx.cli_config import LightningCLI
     from phalanx.trainer import DataModule, Module, Trainer
 
-_LAZY = {"Trainer": "phalanx.trainer", "Module": "phalanx.trainer", "DataModule": "phalanx.trainer"}
+    LightningModule = Module
+    LightningDataModule = DataModule
+
+# name -> (module, attribute); imported on first use so `import phalanx` stays light.
+_LAZY = {
+    "Trainer": ("phalanx.trainer", "Trainer"),
+    "Module": ("phalanx.trainer", "Module"),
+    "DataModule": ("phalanx.trainer", "DataModule"),
+    "LightningModule": ("phalanx.trainer", "Module"),
+    "LightningDataModule": ("phalanx.trainer", "DataModule"),
+    "Callback": ("phalanx.callbacks", "Callback"),
+    "LightningCLI": ("phalanx.cli_config", "LightningCLI"),
+}
+_SUBMODULES = ("callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
+               "data", "checkpoint")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"phalanx.{name}")
     raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
 
 
 __all__ = [
+    "Callback",
     "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -46,11 +72,15 @@ __all__ = [
     "DataModule",
     "Fabric",
     "GradientSyncError",
+    "LightningCLI",
+    "LightningDataModule",
+    "LightningModule",
     "MisconfigurationError",
     "Module",
     "PhalanxError",
     "PhalanxWarning",
     "RankGoneError",
     "Trainer",
+    "is_wrapped",
     "seed_everything",
 ]

@@ -3,6 +3,9 @@
 ``phalanx run [options] script.py [args...]`` starts a job with ``torch.distributed.run`` (torchrun's
 engine: rendezvous, multi-node, failure handling) and passes ``--strategy``/``--precision``/... to the
 script's ``Fabric``/``Trainer`` through environment variables.
+
+``phalanx fit|validate|test|predict --config cfg.yaml [--trainer.x=...]`` trains from a config (see
+:mod:`phalanx.cli_config`, Lightning's LightningCLI). ``LightningCLI`` is importable from here too.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from phalanx.precision import PRECISIONS
 
@@ -75,10 +79,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # Listed for `phalanx --help`; main() hands these commands to jsonargparse before argparse sees them.
+    for name in ("fit", "validate", "test", "predict"):
+        sub.add_parser(name, help=f"trainer.{name}() from a YAML config (phalanx {name} --help for its options)",
+                       add_help=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx: scale PyTorch training correctly.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_config_commands(sub)
     for extra in _EXTRA_COMMANDS:
         extra(sub)
     return parser
@@ -98,9 +110,22 @@ def _load_extras() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("fit", "validate", "test", "predict"):
+        from phalanx.cli_config import main as config_main
+
+        return config_main(argv)
     _load_extras()
     args = build_parser().parse_args(argv)
     return int(args.func(args))
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LightningCLI", "SaveConfigCallback"):
+        from phalanx import cli_config
+
+        return getattr(cli_config, name)
+    raise AttributeError(f"module 'phalanx.cli' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from phalanx import fabric_collectives as collectives_api
 from phalanx import launch as launcher
 from phalanx.accelerator import resolve_accelerator, resolve_devices
 from phalanx.anomaly import AnomalyDetector
@@ -90,12 +91,21 @@ class Fabric:
         devices: int | str = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str | int = "32-true",
+        precision: str | int | None = "32-true",
         loggers: Any = None,
         callbacks: Any = None,
         lockstep: str | None = None,
         detect_anomaly: bool = False,
+        plugins: Any = None,
     ) -> None:
+        if plugins is not None and plugins != []:
+            raise MisconfigurationError(
+                f"Fabric(plugins={plugins!r}) is not supported. phalanx has no plugin objects: choose the precision "
+                "with precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
+                "checkpoint I/O belongs to the strategy (pass a Strategy instance with its options)."
+            )
+        if precision is None:
+            precision = "32-true"
         self._init_kwargs: dict[str, Any] = {
             "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
             "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
@@ -119,9 +129,15 @@ class Fabric:
         self._callbacks: list[Any] = _as_list(callbacks)
         self._launched = False
         self._modules: list[FabricModule] = []
+        # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
+        # A malformed environment is reported by launch(), where it is checked against this configuration.
+        try:
+            self._env = launcher.detect_environment()
+        except MisconfigurationError:
+            self._env = None
 
     # ------------------------------------------------------------------ launching
-    def launch(self, function: Callable[..., Any] | None = None, *args: Any) -> Any:
+    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """Start or join the processes of this job.
 
         Under torchrun, SLURM or ``phalanx run`` this joins the existing job. Under plain
@@ -137,9 +153,10 @@ class Fabric:
             if function is None:
                 sys.exit(launcher.launch_script(self._strategy.num_processes))
             factory = functools.partial(Fabric, **self._init_kwargs)
-            return launcher.launch_function(self._strategy.num_processes, factory, function, args)
+            target = functools.partial(function, **kwargs) if kwargs else function
+            return launcher.launch_function(self._strategy.num_processes, factory, target, args)
         self._join(env)
-        return function(self, *args) if function is not None else None
+        return function(self, *args, **kwargs) if function is not None else None
 
     def _join(self, env: launcher.ClusterEnvironment | None) -> None:
         if self._launched:
@@ -169,25 +186,35 @@ class Fabric:
     def device(self) -> torch.device:
         return self._strategy.root_device
 
+    # Before launch() these come from the launched job's environment when there is one (torchrun,
+    # `phalanx run`, SLURM), else from the configuration (rank 0 of devices*num_nodes), as in Lightning.
     @property
     def global_rank(self) -> int:
+        if not self._launched:
+            return self._env.rank if self._env is not None else 0
         return self._strategy.global_rank
 
     @property
     def local_rank(self) -> int:
+        if not self._launched:
+            return self._env.local_rank if self._env is not None else 0
         return self._strategy.local_rank
 
     @property
     def node_rank(self) -> int:
+        if not self._launched:
+            return self._env.node_rank if self._env is not None else 0
         return self._strategy.node_rank
 
     @property
     def world_size(self) -> int:
+        if not self._launched:
+            return self._env.world_size if self._env is not None else self._strategy.num_processes
         return self._strategy.world_size
 
     @property
     def is_global_zero(self) -> bool:
-        return self._strategy.is_global_zero
+        return self.global_rank == 0
 
     @property
     def loggers(self) -> list[Any]:
@@ -204,12 +231,14 @@ class Fabric:
         """Set up a module with its optimizers; returns ``model`` or ``(model, *optimizers[, scheduler])``."""
         self._ensure_launched()
         self._check_new_module(module)
+        self._check_placement(module, move_to_device)
         for opt in optimizers:
             self._check_new_optimizer(opt)
         forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
         opts = [FabricOptimizer(opt, self._strategy, module) for opt in raw_opts]
+        self._link_module(module, opts)
         if scheduler is not None:
             return (wrapped, *opts, scheduler)
         return (wrapped, *opts) if opts else wrapped
@@ -217,10 +246,34 @@ class Fabric:
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
         self._ensure_launched()
         self._check_new_module(module)
+        self._check_placement(module, move_to_device)
         forward_module = self._strategy.setup_module(module)
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
+        self._link_module(module, [])
         return wrapped
+
+    def _check_placement(self, module: nn.Module, move_to_device: bool) -> None:
+        """``move_to_device=False``: the module stays where it is. Every strategy runs the module on this
+        rank's device, so that holds when it is already there (or on the meta device, for the strategy
+        to materialize); anywhere else is refused rather than moved behind the caller's back."""
+        if move_to_device:
+            return
+        elsewhere = {str(t.device) for t in (*module.parameters(), *module.buffers())
+                     if t.device.type != "meta" and t.device != self.device}
+        if elsewhere:
+            raise MisconfigurationError(
+                f"setup(move_to_device=False): the module is on {sorted(elsewhere)} but this rank runs on "
+                f"{self.device}, and the strategy runs the module there. Create it there (`with "
+                "fabric.init_module():`) or move it yourself, or pass move_to_device=True."
+            )
+
+    def _link_module(self, module: nn.Module, optimizers: list[FabricOptimizer]) -> None:
+        """A phalanx/Lightning Module run in a Fabric loop: its self.log, self.logger, self.optimizers(),
+        self.manual_backward and self.all_gather go through this Fabric."""
+        if hasattr(module, "_fabric_optimizers") and hasattr(module, "_fabric"):
+            setattr(module, "_fabric", self)  # noqa: B010 - any module with these slots, not one class
+            setattr(module, "_fabric_optimizers", list(optimizers))  # noqa: B010
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         self._ensure_launched()
@@ -286,12 +339,13 @@ class Fabric:
         self,
         module: nn.Module,
         optimizer: Optimizer,
-        max_norm: float | None = None,
         clip_val: float | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
-        """Clip by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
+        """Clip by value (``clip_val``, the third positional argument as in Lightning) or by total norm
+        (``max_norm=``, returns the norm)."""
         if (max_norm is None) == (clip_val is None):
             raise MisconfigurationError("Pass exactly one of max_norm= or clip_val= to clip_gradients.")
         raw = optimizer.optimizer if isinstance(optimizer, FabricOptimizer) else optimizer
@@ -314,6 +368,11 @@ class Fabric:
         """Create a module directly on the device and in the precision's dtype."""
         self._ensure_launched()
         return self._strategy.init_context(empty_init)
+
+    def init_tensor(self) -> contextlib.AbstractContextManager[Any]:
+        """Tensors created inside are on the device, in the precision's dtype."""
+        self._ensure_launched()
+        return self._strategy.init_context(None)
 
     def to_device(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
@@ -340,22 +399,31 @@ class Fabric:
         self._ensure_launched()
         return self._strategy.broadcast(obj, src)
 
-    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
-        """Gather tensors (or a collection of them) from every rank; each gains a leading world dim."""
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Gather tensors, numbers and bools (or a collection of them) from every rank. Each becomes a
+        tensor with a leading world dimension, also on one process (shape ``(1, ...)``), so code written
+        for N ranks runs unchanged on one. ``sync_grads=True`` lets gradients flow back to every rank's
+        input (as ``torch.distributed.nn.functional.all_gather``)."""
         self._ensure_launched()
-        return apply_to_tensors(data, lambda t: self._strategy.all_gather(self._as_device_tensor(t)))
+        _no_group(group, "all_gather")
+        gather = functools.partial(collectives_api.gather, self._strategy, sync_grads=sync_grads)
+        return apply_to_tensors(collectives_api.to_tensors(data, self.device), gather)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every rank (index = rank), e.g. per-rank RNG states."""
         self._ensure_launched()
         return self._strategy.all_gather_object(obj)
 
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors or numbers (or a collection of them) across ranks: mean, sum, max, min, product."""
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce tensors, numbers (or a collection of them) across ranks with ``reduce_op``: "mean"
+        (or "avg"), "sum", "max", "min", "product", or a ``torch.distributed.ReduceOp``. As in Lightning,
+        a tensor already on this rank's device receives the result in place and is returned. The mean
+        of an integer tensor is refused (it would be truncated); Python ints are averaged as floats."""
         self._ensure_launched()
-        if isinstance(data, (int, float)):
-            return self._strategy.all_reduce(self._as_device_tensor(torch.tensor(data)), reduce_op)
-        return apply_to_tensors(data, lambda t: self._strategy.all_reduce(self._as_device_tensor(t), reduce_op))
+        _no_group(group, "all_reduce")
+        op = collectives_api.reduce_op_name(reduce_op)
+        reduce = functools.partial(collectives_api.reduce, self._strategy, op=op)
+        return apply_to_tensors(collectives_api.to_tensors(data, self.device, float_ints=op == "mean"), reduce)
 
     def _as_device_tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if t.device != self.device else t
@@ -376,10 +444,16 @@ class Fabric:
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> None:
         """Save ``state`` (modules, optimizers, stateful objects and plain values). Call it on every rank:
         the strategy decides who writes. The write is atomic."""
         self._ensure_launched()
+        if filter is not None:
+            raise MisconfigurationError(
+                "fabric.save(filter=...) is not supported: a checkpoint holds whole state dicts, so that it can "
+                "always be loaded back strictly. Save a dict of the entries you want instead (e.g. "
+                "{'adapter': {k: v for k, v in model.state_dict().items() if 'lora' in k}})."
+            )
         if not isinstance(state, Mapping):
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
         self._strategy.save_checkpoint(path, dict(state))
@@ -428,8 +502,8 @@ class Fabric:
                 method(*args, **kwargs)
 
     @staticmethod
-    def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-        return _seed_everything(seed, workers)
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        return _seed_everything(seed, bool(workers), verbose=verbose)
 
     def teardown(self) -> None:
         """Flush loggers and leave the process group now (otherwise both happen at interpreter exit)."""
@@ -446,6 +520,14 @@ class Fabric:
                     finalize("failed" if failed else "success")
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)
+
+
+def _no_group(group: Any, what: str) -> None:
+    if group is not None:
+        raise MisconfigurationError(
+            f"{what}(group=...) is not supported: phalanx's collectives span all ranks (and are checked for lockstep "
+            "across them). Gather over all ranks and select the ranks you need."
+        )
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -12,7 +12,7 @@ import torch
 _MAX_SEED = 2**32 - 1
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's, NumPy's and torch's generators (all devices) and return the seed used.
 
     With ``seed=None`` the seed is ``PHALANX_SEED`` when the environment sets it, else 0 (Lightning
@@ -37,6 +37,10 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+    if verbose:
+        from phalanx import diagnostics
+
+        diagnostics.info(f"Seed set to {seed}", rank=int(os.environ.get("RANK", "0")))
     return seed
 
 

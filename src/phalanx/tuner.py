@@ -124,17 +124,32 @@ class Tuner:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    def scale_batch_size(
+        self, model: Module, train_dataloaders: Any = None, val_dataloaders: Any = None, dataloaders: Any = None,
+        datamodule: Any = None, method: str = "fit", mode: str = "power", steps_per_trial: int = 3,
+        init_val: int = 2, max_trials: int = 25, batch_arg_name: str = "batch_size", margin: float = 0.05,
+        max_val: int = 8192,
+    ) -> int:
+        """Find the largest batch size that fits (see :mod:`phalanx.batch_size_scaling`)."""
+        from phalanx.batch_size_scaling import scale_batch_size
+
+        return scale_batch_size(self.trainer, model, train_dataloaders, val_dataloaders, dataloaders, datamodule,
+                                method, mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
+
     def lr_find(
         self,
         model: Module,
         train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        dataloaders: Any = None,
         datamodule: Any = None,
+        method: str = "fit",
         min_lr: float = 1e-8,
         max_lr: float = 1.0,
         num_training: int = 100,
         mode: str = "exponential",
         early_stop_threshold: float | None = 4.0,
-        update_attr: bool = False,
+        update_attr: bool = True,
         attr_name: str = "",
     ) -> LRFinderResult:
         """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
@@ -142,6 +157,12 @@ class Tuner:
         the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. With
         ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
         suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``."""
+        if method != "fit":
+            raise MisconfigurationError(f"lr_find(method={method!r}): the LR range test trains; use method='fit'.")
+        if dataloaders is not None:
+            raise MisconfigurationError("lr_find(dataloaders=...) is for evaluation methods; pass train_dataloaders=.")
+        # val_dataloaders are accepted for Lightning's signature; the range test does not validate.
+        del val_dataloaders
         if mode not in ("exponential", "linear"):
             raise MisconfigurationError(f"lr_find mode={mode!r}; use 'exponential' or 'linear'.")
         if not 0 < min_lr < max_lr:

@@ -29,7 +29,9 @@ class LearningRateFinder(Callback):
     def __init__(
         self, min_lr: float = 1e-8, max_lr: float = 1.0, num_training_steps: int = 100, mode: str = "exponential",
         early_stop_threshold: float | None = 4.0, attr_name: str = "", plot_path: str | Path | None = None,
+        update_attr: bool = True,
     ) -> None:
+        self.update_attr = update_attr  # False: only search (the result is in optimal_lr), change nothing
         self.min_lr, self.max_lr, self.num_training_steps = min_lr, max_lr, num_training_steps
         self.mode, self.early_stop_threshold, self.attr_name = mode, early_stop_threshold, attr_name
         self.plot_path = Path(plot_path) if plot_path is not None else None
@@ -40,15 +42,15 @@ class LearningRateFinder(Callback):
         from phalanx.tuner import Tuner, _lr_attr
 
         if trainer.ckpt_path is not None:
-            if self.lr is not None:
+            if self.lr is not None and self.update_attr:
                 setattr(module, _lr_attr(module, self.attr_name), self.lr)
             return
         self.optimal_lr = result = Tuner(trainer).lr_find(
             module, min_lr=self.min_lr, max_lr=self.max_lr, num_training=self.num_training_steps, mode=self.mode,
-            early_stop_threshold=self.early_stop_threshold, update_attr=True, attr_name=self.attr_name,
+            early_stop_threshold=self.early_stop_threshold, update_attr=self.update_attr, attr_name=self.attr_name,
         )
         self.lr = result.suggestion()
-        if self.lr is not None:
+        if self.lr is not None and self.update_attr:
             info(f"LearningRateFinder: using lr={self.lr:.4g}", rank=trainer.global_rank)
         if self.plot_path is not None and trainer.is_global_zero:
             self.plot_path.parent.mkdir(parents=True, exist_ok=True)

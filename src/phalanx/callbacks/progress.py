@@ -127,7 +127,7 @@ class ProgressBar(Callback):
         self._eval_start(trainer, "validation")
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._advance(trainer, "validation")
 
@@ -137,7 +137,9 @@ class ProgressBar(Callback):
     def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
         self._eval_start(trainer, "test")
 
-    def on_test_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_end(
+        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._advance(trainer, "test")
 
     def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:

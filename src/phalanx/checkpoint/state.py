@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -150,3 +151,16 @@ def module_mismatch(
                         (("missing from the checkpoint:", missing), ("not in the model:", unexpected)) if items)
         )
     return None
+
+
+def plain_shapes(module: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    """key -> shape (None for non-tensor entries) of an unsharded module's state dict."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in module.state_dict().items()}
+
+
+def load_into_module(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Load a full state dict into an unsharded module, through the one mismatch report."""
+    error = module_mismatch(type(module).__name__, plain_shapes(module), state, strict)
+    if error:
+        raise CheckpointError(error)
+    module.load_state_dict(state, strict=strict)

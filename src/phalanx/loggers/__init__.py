@@ -2,6 +2,8 @@
 
 from phalanx.loggers.base import Logger
 from phalanx.loggers.csv import CSVLogger
+from phalanx.loggers.mlflow import MLFlowLogger
 from phalanx.loggers.tensorboard import TensorBoardLogger
+from phalanx.loggers.wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "Logger", "MLFlowLogger", "TensorBoardLogger", "WandbLogger"]

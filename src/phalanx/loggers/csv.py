@@ -19,8 +19,13 @@ class CSVLogger:
 
     def __init__(
         self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None,
-        flush_every: int = 100,
+        flush_every: int = 100, *, save_dir: str | Path | None = None, flush_logs_every_n_steps: int | None = None,
+        prefix: str = "",
     ) -> None:
+        self._prefix = prefix  # prepended to metric names as "<prefix>-<name>", as in Lightning
+        # save_dir / flush_logs_every_n_steps: Lightning's names for root_dir / flush_every.
+        root_dir = save_dir if save_dir is not None else root_dir
+        flush_every = flush_logs_every_n_steps if flush_logs_every_n_steps is not None else flush_every
         self._root, self._name, self._version = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._rows: list[dict[str, Any]] = []
@@ -44,6 +49,8 @@ class CSVLogger:
         (self.log_dir / "hparams.json").write_text(json.dumps(flatten_hparams(params), indent=2))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._prefix:
+            metrics = {f"{self._prefix}-{k}": v for k, v in metrics.items()}
         row: dict[str, Any] = {"step": step, **metrics}
         for key in row:
             if key not in self._columns:

@@ -15,7 +15,14 @@ if TYPE_CHECKING:
 class TensorBoardLogger:
     """Writes event files to ``<root_dir>/<name>/version_<n>/``."""
 
-    def __init__(self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None) -> None:
+    def __init__(
+        self, root_dir: str | Path = "logs", name: str = "phalanx", version: int | str | None = None, *,
+        save_dir: str | Path | None = None, prefix: str = "", sub_dir: str | Path | None = None,
+    ) -> None:
+        # save_dir: Lightning's name for root_dir. prefix: "<prefix>-<name>" metric names; sub_dir: a folder
+        # inside the version folder for the event files.
+        root_dir = save_dir if save_dir is not None else root_dir
+        self._prefix, self._sub_dir = prefix, sub_dir
         self._root, self._name, self._version = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._writer: SummaryWriter | None = None
@@ -24,6 +31,8 @@ class TensorBoardLogger:
     def log_dir(self) -> Path:
         if self._log_dir is None:
             self._log_dir = log_dir_of(self._root, self._name, self._version)
+            if self._sub_dir is not None:
+                self._log_dir = self._log_dir / self._sub_dir
         return self._log_dir
 
     @property
@@ -45,7 +54,7 @@ class TensorBoardLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         for key, value in metrics.items():
-            self.experiment.add_scalar(key, value, global_step=step)
+            self.experiment.add_scalar(f"{self._prefix}-{key}" if self._prefix else key, value, global_step=step)
 
     def save(self) -> None:
         if self._writer is not None:

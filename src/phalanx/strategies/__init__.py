@@ -10,7 +10,7 @@ from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.single import SingleDeviceStrategy
 
-STRATEGY_NAMES = ("auto", "single", "single_device", "ddp")
+STRATEGY_NAMES = ("auto", "single", "single_device", "ddp", "ddp_find_unused_parameters_true")
 
 
 def resolve_strategy(strategy: str | Strategy, num_processes: int) -> Strategy:
@@ -31,8 +31,10 @@ def resolve_strategy(strategy: str | Strategy, num_processes: int) -> Strategy:
                 "Use strategy='ddp' (or 'auto'), or devices=1."
             )
         return SingleDeviceStrategy()
-    if key in ("ddp", "ddp_spawn", "ddp_fork"):
+    if key in ("ddp", "ddp_spawn", "ddp_fork", "ddp_find_unused_parameters_false"):
         return DDPStrategy()
+    if key == "ddp_find_unused_parameters_true":  # Lightning's name for DDP(find_unused_parameters=True)
+        return DDPStrategy(find_unused_parameters=True)
     extra = _lazy_strategy(key)
     if extra is not None:
         return extra

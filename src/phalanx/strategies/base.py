@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from phalanx import checkpoint
 from phalanx.checkpoint.protocol import Shapes, ShardIO
+from phalanx.checkpoint.state import plain_shapes
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
@@ -36,6 +37,14 @@ class Strategy:
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     #: Whether gradients of set-up modules are averaged across ranks in ``backward``.
     syncs_gradients: ClassVar[bool] = False
+    #: Whether evaluation may run under ``torch.inference_mode``. Backends that gather parameters into
+    #: buffers they reuse in training must say False: a buffer first filled in inference mode cannot be
+    #: updated in place afterwards (the Trainer then evaluates under ``torch.no_grad``).
+    supports_inference_mode: ClassVar[bool] = True
+    #: Whether a set-up module's own methods may run outside the strategy's forward, with the gradients
+    #: they produce still synchronized by ``backward`` (manual optimization relies on it). Sharding
+    #: backends need their forward to gather parameters, so they say False.
+    supports_calls_outside_forward: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -239,9 +248,7 @@ class Strategy:
         self.load_optimizer_state_dict(module, optimizer, state)
 
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
-        shapes: Shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
-                          for k, v in module.state_dict().items()}
-        return type(module).__name__, shapes
+        return type(module).__name__, plain_shapes(module)
 
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
         checkpoint.save(self, path, state)

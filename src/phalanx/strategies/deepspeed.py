@@ -133,6 +133,8 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "deepspeed"
     syncs_gradients: ClassVar[bool] = True
+    supports_inference_mode: ClassVar[bool] = False  # ZeRO-3 gathers parameters into reused buffers
+    supports_calls_outside_forward: ClassVar[bool] = False  # the engine owns backward and the step
     supported_precisions: ClassVar[tuple[str, ...]] = tuple(PRECISION_SECTIONS)
 
     def __init__(

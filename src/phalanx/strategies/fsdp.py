@@ -177,6 +177,8 @@ class FSDPStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "fsdp"
     syncs_gradients: ClassVar[bool] = True
+    supports_inference_mode: ClassVar[bool] = False  # fully_shard reuses its all-gather buffers
+    supports_calls_outside_forward: ClassVar[bool] = False  # parameters are gathered by the forward
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
 
     def __init__(

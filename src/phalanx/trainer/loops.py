@@ -20,6 +20,7 @@ from phalanx.errors import MisconfigurationError
 from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer.data import num_batches
 from phalanx.trainer.optim import step_schedulers
+from phalanx.trainer.stepping import train_batch
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -122,7 +123,7 @@ def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None
         else:
             trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
     if hooks:
-        module.optimizer_step(optimizer)
+        module.optimizer_step(trainer.current_epoch, trainer.batches_done, optimizer)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -157,6 +158,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     results.reset()
     if start > 0 and resume is not None and resume.get("results") is not None:
         results.load_state_dict(resume["results"])
+    t.reload_dataloaders_if_due()
     t.module.train()
     t.module.on_train_epoch_start()
     t.call("on_train_epoch_start")
@@ -172,13 +174,9 @@ def run_train_epoch(trainer: Trainer) -> None:
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
         results.batch = batch
         t.in_window = not boundary
-        t.module.on_train_batch_start(batch, batch_idx)
-        t.call("on_train_batch_start", batch, batch_idx)
-        output = micro_batch(t, batch, batch_idx, size, boundary)
-        if boundary:
-            optimizer_step(t, t.optimizer)
-            t.global_step += 1
-            step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
+        if not t.batch_start(batch, batch_idx):
+            break
+        output = train_batch(t, batch, batch_idx, size, boundary)
         t.batches_done = batch_idx + 1
         t.publish_step_metrics(results.sync_step(t.fabric), results, log=boundary)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
@@ -219,13 +217,14 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     was_training = t.module.training
     previous_stage = t.current_stage
     t.current_stage = stage
-    t.module.eval()
+    getattr(t.module, f"on_{hook}_model_eval")()
+    t.hook(f"on_{hook}_start")
     getattr(t.module, f"on_{hook}_epoch_start")()
     t.call(f"on_{hook}_epoch_start")
     step_fn = getattr(t.model, f"{hook}_step")
     takes_idx = _takes_dataloader_idx(getattr(t.module, f"{hook}_step"))
     t.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
-    with torch.no_grad():
+    with eval_grad_mode(t):
         for idx, loader in enumerate(loaders):
             results.dataloader_idx = idx
             results.suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
@@ -233,16 +232,20 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 results.batch = batch
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
+                t.hook(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 output = step_fn(batch, batch_idx, **extra)
                 t.publish_step_metrics(results.sync_step(t.fabric), results, log=True)
-                t.call(f"on_{hook}_batch_end", output, batch, batch_idx)
+                t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
     results.in_epoch_end = True
-    getattr(t.module, f"on_{hook}_epoch_end")()
+    with eval_grad_mode(t):
+        getattr(t.module, f"on_{hook}_epoch_end")()
     results.in_epoch_end = False
     metrics = t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
     t.call(f"on_{hook}_epoch_end")
+    t.hook(f"on_{hook}_end")
     t.current_stage = previous_stage
-    t.module.train(was_training)
+    if was_training:
+        getattr(t.module, f"on_{hook}_model_train")()
     per_loader: list[dict[str, float]] = [{} for _ in loaders]
     for name, entry in results.entries.items():
         if entry.on_epoch:
@@ -254,17 +257,29 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
 def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> list[list[Any]]:
     t = trainer
     was_training = t.module.training
-    t.module.eval()
+    t.module.on_predict_model_eval()
+    t.hook("on_predict_start")
+    t.hook("on_predict_epoch_start")
     out: list[list[Any]] = []
     takes_idx = _takes_dataloader_idx(t.module.predict_step)
-    with torch.no_grad():
+    with eval_grad_mode(t):
         for idx, loader in enumerate(loaders):
             preds: list[Any] = []
             n = num_batches(loader, limit)
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
+                t.hook("on_predict_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 preds.append(t.model.predict_step(batch, batch_idx, **extra))
-                t.call("on_predict_batch_end", preds[-1], batch, batch_idx)
+                t.hook("on_predict_batch_end", preds[-1], batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             out.append(preds)
+    t.hook("on_predict_epoch_end")
+    t.hook("on_predict_end")
     t.module.train(was_training)
     return out
+
+
+def eval_grad_mode(trainer: Trainer) -> Any:
+    """``Trainer(inference_mode=True)``: torch.inference_mode where the strategy allows it (see
+    ``Strategy.supports_inference_mode``), else torch.no_grad."""
+    allowed = trainer.inference_mode and trainer.fabric.strategy.supports_inference_mode
+    return torch.inference_mode() if allowed else torch.no_grad()

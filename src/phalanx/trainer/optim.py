@@ -54,10 +54,14 @@ def _scheduler_config(value: Any) -> SchedulerConfig:
     return config
 
 
-def parse_optimizers(value: Any) -> tuple[Optimizer, list[SchedulerConfig]]:
-    """One optimizer and its schedulers from any supported ``configure_optimizers`` return value."""
+def parse_all_optimizers(value: Any) -> tuple[list[Optimizer], list[SchedulerConfig]]:
+    """The optimizers and schedulers from any supported ``configure_optimizers`` return value: an
+    optimizer; a dict with ``optimizer`` (and ``lr_scheduler``); a list of optimizers or of such dicts;
+    ``([optimizers], [schedulers])``; or None (no optimizer: manual optimization only)."""
     optimizers: list[Any]
     schedulers: list[Any] = []
+    if value is None:
+        return [], []
     if isinstance(value, Optimizer):
         optimizers = [value]
     elif isinstance(value, Mapping):
@@ -70,6 +74,13 @@ def parse_optimizers(value: Any) -> tuple[Optimizer, list[SchedulerConfig]]:
             schedulers = [value["lr_scheduler"]]
     elif isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, Sequence) for v in value):
         optimizers, schedulers = list(value[0]), list(value[1])
+    elif isinstance(value, Sequence) and value and all(isinstance(v, Mapping) for v in value):
+        optimizers, schedulers = [], []
+        for item in value:
+            opts, scheds = parse_all_optimizers(item)
+            optimizers += opts
+            schedulers += [{"scheduler": c.scheduler, "interval": c.interval, "frequency": c.frequency,
+                            "monitor": c.monitor, "name": c.name} for c in scheds]
     elif isinstance(value, Sequence):
         optimizers = list(value)
     else:
@@ -77,20 +88,28 @@ def parse_optimizers(value: Any) -> tuple[Optimizer, list[SchedulerConfig]]:
             f"configure_optimizers returned {type(value).__name__}; return an optimizer, a dict with 'optimizer' "
             "(and optionally 'lr_scheduler'), or ([optimizer], [scheduler])."
         )
+    for opt in optimizers:
+        if not isinstance(opt, Optimizer):
+            raise MisconfigurationError(
+                f"configure_optimizers returned a {type(opt).__name__}, not a torch.optim.Optimizer."
+            )
+    configs = [_scheduler_config(s) for s in schedulers]
+    for c in configs:
+        owner = getattr(c.scheduler, "optimizer", optimizers[0] if optimizers else None)
+        if not any(owner is opt for opt in optimizers):
+            raise MisconfigurationError("An lr_scheduler was built for a different optimizer than the ones returned.")
+    return optimizers, configs
+
+
+def parse_optimizers(value: Any) -> tuple[Optimizer, list[SchedulerConfig]]:
+    """Exactly one optimizer and its schedulers (automatic optimization)."""
+    optimizers, configs = parse_all_optimizers(value)
     if len(optimizers) != 1:
         raise MisconfigurationError(
             f"configure_optimizers returned {len(optimizers)} optimizers; the Trainer steps exactly one. Put all "
-            "parameters in one optimizer (use param groups for different settings), or write the loop with "
-            "phalanx.Fabric for multi-optimizer training."
+            "parameters in one optimizer (use param groups for different settings), or set "
+            "self.automatic_optimization = False and step them yourself in training_step."
         )
-    if not isinstance(optimizers[0], Optimizer):
-        raise MisconfigurationError(
-            f"configure_optimizers returned a {type(optimizers[0]).__name__}, not a torch.optim.Optimizer."
-        )
-    configs = [_scheduler_config(s) for s in schedulers]
-    for c in configs:
-        if getattr(c.scheduler, "optimizer", optimizers[0]) is not optimizers[0]:
-            raise MisconfigurationError("An lr_scheduler was built for a different optimizer than the one returned.")
     return optimizers[0], configs
 
 

@@ -1,8 +1,13 @@
 """``phalanx.Trainer``: the managed loop, built only on ``phalanx.Fabric``'s public API.
 
 Everything backend-specific (DDP, FSDP, DeepSpeed, precision) is Fabric's business; this file
-never asks which strategy it runs on. ``Trainer(devices=2)`` launches the processes itself: under
-plain ``python train.py`` the script re-runs in 2 processes right at the Trainer's construction.
+never asks which strategy it runs on.
+
+When processes start (as in Lightning): constructing a Trainer starts nothing. Under torchrun or
+``phalanx run`` the ranks are known from the environment right away (``trainer.global_rank``); the
+process group is joined at the first ``fit``/``validate``/``test``/``predict``/tuner call. Under plain
+``python train.py`` with ``devices=N``, that first call re-runs the script in N processes and the
+original process only supervises them (it exits with the job's code when they finish).
 """
 
 from __future__ import annotations
@@ -17,132 +22,200 @@ from typing import Any
 
 import torch
 
+from phalanx import diagnostics
 from phalanx.errors import MisconfigurationError
 from phalanx.fabric import Fabric
+from phalanx.profilers import resolve_profiler
+from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
-from phalanx.trainer.module import DataModule, Module
-from phalanx.trainer.optim import SchedulerConfig, parse_optimizers
+from phalanx.trainer.module import DataModule, Module, overrides
+from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import Entry, Results
+from phalanx.trainer.settings import (
+    check_weights_only,
+    checkpoint_marks,
+    off_in_fast_dev_run,
+    refuse_plugins,
+    resolve,
+    sequential,
+    split_datamodule,
+)
+from phalanx.trainer.stepping import StepOptimizer
+from phalanx.trainer.views import TrainerViews
 
 _STAGES = ("train", "validate", "test")
 
 
-def _check_limit(name: str, value: Any) -> int | float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise MisconfigurationError(
-            f"{name} must be an int >= 0 (batches) or a float in [0, 1] (fraction), got {value!r}."
-        )
-    if isinstance(value, float) and value > 1.0:
-        raise MisconfigurationError(f"{name}={value} is a float above 1.0; pass an int for a number of batches.")
-    return value
-
-
 @contextlib.contextmanager
-def _deterministic(enabled: bool) -> Iterator[None]:
-    """torch's deterministic mode for one run, then the process's previous settings (they are global)."""
-    if not enabled:
+def _deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[None]:
+    """torch's deterministic mode (``mode`` True or "warn") and cudnn's ``benchmark`` for one run, then the
+    process's previous settings: they are global, and another Trainer or later code must not inherit them."""
+    if not mode and benchmark is None:
         yield
         return
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+    cudnn_benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if mode:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
+        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.backends.cudnn.benchmark = bool(benchmark) if benchmark is not None else (
+        False if mode else cudnn_benchmark)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-        torch.backends.cudnn.benchmark = benchmark
+        torch.backends.cudnn.benchmark = cudnn_benchmark
         if cublas is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-class Trainer:
+class Trainer(TrainerViews):
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
+    The arguments are Lightning's, with its defaults and meaning (docs/trainer.md; deliberate
+    differences are listed in docs/porting.md). Every one is implemented or refused with a reason.
+
     Args:
-        accelerator, devices, num_nodes, strategy, precision: passed to :class:`phalanx.Fabric`.
-        max_epochs: epochs to train (default 1000, or unlimited when ``max_steps`` is set).
-        max_steps: optimizer steps to train (-1: no limit).
-        accumulate_grad_batches: micro-batches per optimizer step.
-        gradient_clip_val / gradient_clip_algorithm: clip by total norm ("norm") or by value ("value").
+        accelerator, strategy, devices, num_nodes, precision: passed to :class:`phalanx.Fabric`.
+        logger: None/True (a CSVLogger under default_root_dir), False, a logger or a list of loggers.
+        callbacks: objects whose hook methods (``on_train_epoch_end(trainer, module)``, ...) are called.
+        fast_dev_run: run N (True: 1) batches of each loop once, without loggers or checkpoints.
+        max_epochs / min_epochs / max_steps / min_steps / max_time: when training stops; a stop request
+            (early stopping) is deferred until the minimums are met.
+        limit_{train,val,test,predict}_batches / overfit_batches: int (batches) or float (fraction).
         val_check_interval: validate every this many training batches (int) or fraction of an epoch (float).
         check_val_every_n_epoch: validate at the end of every n-th epoch (None: only val_check_interval).
-        limit_{train,val,test,predict}_batches: int (batches) or float (fraction of the loader).
-        callbacks: objects whose hook methods (``on_train_epoch_end(trainer, module)``, ...) are called.
-        logger: True (a CSVLogger under default_root_dir), False, a logger or a list of loggers.
-        enable_progress_bar, enable_checkpointing: add a ProgressBar / ModelCheckpoint unless one is given.
-        deterministic: ``torch.use_deterministic_algorithms(True)`` and ``cudnn.benchmark = False`` while
-            fit/validate/test/predict (or the tuner) runs; the previous settings are restored when it
-            returns, so code after it, or another Trainer in the process, is unaffected.
-        default_root_dir: where logs and checkpoints go (default: the working directory).
+        num_sanity_val_steps: validation batches run before training to catch bugs early (-1: all).
+            Their metrics are discarded and every RNG is put back, so the fit is the same with or without.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` (``"warn"``: warn only) and
+            ``cudnn.benchmark = False`` while fit/validate/test/predict (or the tuner) runs; the previous
+            settings are restored when it returns, so code after it, or another Trainer, is unaffected.
         log_every_n_steps: how often step-level metrics go to the loggers.
+        enable_checkpointing / enable_progress_bar / enable_model_summary: add the default callbacks.
+        accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm ("norm" or "value").
+        benchmark: ``torch.backends.cudnn.benchmark`` (None: leave it, False when deterministic).
+        inference_mode: evaluate under ``torch.inference_mode`` (else ``torch.no_grad``).
         use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
+        profiler: "simple", "advanced", "pytorch" or a :class:`phalanx.profilers.Profiler`.
+        detect_anomaly: stop at the first backward with nan/inf loss or gradients (Fabric's detector).
+        barebones: turn off everything that costs time outside the steps (refuses arguments that need it).
+        plugins: refused (see :func:`phalanx.trainer.settings.refuse_plugins` for each equivalent).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm before setup.
+        reload_dataloaders_every_n_epochs: call the ``*_dataloader()`` methods again every n epochs.
+        default_root_dir: where logs and checkpoints go (default: the working directory).
+        enable_autolog_hparams: send ``module.hparams`` to the loggers when fit starts.
+        model_registry: refused (phalanx uploads nothing).
     """
 
     def __init__(
         self,
         *,
         accelerator: str = "auto",
+        strategy: Any = "auto",
         devices: int | str = "auto",
         num_nodes: int = 1,
-        strategy: Any = "auto",
-        precision: str | int = "32-true",
+        precision: str | int | None = None,
+        logger: Any = None,
+        callbacks: Any = None,
+        fast_dev_run: int | bool = False,
         max_epochs: int | None = None,
+        min_epochs: int | None = None,
         max_steps: int = -1,
+        min_steps: int | None = None,
+        max_time: Any = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        num_sanity_val_steps: int | None = None,
+        log_every_n_steps: int | None = None,
+        enable_checkpointing: bool | None = None,
+        enable_progress_bar: bool | None = None,
+        enable_model_summary: bool | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        val_check_interval: int | float = 1.0,
-        check_val_every_n_epoch: int | None = 1,
-        limit_train_batches: int | float = 1.0,
-        limit_val_batches: int | float = 1.0,
-        limit_test_batches: int | float = 1.0,
-        limit_predict_batches: int | float = 1.0,
-        callbacks: Any = None,
-        logger: Any = True,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
-        deterministic: bool = False,
-        default_root_dir: str | Path | None = None,
-        log_every_n_steps: int = 50,
+        gradient_clip_algorithm: str | None = None,
+        deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
         use_distributed_sampler: bool = True,
+        profiler: Any = None,
+        detect_anomaly: bool = False,
+        barebones: bool = False,
+        plugins: Any = None,
+        sync_batchnorm: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
+        default_root_dir: str | Path | None = None,
+        enable_autolog_hparams: bool = True,
+        model_registry: str | None = None,
     ) -> None:
+        settings = resolve(dict(locals()))
+        refuse_plugins(plugins)
+        if model_registry is not None:
+            raise MisconfigurationError(
+                f"model_registry={model_registry!r} is not supported: phalanx uploads nothing. Remove it and copy the "
+                "checkpoint (ModelCheckpoint.best_model_path) to your registry yourself."
+            )
         if accumulate_grad_batches < 1:
             raise MisconfigurationError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise MisconfigurationError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'.")
-        if log_every_n_steps < 1:
-            raise MisconfigurationError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}.")
-        if max_epochs is not None and max_epochs < 0:
-            raise MisconfigurationError(f"max_epochs must be >= 0, got {max_epochs}.")
+        if reload_dataloaders_every_n_epochs < 0:
+            raise MisconfigurationError(
+                f"reload_dataloaders_every_n_epochs must be >= 0, got {reload_dataloaders_every_n_epochs}."
+            )
+        if deterministic not in (None, True, False, "warn"):
+            raise MisconfigurationError(f"deterministic={deterministic!r}; use True, False or 'warn'.")
         self.default_root_dir = Path(default_root_dir) if default_root_dir is not None else Path.cwd()
         self.fabric = Fabric(
-            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-            loggers=self._make_loggers(logger),
+            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+            precision=precision if precision is not None else "32-true",
+            loggers=self._make_loggers(settings.logger), detect_anomaly=detect_anomaly,
         )
-        self.fabric.launch()
-        self.deterministic = deterministic
-        self.max_steps = max_steps
-        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps < 0 else sys.maxsize)
+        if benchmark and deterministic:
+            raise MisconfigurationError("benchmark=True picks kernels by speed, which deterministic=True forbids.")
+        self.deterministic, self.benchmark = deterministic, benchmark  # applied per run: see _deterministic
+        self.fast_dev_run = settings.fast_dev_run
+        if self.fast_dev_run:
+            diagnostics.info(f"Running in fast_dev_run mode: each loop runs {self.fast_dev_run} batch(es); logging "
+                             "and checkpointing are off.", rank=self.fabric.global_rank)
+        self.max_steps, self.min_steps, self.min_epochs = settings.max_steps, settings.min_steps, settings.min_epochs
+        max_epochs = settings.max_epochs
+        if max_epochs is None or max_epochs == -1:
+            max_epochs = (1000 if settings.max_steps < 0 else sys.maxsize) if max_epochs is None else sys.maxsize
+        self.max_epochs = max_epochs
         self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self.val_check_interval = _check_limit("val_check_interval", val_check_interval)
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
-        self.log_every_n_steps = log_every_n_steps
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = settings.gradient_clip_algorithm
+        self.gradient_clip_algorithm_given = gradient_clip_algorithm is not None
+        self.val_check_interval = settings.val_check_interval
+        self.check_val_every_n_epoch = settings.check_val_every_n_epoch
+        self.limit_train_batches = settings.limit_train_batches
+        self.limit_val_batches = settings.limit_val_batches
+        self.limit_test_batches = settings.limit_test_batches
+        self.limit_predict_batches = settings.limit_predict_batches
+        self.overfit_batches = settings.overfit_batches
+        self.num_sanity_val_steps = settings.num_sanity_val_steps
+        self.log_every_n_steps = settings.log_every_n_steps
         self.use_distributed_sampler = use_distributed_sampler
-        self.callbacks: list[Any] = self._make_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.inference_mode = inference_mode
+        self.sync_batchnorm = sync_batchnorm
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
+        self.enable_autolog_hparams = enable_autolog_hparams
+        self.barebones = barebones
+        self.profiler = resolve_profiler(profiler)
+        self.callbacks: list[Any] = self._make_callbacks(
+            callbacks, settings.enable_progress_bar, settings.enable_checkpointing, settings.enable_model_summary,
+            max_time,
+        )
 
         # Loop state (saved in checkpoints).
         self.global_step = 0
         self.current_epoch = 0
         self.batches_done = 0
-        self.should_stop = False
+        self._should_stop = False
         self.epoch_finished = False
         self.in_window = False
         self.epoch_start_rng: dict[str, Any] | None = None
@@ -152,14 +225,21 @@ class Trainer:
         # What the current run works on.
         self.stage: str | None = None  # "fit", "validate", "test", "predict" (or "lr_find")
         self.current_stage: str | None = None  # the loop running now: "train", "validate", "test"
+        self.sanity_checking = False
+        self.interrupted = False
         self._module: Module | None = None
         self.model: Any = None  # the set-up (wrapped) module
-        self.optimizer: Any = None
+        self.optimizers: list[Any] = []  # set-up optimizers (torch.optim.Optimizer instances)
+        self.step_optimizers: list[StepOptimizer] = []  # what module.optimizers() returns
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.datamodule: DataModule | None = None
         self.train_dataloader: Any = None
         self.train_sampler: Any = None
         self.val_dataloaders: list[Any] = []
+        self.test_dataloaders: list[Any] = []
+        self.predict_dataloaders: list[Any] = []
+        self._train_source: Any = None  # what fit was given, to rebuild loaders on reload
+        self._val_source: Any = None
         self.num_training_batches: int | None = None
         self.val_check_batches: int | None = None
         self.num_eval_batches: list[int | None] = []  # per loader, of the evaluation running now
@@ -182,17 +262,33 @@ class Trainer:
                 raise MisconfigurationError(f"logger {lg!r} has no log_metrics(metrics, step) method.")
         return loggers
 
-    def _make_callbacks(self, callbacks: Any, progress: bool, checkpointing_on: bool) -> list[Any]:
+    def _make_callbacks(
+        self, callbacks: Any, progress: bool, checkpointing_on: bool, summary: bool, max_time: Any
+    ) -> list[Any]:
         from phalanx.callbacks import ModelCheckpoint, ProgressBar
+        from phalanx.callbacks.model_summary import ModelSummary
+        from phalanx.callbacks.timer import Timer
 
         given = list(callbacks) if isinstance(callbacks, (list, tuple)) else ([] if callbacks is None else [callbacks])
         if progress and not any(isinstance(c, ProgressBar) for c in given):
             given.insert(0, ProgressBar())  # first: it closes its bar before other callbacks print
+        if summary and not any(isinstance(c, ModelSummary) for c in given):
+            given.append(ModelSummary())
+        if max_time is not None:
+            if any(isinstance(c, Timer) for c in given):
+                raise MisconfigurationError("Pass max_time= or a Timer callback, not both.")
+            given.append(Timer(duration=max_time))
         if checkpointing_on and not any(isinstance(c, ModelCheckpoint) for c in given):
             given.append(ModelCheckpoint())
+        return self._ordered(given)
+
+    @staticmethod
+    def _ordered(callbacks: list[Any]) -> list[Any]:
+        from phalanx.callbacks import ModelCheckpoint
+
         # Checkpoint callbacks last, so what they save includes every other callback's update of this hook.
-        checkpoints = [c for c in given if isinstance(c, ModelCheckpoint)]
-        return [c for c in given if not isinstance(c, ModelCheckpoint)] + checkpoints
+        checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+        return [c for c in callbacks if not isinstance(c, ModelCheckpoint)] + checkpoints
 
     # ------------------------------------------------------------------ properties
     @property
@@ -281,8 +377,33 @@ class Trainer:
         """Call ``hook(trainer, module, *args)`` on every callback that defines it."""
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
-            if callable(method):
+            if not callable(method) or (self.fast_dev_run and off_in_fast_dev_run(cb)):
+                continue
+            saved = checkpoint_marks(cb)
+            with self.profile(f"[Callback]{type(cb).__qualname__}.{hook}"):
                 method(self, self.module, *args)
+            if saved is not None and saved != checkpoint_marks(cb):
+                self._after_save_checkpoint(cb)
+
+    def hook(self, name: str, *args: Any) -> Any:
+        """A Lightning hook: every callback's ``name(trainer, module, *args)``, then the module's
+        ``name(*args)`` (whose return value is returned)."""
+        self.call(name, *args)
+        with self.profile(f"[LightningModule]{type(self.module).__name__}.{name}"):
+            return getattr(self.module, name)(*args)
+
+    def profile(self, action: str) -> contextlib.AbstractContextManager[Any]:
+        """Measure ``action`` with the Trainer's profiler (a no-op without one)."""
+        return self.profiler.profile(action)
+
+    def _after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Loggers that track checkpoints (MLflow, W&B) hear about each one ModelCheckpoint wrote."""
+        if not self.is_global_zero:
+            return
+        for lg in self.loggers:
+            after = getattr(lg, "after_save_checkpoint", None)
+            if callable(after):
+                after(checkpoint_callback)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.fabric.print(*args, **kwargs)
@@ -311,6 +432,8 @@ class Trainer:
                 self.progress_bar_metrics[keys[0]] = value
             if entry.logger:
                 to_log[keys[0]] = value
+        if self.sanity_checking:
+            return
         if to_log and log and (self.current_stage != "train" or self.global_step % self.log_every_n_steps == 0):
             self.logged_metrics.update(to_log)
             self.fabric.log_dict(to_log, step=self.global_step)
@@ -326,7 +449,7 @@ class Trainer:
                 self.progress_bar_metrics[keys[0]] = value
             if entry.logger:
                 to_log[keys[0]] = value
-        if to_log:
+        if to_log and not self.sanity_checking:
             to_log["epoch"] = float(self.current_epoch)
             self.logged_metrics.update(to_log)
             self.fabric.log_dict(to_log, step=self.global_step)
@@ -347,8 +470,8 @@ class Trainer:
             model = self._module
         if not isinstance(model, Module):
             raise MisconfigurationError(
-                f"The Trainer runs phalanx.Module subclasses; got {type(model).__name__}. Subclass phalanx.Module "
-                "(or write the loop yourself with phalanx.Fabric)."
+                f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
+                "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
             )
         if self._module is not None and model is not self._module and self.model is not None:
             raise MisconfigurationError(
@@ -364,76 +487,218 @@ class Trainer:
                 )
             self.datamodule = datamodule
             datamodule.trainer = self
-            with self.fabric.rank_zero_first(local=True):
-                if self.local_rank == 0:
-                    datamodule.prepare_data()
-            datamodule.setup(stage)
+        owners: list[Any] = [self.datamodule] if self.datamodule is not None else []
+        owners.append(model)
+        for owner in owners:
+            if overrides(owner, "prepare_data"):
+                per_node = getattr(owner, "prepare_data_per_node", True)
+                with self.fabric.rank_zero_first(local=per_node):
+                    if (self.local_rank if per_node else self.global_rank) == 0:
+                        owner.prepare_data()
+        if self.datamodule is not None:
+            self.datamodule.setup(stage)
         return model
+
+    def _launch(self) -> None:
+        """Start or join the processes (see the module docstring), then put per-process state on the
+        device this rank got."""
+        if not self.fabric._launched:
+            self.fabric.launch()
+            self.results = {s: Results(s, self.fabric.device) for s in _STAGES}
 
     def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
         if self.stage is not None:
             raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
+        self._launch()
         module = self._attach(model, datamodule, stage)
+        self._refuse_batch_transfer_hooks(module)
         self.stage = stage
+        self.interrupted = False
+        self._add_module_callbacks(module)
+        self.profiler.setup(stage, self.global_rank, None)
         try:
-            with _deterministic(self.deterministic):
-                module.setup(stage)
+            with _deterministic(self.deterministic, self.benchmark):
                 self.call("setup", stage)
+                module.setup(stage)
+                if overrides(module, "configure_model"):
+                    with self.fabric.init_module():
+                        module.configure_model()
                 return fn(*args)
         except BaseException as exc:
+            self.interrupted = True
             self.call("on_exception", exc)
+            if self.datamodule is not None:
+                self.datamodule.on_exception(exc)
             raise
         finally:
-            module.teardown(stage)
             self.call("teardown", stage)
+            module.teardown(stage)
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
             if self.is_global_zero:
-                for lg in self.loggers:
-                    if callable(getattr(lg, "save", None)):
+                status = "failed" if self.interrupted else "success"
+                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
+                    if callable(getattr(lg, "finalize", None)):
+                        lg.finalize(status)
+                    elif callable(getattr(lg, "save", None)):
                         lg.save()
+            self.profiler.describe()
+            self.profiler.teardown(stage)
             self.stage = None
             self.current_stage = None
 
-    def _wrap(self, optimizer: Any = None) -> None:
-        """Set up the module once; set up (new) optimizers on every call that passes one."""
+    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
+        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
+        batches to the device inside its data loaders."""
+        for owner in (module, self.datamodule):
+            if owner is None:
+                continue
+            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+                     if overrides(owner, h)]
+            if found:
+                raise MisconfigurationError(
+                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
+                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
+                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
+                )
+
+    def _add_module_callbacks(self, module: Module) -> None:
+        """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
+        extra = module.configure_callbacks()
+        extra = list(extra) if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra])
+        if not extra:
+            return
+        types = {type(c) for c in extra}
+        kept = [c for c in self.callbacks if type(c) not in types]
+        self.callbacks = self._ordered(kept + extra)
+
+    def _wrap(self, optimizers: list[Any] | None = None) -> None:
+        """Set up the module once; set up (new) optimizers on every call that passes some."""
         if self.model is None:
-            if optimizer is None:
-                self.model = self.fabric.setup_module(self.module)
+            module = self.module
+            if self.sync_batchnorm:
+                module = self._with_sync_batchnorm(module)
+            if not optimizers:
+                self.model = self.fabric.setup_module(module)
             else:
-                self.model, self.optimizer = self.fabric.setup(self.module, optimizer)
+                self.model, *opts = self.fabric.setup(module, *optimizers)
+                self._set_optimizers(opts)
                 return
-        if optimizer is not None:
-            self.optimizer = self.fabric.setup_optimizers(optimizer)
+        if optimizers:
+            out = self.fabric.setup_optimizers(*optimizers)
+            self._set_optimizers(list(out) if isinstance(out, tuple) else [out])
+
+    def _with_sync_batchnorm(self, module: Module) -> Module:
+        if self.world_size > 1 and self.fabric.device.type == "cpu":
+            raise MisconfigurationError(
+                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on CPU processes. Remove it, or "
+                "train on CUDA devices."
+            )
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # converts children in place; the root is a Module
+        return module
+
+    def _set_optimizers(self, optimizers: list[Any]) -> None:
+        self.optimizers = optimizers
+        self.step_optimizers = [StepOptimizer(opt, self) for opt in optimizers]
 
     def setup_optimizers(self) -> None:
         """Call ``configure_optimizers`` again and set up what it returns (e.g. after the LR finder
         changed ``model.lr``)."""
-        optimizer, configs = parse_optimizers(self.lightning_module.configure_optimizers())
-        self._wrap(optimizer)
+        module = self.lightning_module
+        optimizers, configs = parse_all_optimizers(module.configure_optimizers())
+        if module.automatic_optimization and len(optimizers) != 1:
+            raise MisconfigurationError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization steps exactly "
+                "one. Put all parameters in one optimizer (param groups for different settings), or set "
+                "self.automatic_optimization = False and step them yourself in training_step."
+            )
+        self._wrap(optimizers)
         self.lr_scheduler_configs = configs
 
+    def _check_manual_optimization(self) -> None:
+        if self.module.automatic_optimization:
+            return
+        strategy = self.fabric.strategy
+        if not strategy.supports_calls_outside_forward:
+            raise MisconfigurationError(
+                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
+                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
+                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
+                "automatic optimization, strategy='ddp', or a Fabric loop."
+            )
+        if self.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
+                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
+            )
+        if self.gradient_clip_val is not None:
+            raise MisconfigurationError(
+                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
+                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
+                "optimizer.step() and remove the Trainer argument."
+            )
+
+    def _data_from(self, given: Any, getter: str) -> Any:
+        """Loaders: those given, else the datamodule's, else the module's own ``getter()``."""
+        if given is not None:
+            return given
+        if self.datamodule is not None and overrides(self.datamodule, getter):
+            return getattr(self.datamodule, getter)()
+        if self._module is not None and overrides(self._module, getter):
+            return getattr(self._module, getter)()
+        if self.datamodule is not None and getter == "train_dataloader":
+            return self.datamodule.train_dataloader()  # raises what is missing
+        return None
+
     def _eval_loaders(self, dataloaders: Any, getter: str) -> list[Any]:
-        loaders = as_list(dataloaders)
-        if not loaders and self.datamodule is not None:
-            loaders = as_list(getattr(self.datamodule, getter)())
+        loaders = as_list(self._data_from(dataloaders, getter))
         return [prepare_eval_loader(loader, self.fabric, self.use_distributed_sampler) for loader in loaders]
 
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
-        train = train_dataloaders
-        if train is None and self.datamodule is not None:
-            train = self.datamodule.train_dataloader()
+        self._train_source, self._val_source = train_dataloaders, val_dataloaders
+        self._prepare_train_data()
+        self.results = {s: Results(s, self.fabric.device) for s in _STAGES}
+        self.setup_optimizers()
+
+    def _prepare_train_data(self) -> None:
+        train = self._data_from(self._train_source, "train_dataloader")
         if train is None:
-            raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders= or datamodule=.")
+            raise MisconfigurationError(
+                "trainer.fit() needs training data: pass train_dataloaders= or datamodule=, or implement the "
+                "module's train_dataloader()."
+            )
+        if self.overfit_batches:
+            train = sequential(train)
         uds = self.use_distributed_sampler
         self.train_dataloader, self.train_sampler = prepare_train_loader(train, self.fabric, uds)
         no_val = self.limit_val_batches == 0
-        self.val_dataloaders = [] if no_val else self._eval_loaders(val_dataloaders, "val_dataloader")
+        self.val_dataloaders = [] if no_val else self._eval_loaders(self._val_source, "val_dataloader")
         self.num_training_batches = num_batches(self.train_dataloader, self.limit_train_batches)
         self.val_check_batches = self._val_check_batches()
-        self.results = {s: Results(s, self.fabric.device) for s in _STAGES}
-        self.setup_optimizers()
+
+    def reload_dataloaders_if_due(self) -> None:
+        """``reload_dataloaders_every_n_epochs``: at the start of every n-th epoch, call the loader
+        methods again (the first epoch uses the loaders prepared for fit)."""
+        n = self.reload_dataloaders_every_n_epochs
+        if n and self.current_epoch > 0 and self.current_epoch % n == 0 and self.batches_done == 0:
+            self._prepare_train_data()
+
+    def batch_start(self, batch: Any, batch_idx: int) -> bool:
+        """``on_train_batch_start``; returns False when the module asked (by returning -1) to end the
+        epoch here. Several ranks must agree, or they would fall out of step: they are asked together."""
+        answer = self.hook("on_train_batch_start", batch, batch_idx)
+        if not overrides(self.module, "on_train_batch_start"):
+            return True
+        stop = answer == -1
+        if self.world_size > 1:
+            votes = self.fabric.all_gather(torch.tensor(int(stop)))
+            if int(votes.min()) != int(votes.max()):
+                raise MisconfigurationError(
+                    f"on_train_batch_start returned -1 on some ranks but not others at batch {batch_idx}; every rank "
+                    "must end the epoch at the same batch. Base the decision on values that agree across ranks."
+                )
+        return not stop
 
     def _val_check_batches(self) -> int | None:
         interval = self.val_check_interval
@@ -458,48 +723,105 @@ class Trainer:
         val_dataloaders: Any = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | Path | None = None,
+        weights_only: bool | None = None,
     ) -> None:
-        """Train ``model``; with ``ckpt_path`` (a path, "last" or "best") resume exactly where it stopped."""
+        """Train ``model``; with ``ckpt_path`` (a path, "last" or "best") resume exactly where it stopped.
+
+        Data: ``train_dataloaders``/``val_dataloaders``, or a ``datamodule`` (also accepted in the
+        place of ``train_dataloaders``), or the module's own ``train_dataloader()``/``val_dataloader()``."""
+        check_weights_only(weights_only)
+        if isinstance(train_dataloaders, DataModule):
+            if datamodule is not None:
+                raise MisconfigurationError("trainer.fit() got two datamodules (train_dataloaders= and datamodule=).")
+            datamodule, train_dataloaders = train_dataloaders, None
+        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+            raise MisconfigurationError(
+                "trainer.fit() got both dataloaders and a datamodule; pass one source of data."
+            )
         self._run("fit", model, datamodule, self._fit, train_dataloaders, val_dataloaders, ckpt_path)
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
-        self.should_stop = False
+        self._should_stop = False
+        self._check_manual_optimization()
         self.prepare_fit(train_dataloaders, val_dataloaders)
         path = self._resolve_ckpt_path(ckpt_path)
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             checkpointing.restore(self, path)
         module = self.lightning_module
-        if self.is_global_zero and module.hparams:
-            for lg in self.loggers:
-                if callable(getattr(lg, "log_hyperparams", None)):
-                    lg.log_hyperparams(module.hparams)
+        if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
+            hparams = dict(module.hparams)
+            if self.datamodule is not None and getattr(self.datamodule, "_log_hyperparams", True):
+                hparams.update(self.datamodule.hparams)
+            if hparams:
+                for lg in self.loggers:
+                    if callable(getattr(lg, "log_hyperparams", None)):
+                        lg.log_hyperparams(hparams)
         self.call("on_fit_start")
         module.on_fit_start()
+        self._sanity_check()
         self.current_stage = "train"
+        self.hook("on_train_start")
         loops.run_fit(self)
+        self.current_stage = "train"
+        self.hook("on_train_end")
         self.current_stage = None
         self.call("on_fit_end")
         module.on_fit_end()
+        for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
+            self._after_save_checkpoint(cb)
+
+    def _sanity_check(self) -> None:
+        """Run a few validation batches before training, then put everything back: their metrics are
+        dropped, nothing is logged, and every RNG state is restored, so the fit that follows is the
+        same as without the check."""
+        n = self.num_sanity_val_steps
+        if not n or not self.val_dataloaders or self.limit_val_batches == 0:
+            return
+        rng = capture_rng_state()
+        saved = (dict(self.callback_metrics), dict(self.logged_metrics), dict(self.progress_bar_metrics))
+        self.sanity_checking = True
+        try:
+            self.call("on_sanity_check_start")
+            limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
+            limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
+            loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
+            self.call("on_sanity_check_end")
+        finally:
+            self.sanity_checking = False
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = saved
+        self.results["validate"].reset()
+        restore_rng_state(rng)
 
     def validate(
-        self, model: Module | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-        ckpt_path: str | Path | None = None, verbose: bool = True,
+        self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+        verbose: bool = True, datamodule: DataModule | None = None, weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the data; returns one dict of epoch metrics per dataloader."""
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
         return self._run("validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
 
     def test(
-        self, model: Module | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-        ckpt_path: str | Path | None = None, verbose: bool = True,
+        self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+        verbose: bool = True, datamodule: DataModule | None = None, weights_only: bool | None = None,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the data; returns one dict of epoch metrics per dataloader."""
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
         return self._run("test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
-        loaders = self._eval_loaders(dataloaders, "val_dataloader" if stage == "validate" else "test_dataloader")
+        getter = "val_dataloader" if stage == "validate" else "test_dataloader"
+        loaders = self._eval_loaders(dataloaders, getter)
         if not loaders:
-            raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders= or datamodule=.")
+            raise MisconfigurationError(
+                f"trainer.{stage}() needs data: pass dataloaders= or datamodule=, or implement the module's {getter}()."
+            )
+        if stage == "test":
+            self.test_dataloaders = loaders
+        else:
+            self.val_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
@@ -514,16 +836,24 @@ class Trainer:
 
     def predict(
         self, model: Module | None = None, dataloaders: Any = None, datamodule: DataModule | None = None,
-        ckpt_path: str | Path | None = None,
-    ) -> list[Any]:
+        return_predictions: bool | None = None, ckpt_path: str | Path | None = None, weights_only: bool | None = None,
+    ) -> Any:
         """``predict_step`` outputs of THIS rank's share of the data (a list per dataloader when there
-        are several). Gather them with ``trainer.fabric.all_gather`` if every rank needs all of them."""
-        return self._run("predict", model, datamodule, self._predict, dataloaders, ckpt_path)  # type: ignore[no-any-return]
+        are several; None with ``return_predictions=False``). Gather them with
+        ``trainer.fabric.all_gather`` if every rank needs all of them."""
+        check_weights_only(weights_only)
+        dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
+        out = self._run("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
+        return None if return_predictions is False else out
 
     def _predict(self, dataloaders: Any, ckpt_path: Any) -> list[Any]:
         loaders = self._eval_loaders(dataloaders, "predict_dataloader")
         if not loaders:
-            raise MisconfigurationError("trainer.predict() needs data: pass dataloaders= or datamodule=.")
+            raise MisconfigurationError(
+                "trainer.predict() needs data: pass dataloaders= or datamodule=, or implement the module's "
+                "predict_dataloader()."
+            )
+        self.predict_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
@@ -532,6 +862,14 @@ class Trainer:
         out = loops.run_predict(self, loaders, self.limit_predict_batches)
         return out[0] if len(out) == 1 else out
 
-    def save_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+    def save_checkpoint(
+        self, filepath: str | Path, weights_only: bool | None = None, storage_options: Any = None
+    ) -> None:
         """Save everything needed to resume (call on every rank; rank 0 writes atomically)."""
-        checkpointing.save(self, path, weights_only)
+        if storage_options is not None:
+            raise MisconfigurationError(
+                "save_checkpoint(storage_options=...) is not supported: checkpoints are written by the strategy "
+                "(atomically, to a local or mounted path). Remove storage_options."
+            )
+        checkpointing.save(self, filepath, bool(weights_only))
+

@@ -1,0 +1,222 @@
+"""Resolving ``Trainer(...)`` arguments into one consistent set of settings, with Lightning's meaning.
+
+The failure this prevents: a Lightning argument that is accepted and silently ignored (a port then
+trains differently without a word). Every argument here is either implemented (its effect is set
+below or where the setting is read) or refused with a reason and what to do instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from phalanx import diagnostics
+from phalanx.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import DataModule
+
+
+@dataclass
+class Settings:
+    max_epochs: int | None
+    min_epochs: int | None
+    max_steps: int
+    min_steps: int | None
+    limit_train_batches: int | float
+    limit_val_batches: int | float
+    limit_test_batches: int | float
+    limit_predict_batches: int | float
+    overfit_batches: int | float
+    val_check_interval: int | float
+    check_val_every_n_epoch: int | None
+    num_sanity_val_steps: int | float
+    log_every_n_steps: int
+    fast_dev_run: int
+    enable_checkpointing: bool
+    enable_progress_bar: bool
+    enable_model_summary: bool
+    logger: Any
+    gradient_clip_algorithm: str
+
+
+def check_limit(name: str, value: Any) -> int | float:
+    """An int >= 0 (batches) or a float in [0, 1] (fraction); None means all (1.0)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise MisconfigurationError(
+            f"{name} must be an int >= 0 (batches) or a float in [0, 1] (fraction), got {value!r}."
+        )
+    if isinstance(value, float) and value > 1.0:
+        raise MisconfigurationError(f"{name}={value} is a float above 1.0; pass an int for a number of batches.")
+    return value
+
+
+def parse_duration(value: Any, name: str) -> datetime.timedelta:
+    """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of timedelta fields (Lightning's formats)."""
+    if isinstance(value, datetime.timedelta):
+        return value
+    if isinstance(value, dict):
+        try:
+            return datetime.timedelta(**value)
+        except TypeError as err:
+            raise MisconfigurationError(f"{name}={value!r}: the keys must be timedelta fields ({err}).") from err
+    if isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
+            d, h, m, s = (int(p) for p in parts)
+            return datetime.timedelta(days=d, hours=h, minutes=m, seconds=s)
+    raise MisconfigurationError(
+        f"{name}={value!r}: use 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}."
+    )
+
+
+def _refuse_unless_disabled(barebones: bool, name: str, value: Any, disabled: Any) -> None:
+    if barebones and value is not None and value != disabled:
+        raise MisconfigurationError(
+            f"Trainer(barebones=True) turns off {name}; remove {name}={value!r} (or barebones=True)."
+        )
+
+
+def resolve(args: dict[str, Any]) -> Settings:
+    """Lightning's defaults and interactions: barebones, fast_dev_run, overfit_batches, the limits."""
+    barebones = bool(args["barebones"])
+    for name, disabled in (("logger", False), ("enable_checkpointing", False), ("enable_progress_bar", False),
+                           ("enable_model_summary", False), ("num_sanity_val_steps", 0), ("profiler", None),
+                           ("detect_anomaly", False)):
+        _refuse_unless_disabled(barebones, name, args[name], disabled)
+    if barebones and args["log_every_n_steps"] is not None:
+        raise MisconfigurationError("Trainer(barebones=True) logs nothing; remove log_every_n_steps.")
+
+    fast_dev_run = args["fast_dev_run"]
+    if isinstance(fast_dev_run, bool):
+        fast_dev_run = int(fast_dev_run)
+    if not isinstance(fast_dev_run, int) or fast_dev_run < 0:
+        raise MisconfigurationError(f"fast_dev_run={args['fast_dev_run']!r}; use True or an int >= 0 (batches).")
+
+    val_check_interval = args["val_check_interval"]
+    if isinstance(val_check_interval, (str, dict, datetime.timedelta)):
+        raise MisconfigurationError(
+            f"val_check_interval={val_check_interval!r} (a time interval) is not supported: validating when a time "
+            "has passed would run validation at a different batch on every rerun. Pass an int (batches) or a "
+            "float (fraction of an epoch)."
+        )
+    val_check_interval = check_limit("val_check_interval", val_check_interval)
+
+    overfit = check_limit("overfit_batches", args["overfit_batches"] or 0.0)
+    limits = {s: check_limit(f"limit_{s}_batches", args[f"limit_{s}_batches"])
+              for s in ("train", "val", "test", "predict")}
+    sanity = args["num_sanity_val_steps"]
+    sanity = (0 if barebones else 2) if sanity is None else sanity
+    if isinstance(sanity, bool) or not isinstance(sanity, int) or sanity < -1:
+        raise MisconfigurationError(f"num_sanity_val_steps={sanity!r}; use an int >= 0, or -1 for all batches.")
+    sanity_steps: int | float = float("inf") if sanity == -1 else sanity
+    log_every = 50 if args["log_every_n_steps"] is None else args["log_every_n_steps"]
+    if log_every < 1:
+        raise MisconfigurationError(f"log_every_n_steps must be >= 1, got {log_every}.")
+
+    max_epochs, max_steps = args["max_epochs"], args["max_steps"]
+    check_every = args["check_val_every_n_epoch"]
+    logger = args["logger"]
+    if logger is None:
+        logger = not barebones
+    if fast_dev_run:
+        if not overfit:
+            limits["train"] = limits["val"] = fast_dev_run
+        limits["test"] = limits["predict"] = fast_dev_run
+        max_steps, max_epochs, sanity_steps = fast_dev_run, 1, 0
+        val_check_interval, check_every = 1.0, 1
+        logger = False
+    if overfit:
+        limits["train"] = limits["val"] = overfit
+
+    algorithm = args["gradient_clip_algorithm"]
+    algorithm = "norm" if algorithm is None else str(algorithm).lower()
+    if algorithm not in ("norm", "value"):
+        raise MisconfigurationError(
+            f"gradient_clip_algorithm={args['gradient_clip_algorithm']!r}; use 'norm' or 'value'."
+        )
+    for name in ("max_epochs", "min_epochs"):
+        value = args[name]
+        if value is not None and value < (0 if name == "min_epochs" else -1):
+            raise MisconfigurationError(f"{name} must be >= 0 (or -1 for max_epochs: no limit), got {value}.")
+
+    def flag(name: str) -> bool:
+        return (not barebones) if args[name] is None else bool(args[name])
+
+    return Settings(
+        max_epochs=max_epochs, min_epochs=args["min_epochs"], max_steps=max_steps, min_steps=args["min_steps"],
+        limit_train_batches=limits["train"], limit_val_batches=limits["val"], limit_test_batches=limits["test"],
+        limit_predict_batches=limits["predict"], overfit_batches=overfit, val_check_interval=val_check_interval,
+        check_val_every_n_epoch=check_every, num_sanity_val_steps=sanity_steps, log_every_n_steps=log_every,
+        fast_dev_run=fast_dev_run, enable_checkpointing=flag("enable_checkpointing") and not fast_dev_run,
+        enable_progress_bar=flag("enable_progress_bar"), enable_model_summary=flag("enable_model_summary"),
+        logger=logger, gradient_clip_algorithm=algorithm,
+    )
+
+
+def refuse_plugins(plugins: Any) -> None:
+    """``plugins=`` is refused: every kind Lightning accepts has a phalanx equivalent elsewhere."""
+    if plugins is None or plugins == []:
+        return
+    raise MisconfigurationError(
+        f"plugins={plugins!r} is not supported. phalanx has no plugin objects: choose the precision with "
+        "precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, checkpoint I/O "
+        "belongs to the strategy (pass a Strategy instance with its options), and SyncBatchNorm is "
+        "sync_batchnorm=True."
+    )
+
+
+def check_weights_only(weights_only: bool | None) -> None:
+    if weights_only is False:
+        raise MisconfigurationError(
+            "weights_only=False is refused: phalanx opens checkpoints with its own safe reader. Leave it unset."
+        )
+
+
+def split_datamodule(dataloaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """A datamodule passed where the dataloaders go (Lightning allows it)."""
+    from phalanx.trainer.module import DataModule
+
+    if isinstance(dataloaders, DataModule):
+        if datamodule is not None:
+            raise MisconfigurationError("Got two datamodules (dataloaders= and datamodule=); pass one.")
+        return None, dataloaders
+    if dataloaders is not None and datamodule is not None:
+        raise MisconfigurationError("Got both dataloaders and a datamodule; pass one source of data.")
+    return dataloaders, datamodule
+
+
+def sequential(loader: Any) -> Any:
+    """overfit_batches: the same first batches every epoch, so the training loader must not shuffle."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from phalanx.trainer.data import _rebuild
+
+    if isinstance(loader, DataLoader) and isinstance(loader.sampler, RandomSampler):
+        diagnostics.warn("overfit_batches: the training dataloader shuffles; phalanx reads it in order instead.")
+        return _rebuild(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
+    return loader
+
+def off_in_fast_dev_run(callback: Any) -> bool:
+    """Callbacks that checkpoint, stop or tune: fast_dev_run is a smoke test, they sit it out."""
+    from phalanx.callbacks import EarlyStopping, LearningRateFinder, ModelCheckpoint
+
+    skipped: tuple[type, ...] = (ModelCheckpoint, EarlyStopping, LearningRateFinder)
+    try:
+        from phalanx.callbacks.batch_size_finder import BatchSizeFinder
+
+        skipped += (BatchSizeFinder,)
+    except ImportError:  # pragma: no cover - part of the package
+        pass
+    return isinstance(callback, skipped)
+
+
+def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
+    """What changes when a ModelCheckpoint writes a file (None for other callbacks)."""
+    if not hasattr(callback, "best_model_path") or not hasattr(callback, "last_model_path"):
+        return None
+    return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
+            tuple(getattr(callback, "_kept", ())))

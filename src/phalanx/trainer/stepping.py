@@ -1,0 +1,248 @@
+"""One training batch under automatic or manual optimization, with Lightning's hook protocol.
+
+The failures this prevents: a ported ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)``
+override that never runs the batch's training_step (the closure), a ``global_step`` that counts
+batches instead of optimizer steps, and manual optimization (``self.manual_backward``,
+``opt.step()``) that bypasses the strategy's gradient sync or its checks.
+
+Automatic optimization, one accumulation window of N micro-batches:
+
+* window start: ``on_before_zero_grad`` then ``optimizer_zero_grad(epoch, batch_idx, optimizer)``;
+* each micro-batch but the last: training_step and backward (gradient sync skipped);
+* the last: ``optimizer_step(epoch, batch_idx, optimizer, closure)``; the closure runs training_step,
+  backward (synced), ``on_before_optimizer_step`` and ``configure_gradient_clipping``; the real step
+  counts one ``global_step``; step-interval schedulers then step.
+
+Manual optimization: training_step runs once per batch and does the rest itself; each real
+``opt.step()`` counts one ``global_step`` (two optimizers stepped per batch count two, as in
+Lightning), and schedulers are stepped by the user. Every ``manual_backward`` leaves gradients
+averaged across ranks (see ``train_batch``); validated on the single-device and DDP strategies.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.errors import MisconfigurationError
+from phalanx.wrappers import FabricOptimizer
+
+if TYPE_CHECKING:
+    from phalanx.trainer.module import Module
+    from phalanx.trainer.trainer import Trainer
+
+class StepOptimizer:
+    """What ``self.optimizers()`` returns (Lightning's LightningOptimizer): the set-up optimizer whose
+    ``step(closure=None)`` runs ``closure`` first, then the strategy's step, and counts a global step."""
+
+    def __init__(self, optimizer: FabricOptimizer, trainer: Trainer) -> None:
+        object.__setattr__(self, "_fabric_optimizer", optimizer)
+        object.__setattr__(self, "_trainer", trainer)
+        raw = optimizer.optimizer
+        # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
+        object.__setattr__(self, "__class__", type("Step" + type(raw).__name__, (StepOptimizer, type(raw)), {}))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's torch optimizer."""
+        raw: torch.optim.Optimizer = self._fabric_optimizer.optimizer
+        return raw
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        trainer = self._trainer
+        result = closure() if closure is not None else None
+        if not trainer.module.automatic_optimization:
+            # In automatic optimization the closure already ran this hook (before clipping).
+            trainer.hook("on_before_optimizer_step", self)
+        with trainer.profile("optimizer_step"):
+            self._fabric_optimizer.step(**kwargs)
+        trainer.global_step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._fabric_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._fabric_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._fabric_optimizer.load_state_dict(state_dict)
+
+    def toggle_model(self, sync_grad: bool = True) -> Any:
+        """Within the block only this optimizer's parameters require grad; ``sync_grad=False`` also skips
+        gradient sync (accumulating in manual optimization)."""
+        import contextlib
+
+        trainer = self._trainer
+
+        @contextlib.contextmanager
+        def block() -> Any:
+            toggle(trainer.module, self)
+            try:
+                with trainer.fabric.no_backward_sync(trainer.model, enabled=not sync_grad):
+                    yield
+            finally:
+                untoggle(trainer.module)
+
+        return block()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fabric_optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._fabric_optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"StepOptimizer({self.optimizer!r})"
+
+
+def _raw(optimizer: Any) -> torch.optim.Optimizer:
+    if isinstance(optimizer, (StepOptimizer, FabricOptimizer)):
+        return optimizer.optimizer
+    raw: torch.optim.Optimizer = optimizer
+    return raw
+
+
+def toggle(module: Module, optimizer: Any) -> None:
+    """Freeze every parameter of the other optimizers (remembering requires_grad) so only
+    ``optimizer``'s parameters get gradients."""
+    everything = module._fabric_optimizers if module._trainer is None else module.trainer.optimizers
+    mine = {id(p) for g in _raw(optimizer).param_groups for p in g["params"]}
+    saved = module._toggled_requires_grad
+    for opt in everything:
+        for group in _raw(opt).param_groups:
+            for p in group["params"]:
+                if id(p) in mine:
+                    continue
+                saved.setdefault(id(p), (p, p.requires_grad))
+                p.requires_grad = False
+
+
+def untoggle(module: Module) -> None:
+    for p, requires_grad in module._toggled_requires_grad.values():
+        p.requires_grad = requires_grad
+    module._toggled_requires_grad.clear()
+
+
+def run_backward(trainer: Trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """``manual_backward``: the backward hooks around ``fabric.backward`` through the set-up model."""
+    trainer.hook("on_before_backward", loss)
+    with trainer.profile("backward"):
+        trainer.fabric.backward(loss, *args, model=trainer.model, **kwargs)
+    trainer.hook("on_after_backward")
+
+
+def clip(trainer: Trainer, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+    """``self.clip_gradients``: Lightning's rules (the Trainer's settings fill what is not given and
+    may not be contradicted; 0 means no clipping)."""
+    if value is None:
+        value = trainer.gradient_clip_val or 0.0
+    elif trainer.gradient_clip_val is not None and trainer.gradient_clip_val != value:
+        raise MisconfigurationError(
+            f"clip_gradients(gradient_clip_val={value}) contradicts Trainer(gradient_clip_val="
+            f"{trainer.gradient_clip_val}); set it in one place."
+        )
+    given = algorithm.lower() if algorithm is not None else None
+    if given is not None and trainer.gradient_clip_algorithm_given and given != trainer.gradient_clip_algorithm:
+        raise MisconfigurationError(
+            f"clip_gradients(gradient_clip_algorithm={algorithm!r}) contradicts Trainer(gradient_clip_algorithm="
+            f"{trainer.gradient_clip_algorithm!r}); set it in one place."
+        )
+    algorithm = given or trainer.gradient_clip_algorithm
+    if algorithm not in ("norm", "value"):
+        raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
+    if not value:
+        return
+    fabric_opt = getattr(optimizer, "_fabric_optimizer", optimizer)
+    if algorithm == "norm":
+        trainer.fabric.clip_gradients(trainer.model, fabric_opt, max_norm=value, error_if_nonfinite=False)
+    else:
+        trainer.fabric.clip_gradients(trainer.model, fabric_opt, clip_val=value)
+
+
+def _legacy_optimizer_step(module: Module) -> bool:
+    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument)."""
+    params = [p for p in inspect.signature(module.optimizer_step).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(params) == 1
+
+
+def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
+    """Run one training batch (and the optimizer step it completes); returns training_step's output."""
+    from phalanx.trainer.loops import loss_of
+    from phalanx.trainer.optim import step_schedulers
+
+    t = trainer
+    module = t.module
+    if not module.automatic_optimization:
+        # Not through the set-up model's forward: manual_backward runs INSIDE training_step, i.e. inside
+        # that forward, before DDP's reducer is prepared for it, so DDP would not reduce those gradients
+        # (and would then wait for a backward that never comes). Called directly, every manual_backward
+        # takes the strategy's other path: the gradients it produced are averaged across ranks right
+        # after it, however many backward passes and toggled optimizers the step has.
+        with t.profile("run_training_batch"), t.fabric.autocast():
+            return as_outputs(module.training_step(batch, batch_idx))
+    optimizer = t.step_optimizers[0]
+    if batch_idx % t.accumulate_grad_batches == 0:
+        t.hook("on_before_zero_grad", optimizer)
+        module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+    if not boundary:
+        with t.profile("run_training_batch"):
+            return as_outputs(micro_batch(t, batch, batch_idx, window_size, boundary))
+    ran: dict[str, Any] = {}
+
+    def closure() -> torch.Tensor:
+        with t.profile("run_training_batch"):
+            ran["output"] = micro_batch(t, batch, batch_idx, window_size, True)
+        t.hook("on_before_optimizer_step", optimizer)
+        module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+        return loss_of(ran["output"])
+
+    steps_before = t.global_step
+    if _legacy_optimizer_step(module):
+        closure()
+        module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
+    else:
+        module.optimizer_step(t.current_epoch, batch_idx, optimizer, closure)
+    if "output" not in ran:
+        raise MisconfigurationError(
+            f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "
+            "training_step and backward never happened. Call optimizer.step(closure=optimizer_closure), or "
+            "optimizer_closure() before stepping."
+        )
+    if t.global_step > steps_before:
+        step_schedulers(module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
+    return as_outputs(ran["output"])
+
+
+def as_outputs(output: Any) -> Any:
+    """What ``on_train_batch_end`` receives, as in Lightning: a dict (``{"loss": loss}`` for a returned
+    tensor, ``{}`` for None)."""
+    if output is None:
+        return {}
+    if isinstance(output, torch.Tensor):
+        return {"loss": output}
+    return output
+
+
+def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
+    """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
+    ``backward``; gradient sync only on the window's last micro-batch. (The LR finder uses
+    ``loops.micro_batch``, which calls no hooks.)"""
+    from phalanx.trainer.loops import loss_of
+
+    t = trainer
+    with t.fabric.no_backward_sync(t.model, enabled=not boundary):
+        with t.profile(f"[LightningModule]{type(t.module).__name__}.training_step"):
+            output = t.model.training_step(batch, batch_idx)
+        loss = loss_of(output)
+        scaled = loss / window_size if window_size > 1 else loss
+        t.hook("on_before_backward", scaled)
+        with t.profile("backward"):
+            t.module.backward(scaled)
+        t.hook("on_after_backward")
+    return output
