@@ -84,8 +84,8 @@ class Opaque:
 class HParamModel(Regressor):
     def __init__(self) -> None:
         super().__init__()
-        self.save_hyperparameters(cfg=argparse.Namespace(depth=2, out=Path("/tmp/x")), color=Color.RED,
-                                  scale=np.float64(0.5), ids=np.arange(3), odd=Opaque(), lr=0.05)
+        self.save_hyperparameters({"cfg": argparse.Namespace(depth=2, out=Path("/tmp/x")), "color": Color.RED,
+                                   "scale": np.float64(0.5), "ids": np.arange(3), "odd": Opaque(), "lr": 0.05})
 
 
 def test_every_single_file_checkpoint_opens_with_plain_torch_load(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
+from phalanx.diagnostics import notice
 from phalanx.errors import CollectiveTimeoutError, PhalanxError, RankGoneError
 from phalanx.watchdog import (
     FIELD,
@@ -48,6 +49,7 @@ from phalanx.watchdog import (
     Watchdog,
     append,
     describe_exception,
+    raw_collective,
     user_call_site,
 )
 
@@ -147,6 +149,8 @@ class Lockstep:
             )
         if error is None:
             error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if error is not None:
+            error = self._explain_raw_failure(error)
         if self.watchdog.status != "failed":  # the watchdog already published its own diagnosis
             status, detail = ("failed", describe_exception(error)) if error is not None else (
                 "exited", "it left the job: its script ended or its fabric.launch function returned")
@@ -190,6 +194,23 @@ class Lockstep:
             self._leave()
 
     # ------------------------------------------------------------------ failures inside torch
+    def _explain_raw_failure(self, error: BaseException) -> BaseException:
+        """This rank is ending on an error from a raw ``torch.distributed`` call in user code, such as
+        gloo's "Connection closed by peer", which never says which rank or why. Find the cause among the
+        peers; say it next to torch's traceback and publish it instead (chained to torch's error)."""
+        raw = raw_collective(error)
+        if raw is None or isinstance(error, PhalanxError) or not _COMM_FAILURE.search(str(error)):
+            return error
+        fn, site = raw
+        here = f"torch.distributed.{fn} (called at {site} on rank {self.rank})"
+        verdict = self.watchdog.explain(self.state, self.store, here)
+        if verdict is None:
+            return error
+        explained = verdict.error()
+        explained.__cause__ = error
+        notice(f"rank {self.rank}: the {type(error).__name__} above was caused by this: {verdict.message}")
+        return explained
+
     def _explain_failure(self, err: RuntimeError) -> None:
         """A collective failed inside torch (gloo: "Connection closed by peer"); such errors never say which
         rank is gone. Raise the watchdog's verdict if it gave one (it aborted the group), else look for a

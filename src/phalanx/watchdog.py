@@ -120,6 +120,19 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{where}"
 
 
+def raw_collective(exc: BaseException) -> tuple[str, str] | None:
+    """``(torch.distributed function, user call site)`` when ``exc`` was raised inside a raw
+    ``torch.distributed`` call (one phalanx did not issue), else None."""
+    frames = [t.tb_frame for t in _tb_chain(exc)]
+    c10d = next((f.f_code.co_name for f in frames if f.f_code.co_filename == _C10D_FILE), None)
+    if c10d is None or any(f.f_code.co_filename.startswith(_PKG_DIR) for f in frames):
+        return None
+    user = next((t for t in reversed(list(_tb_chain(exc))) if not _is_internal(t.tb_frame.f_code.co_filename)), None)
+    site = "<unknown>" if user is None else (
+        f"{os.path.basename(user.tb_frame.f_code.co_filename)}:{user.tb_lineno} ({user.tb_frame.f_code.co_name})")
+    return c10d, site
+
+
 def _tb_chain(exc: BaseException) -> Iterable[TracebackType]:
     tb = exc.__traceback__
     while tb is not None:
@@ -547,10 +560,10 @@ class Watchdog:
                                   "has exited."), publish=False)
 
     # ------------------------------------------------------------------ after a torch error
-    def explain(self, state: OpState, store: Store) -> Verdict | None:
+    def explain(self, state: OpState, store: Store, here: str | None = None) -> Verdict | None:
         """A collective failed inside torch ("Connection closed by peer" never says which rank). Look for
         a rank that failed, exited or stopped beating, for up to ``guard_timeout``."""
-        here = state.here(self.rank)
+        here = here or state.here(self.rank)
         deadline = time.monotonic() + self.guard_timeout
         frozen_after = 4 * self.interval  # a collective already failed: a short window suffices
         beats: dict[int, tuple[int, float]] = {}
