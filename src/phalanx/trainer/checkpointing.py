@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import CheckpointError, MisconfigurationError
 from phalanx.seed import capture_rng_state
+from phalanx.trainer.module_state import load_metric_states, metric_states
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -72,6 +73,7 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
             "rng": capture_rng_state(),
             "epoch_rng": None if done else t.epoch_start_rng,
             "results": None if done else t.results["train"].state_dict(),
+            "metrics": metric_states(t.module),  # torchmetrics state: not in state_dict (non-persistent)
         }
         state["rank_states"] = t.fabric.all_gather_object(own)
     for cb in t.callbacks:
@@ -126,6 +128,7 @@ def restore(trainer: Trainer, path: str | Path) -> None:
                   "order and counters are restored, per-rank RNG states and partial epoch metrics are not.",
                   file=sys.stderr)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
+    load_metric_states(t.module, mine.get("metrics"))
     t.set_resume_state({
         "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)),
         "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],

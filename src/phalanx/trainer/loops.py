@@ -5,20 +5,37 @@ shorter last window of an epoch) runs forward and backward with the loss divided
 size, gradient sync is skipped on all but the last micro-batch (forward and backward both inside
 ``fabric.no_backward_sync``), and then exactly one optimizer step, one ``global_step`` increment,
 one round of step-interval schedulers and one ``on_before_optimizer_step`` happen.
+
+A non-finite training loss stops the run before the optimizer step, naming epoch, global step,
+batch and rank. The check costs no collective and no per-micro-batch host sync: the window's losses
+are read once, at the boundary, right before stepping (one ``.item()``/``.tolist()``; on a GPU that
+waits for the window's backward, which the step would wait for anyway). A rank that raises ends the
+job; its peers are stopped by the launcher with this rank's error as the cause. With a loss scaler
+(``16-mixed``) the check is the same: the scaler exists for *gradients* that overflow because of its
+scale, but the loss is computed before any scaling, so a non-finite loss is the forward pass or the
+data, and letting the scaler skip the step (and halve its scale, again at every recurrence) would
+hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.anomaly`.
+
+Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
+at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
+before any hook of the user's callbacks or Module that could read them, and at epoch end.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator, Mapping
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.anomaly import NonFiniteError
 from phalanx.errors import MisconfigurationError
 from phalanx.seed import capture_rng_state, restore_rng_state
-from phalanx.trainer.data import num_batches
+from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
 
 if TYPE_CHECKING:
@@ -96,24 +113,31 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
             sampler.set_epoch(epoch)
             break
     iterator = iter(raw)
-    return (fabric.to_device(batch) for batch in iterator)
+    to_device = fabric.to_device
+    return (to_device(batch) for batch in iterator)
 
 
-def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
-    """Forward and backward of one micro-batch; returns training_step's output."""
+def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
+    """Forward and backward of one micro-batch; returns training_step's output and its loss."""
     fabric, model = trainer.fabric, trainer.model
-    with fabric.no_backward_sync(model, enabled=not boundary):
+    if boundary:  # the common case (no accumulation): no sync-control context at all
         output = model.training_step(batch, batch_idx)
         loss = loss_of(output)
         fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
-    return output
+        return output, loss
+    with fabric.no_backward_sync(model, enabled=True):
+        output = model.training_step(batch, batch_idx)
+        loss = loss_of(output)
+        fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
+    return output, loss
 
 
-def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None:
+def optimizer_step(
+    trainer: Trainer, optimizer: Any, hooks: bool = True, readers: frozenset[str] = frozenset()
+) -> None:
     """One real step: hooks, clipping, the optimizer's step, zero_grad."""
-    module = trainer.module
     if hooks:
-        module.on_before_optimizer_step(optimizer)
+        _module_hook(trainer, readers, "on_before_optimizer_step", optimizer)
         trainer.call("on_before_optimizer_step", optimizer)
     if trainer.gradient_clip_val is not None:
         if trainer.gradient_clip_algorithm == "norm":
@@ -122,10 +146,43 @@ def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None
         else:
             trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
     if hooks:
-        module.optimizer_step(optimizer)
+        _module_hook(trainer, readers, "optimizer_step", optimizer)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+# Module hooks the training loop calls per batch: when overridden, user code there may read metrics.
+_BATCH_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "optimizer_step", "on_train_batch_end")
+
+
+def _module_hook(trainer: Trainer, readers: frozenset[str], name: str, *args: Any) -> None:
+    if name in readers:
+        trainer.sync_step_metrics()
+    getattr(trainer.module, name)(*args)
+
+
+def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]) -> None:
+    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read)."""
+    if len(losses) == 1:
+        values = [losses[0][1].item()]
+    else:
+        values = torch.stack([loss.detach() for _, loss in losses]).tolist()
+    bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
+    if not bad:
+        return
+    t = trainer
+    batch_idx, value = bad[0]
+    where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
+    more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
+    raise NonFiniteError(
+        f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
+        f"{where}{more}. The run stops here, before the optimizer steps on it: the weights are still those of "
+        "step {0}. Typical causes: a learning rate that is too high (look at the losses before this batch), "
+        "log/sqrt/division of zero or negative values, a bad batch (check that batch's inputs for nan/inf), "
+        "overflow in a 16-bit dtype. Trainer(detect_anomaly=True) names the first parameter whose gradient "
+        "goes non-finite; torch.autograd.detect_anomaly() names the operation.".format(t.global_step)
+    )
 
 
 def _takes_dataloader_idx(method: Any) -> bool:
@@ -146,6 +203,13 @@ def _val_due_at_epoch_end(trainer: Trainer) -> bool:
     return bool(trainer.val_dataloaders) and every is not None and (trainer.current_epoch + 1) % every == 0
 
 
+def _bar_refresh_rate(trainer: Trainer) -> int:
+    from phalanx.callbacks import ProgressBar
+
+    rates = [cb.refresh_rate for cb in trainer.callbacks if isinstance(cb, ProgressBar) and cb.refresh_rate > 0]
+    return min(rates) if rates else 0
+
+
 def run_train_epoch(trainer: Trainer) -> None:
     t = trainer
     resume = t.take_resume_state()
@@ -156,7 +220,8 @@ def run_train_epoch(trainer: Trainer) -> None:
     results = t.results["train"]
     results.reset()
     if start > 0 and resume is not None and resume.get("results") is not None:
-        results.load_state_dict(resume["results"])
+        results.load_state_dict(resume["results"], t.module)
+    readers = frozenset(h for h in _BATCH_HOOKS if overrides(t.module, h))
     t.module.train()
     t.module.on_train_epoch_start()
     t.call("on_train_epoch_start")
@@ -169,35 +234,57 @@ def run_train_epoch(trainer: Trainer) -> None:
     if resume is not None and start > 0:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
+    board, fabric = t.metric_board, t.fabric
+    monitored = [c for c in t.lr_scheduler_configs if c.interval == "step" and c.monitor is not None]
+    bar_rate = _bar_refresh_rate(t)
+    has_loggers = bool(t.loggers)
+    window: list[tuple[int, torch.Tensor]] = []
+    seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
+        seen = True
         results.batch = batch
         t.in_window = not boundary
-        t.module.on_train_batch_start(batch, batch_idx)
+        _module_hook(t, readers, "on_train_batch_start", batch, batch_idx)
         t.call("on_train_batch_start", batch, batch_idx)
-        output = micro_batch(t, batch, batch_idx, size, boundary)
+        output, loss = micro_batch(t, batch, batch_idx, size, boundary)
+        window.append((batch_idx, loss))
+        log_due = False
         if boundary:
-            optimizer_step(t, t.optimizer)
+            check_finite_losses(t, window)
+            window = []
+            optimizer_step(t, t.optimizer, readers=readers)
             t.global_step += 1
-            step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
+            step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step,
+                            t.callback_metrics if monitored else {})
+            log_due = has_loggers and t.global_step % t.log_every_n_steps == 0
         t.batches_done = batch_idx + 1
-        t.publish_step_metrics(results.sync_step(t.fabric), results, log=boundary)
+        if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
+            t.sync_step_metrics()
+        if boundary:
+            board.flush_step_log(fabric, t.global_step, log_due)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
         if boundary and _val_due_mid_epoch(t, batch_idx, total):
             run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
-        t.module.on_train_batch_end(detached(output), batch, batch_idx)
-        t.call("on_train_batch_end", detached(output), batch, batch_idx)
+        out = detached(output)
+        if "on_train_batch_end" in readers:  # the default is a no-op
+            _module_hook(t, readers, "on_train_batch_end", out, batch, batch_idx)
+        t.call("on_train_batch_end", out, batch, batch_idx)
         t.in_window = False
         if boundary and (t.should_stop or t.max_steps_reached):
             break
     del iterator
+    if not seen and start == 0:
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+                                 t.world_size)
     if _val_due_at_epoch_end(t):
         run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
     t.epoch_finished = True
+    t.sync_step_metrics()
     results.in_epoch_end = True
     t.module.on_train_epoch_end()
     results.in_epoch_end = False
-    t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    board.publish_epoch(results.sync_epoch(fabric), results, fabric, t.current_epoch, t.global_step)
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", t.current_epoch + 1, t.callback_metrics)
     t.call("on_train_epoch_end")
     t.current_epoch += 1
@@ -205,7 +292,21 @@ def run_train_epoch(trainer: Trainer) -> None:
     t.epoch_finished = False
 
 
+def check_data(trainer: Trainer) -> None:
+    """Refuse loaders with no batches before the first epoch: an empty training loader would run
+    ``max_epochs`` empty epochs (and write checkpoints of an untrained model); an empty validation
+    loader would leave every monitored ``val_*`` metric missing."""
+    t = trainer
+    if t.num_training_batches == 0:
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+                                 t.world_size)
+    for loader in t.val_dataloaders:
+        if num_batches(loader, t.limit_val_batches) == 0:
+            raise empty_loader_error("validation", loader, "limit_val_batches", t.limit_val_batches, t.world_size)
+
+
 def run_fit(trainer: Trainer) -> None:
+    check_data(trainer)
     while not trainer.should_stop and not trainer.max_steps_reached and trainer.current_epoch < trainer.max_epochs:
         run_train_epoch(trainer)
 
@@ -214,6 +315,7 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     """Validation or test over every loader; returns one dict of epoch metrics per loader."""
     t = trainer
     hook = "validation" if stage == "validate" else "test"
+    limit_name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
     results = t.results[stage]
     results.reset()
     was_training = t.module.training
@@ -225,21 +327,30 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     step_fn = getattr(t.model, f"{hook}_step")
     takes_idx = _takes_dataloader_idx(getattr(t.module, f"{hook}_step"))
     t.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
+    board, fabric = t.metric_board, t.fabric
     with torch.no_grad():
         for idx, loader in enumerate(loaders):
             results.dataloader_idx = idx
             results.suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
             n = num_batches(loader, limit)
+            if n == 0:
+                raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
+            seen = False
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
+                seen = True
                 results.batch = batch
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
                 output = step_fn(batch, batch_idx, **extra)
-                t.publish_step_metrics(results.sync_step(t.fabric), results, log=True)
+                if results.pending:  # step values in evaluation (rare): logged per batch, as before
+                    board.log_now(fabric, board.publish_step(results.sync_step(fabric), results), t.global_step)
                 t.call(f"on_{hook}_batch_end", output, batch, batch_idx)
+            if not seen:
+                raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
     results.in_epoch_end = True
     getattr(t.module, f"on_{hook}_epoch_end")()
     results.in_epoch_end = False
-    metrics = t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    metrics = results.sync_epoch(fabric)
+    board.publish_epoch(metrics, results, fabric, t.current_epoch, t.global_step)
     t.call(f"on_{hook}_epoch_end")
     t.current_stage = previous_stage
     t.module.train(was_training)

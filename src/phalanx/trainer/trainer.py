@@ -21,7 +21,7 @@ from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.module import DataModule, Module
 from phalanx.trainer.optim import SchedulerConfig, parse_optimizers
-from phalanx.trainer.results import Entry, Results
+from phalanx.trainer.results import MetricBoard, Results, reads_metrics
 
 _STAGES = ("train", "validate", "test")
 
@@ -55,6 +55,10 @@ class Trainer:
         default_root_dir: where logs and checkpoints go (default: the working directory).
         log_every_n_steps: how often step-level metrics go to the loggers.
         use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
+        detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
+            (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.anomaly` for the cost). Without it, a
+            non-finite training loss still stops the run before the optimizer step (see
+            :mod:`phalanx.trainer.loops`).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class Trainer:
         default_root_dir: str | Path | None = None,
         log_every_n_steps: int = 50,
         use_distributed_sampler: bool = True,
+        detect_anomaly: bool = False,
     ) -> None:
         if accumulate_grad_batches < 1:
             raise MisconfigurationError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
@@ -96,7 +101,7 @@ class Trainer:
         self.default_root_dir = Path(default_root_dir) if default_root_dir is not None else Path.cwd()
         self.fabric = Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-            loggers=self._make_loggers(logger),
+            loggers=self._make_loggers(logger), detect_anomaly=detect_anomaly,
         )
         self.fabric.launch()
         if deterministic:
@@ -143,9 +148,7 @@ class Trainer:
         self.val_check_batches: int | None = None
         self.num_eval_batches: list[int | None] = []  # per loader, of the evaluation running now
         self.results: dict[str, Results] = {s: Results(s, self.fabric.device) for s in _STAGES}
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.logged_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
+        self.metric_board = MetricBoard()
 
     # ------------------------------------------------------------------ construction helpers
     def _make_loggers(self, logger: Any) -> list[Any]:
@@ -261,7 +264,32 @@ class Trainer:
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
             if callable(method):
+                if reads_metrics(method):  # user code may read callback_metrics on one rank only
+                    self.sync_step_metrics()
                 method(self, self.module, *args)
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest step and epoch values, identical on every rank. Step values are synced across ranks
+        only when something reads them, so reading this is a collective while some are pending: read it
+        on every rank (phalanx syncs before each hook of your callbacks and Module, so reading it there,
+        on any rank, is always free and safe)."""
+        self.sync_step_metrics()
+        return self.metric_board.callback
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return self.metric_board.progress_bar
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        return self.metric_board.logged
+
+    def sync_step_metrics(self) -> None:
+        """Publish the step values logged since the last sync (one all_gather per stage that has any)."""
+        for results in self.results.values():
+            if results.pending:
+                self.metric_board.publish_step(results.sync_step(self.fabric), results)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.fabric.print(*args, **kwargs)
@@ -273,43 +301,6 @@ class Trainer:
                 "predict_step). Log from the *_step methods or the epoch/batch hooks."
             )
         return self.results[self.current_stage]
-
-    def _keys(self, entry: Entry, level: str) -> tuple[str, ...]:
-        if entry.on_step and entry.on_epoch:
-            return (f"{entry.name}_{level}", entry.name)
-        return (entry.name,)
-
-    def publish_step_metrics(self, values: dict[str, float], results: Results, log: bool) -> None:
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, "step")
-            for key in keys:
-                self.callback_metrics[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar_metrics[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
-        if to_log and log and (self.current_stage != "train" or self.global_step % self.log_every_n_steps == 0):
-            self.logged_metrics.update(to_log)
-            self.fabric.log_dict(to_log, step=self.global_step)
-
-    def publish_epoch_metrics(self, values: dict[str, float], results: Results) -> dict[str, float]:
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, "epoch")
-            for key in keys:
-                self.callback_metrics[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar_metrics[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
-        if to_log:
-            to_log["epoch"] = float(self.current_epoch)
-            self.logged_metrics.update(to_log)
-            self.fabric.log_dict(to_log, step=self.global_step)
-        return values
 
     def take_resume_state(self) -> dict[str, Any] | None:
         resume, self._resume = self._resume, None
