@@ -198,9 +198,10 @@ def empty_loader_error(what: str, loader: Any, limit_name: str, limit: int | flo
         facts.append(f"split across {world_size} ranks")
     if limit != 1.0:
         facts.append(f"{limit_name}={limit}")
+    fix = f" or raise {limit_name}" if limit != 1.0 else ""
     skip = (" To skip validation, pass no validation loader or Trainer(limit_val_batches=0)."
             if what == "validation" else "")
     return MisconfigurationError(
         f"The {what} dataloader yields 0 batches ({', '.join(facts)}). Check the dataset split and the batch size "
-        f"(drop_last=True drops a last partial batch, which may be all there is), or raise {limit_name}.{skip}"
+        f"(drop_last=True drops a last partial batch, which may be all there is){fix}.{skip}"
     )

@@ -177,11 +177,12 @@ def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]
     more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
     raise NonFiniteError(
         f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
-        f"{where}{more}. The run stops here, before the optimizer steps on it: the weights are still those of "
-        "step {0}. Typical causes: a learning rate that is too high (look at the losses before this batch), "
-        "log/sqrt/division of zero or negative values, a bad batch (check that batch's inputs for nan/inf), "
-        "overflow in a 16-bit dtype. Trainer(detect_anomaly=True) names the first parameter whose gradient "
-        "goes non-finite; torch.autograd.detect_anomaly() names the operation.".format(t.global_step)
+        f"{where}{more}. The run stops here, before the optimizer steps on it (the weights are those after "
+        f"step {t.global_step}). Typical causes: a learning rate that is too high (look at the losses before this "
+        "batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
+        "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
+        "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
+        "torch.autograd.detect_anomaly() names the operation."
     )
 
 
