@@ -30,7 +30,7 @@ from phalanx.precision import canonical_precision
 from phalanx.seed import seed_everything as _seed_everything
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.utils import apply_to_tensors, move_to_device
-from phalanx.wrappers import FabricModule, FabricOptimizer, param_owner
+from phalanx.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 
 # `phalanx run --strategy ...` passes its flags to the script's Fabric through these variables.
 _CLI_ENV = {
@@ -203,6 +203,7 @@ class Fabric:
         self._check_new_module(module)
         for opt in optimizers:
             self._check_new_optimizer(opt)
+            self._check_owned(opt, module)
         forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
@@ -238,13 +239,32 @@ class Fabric:
         if not isinstance(optimizer, Optimizer):
             raise MisconfigurationError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
 
+    def _check_owned(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
+        """Refuse parameters of no set-up module: nothing would sync (DDP) or shard (FSDP) them, so each
+        rank would silently train its own copy."""
+        foreign = foreign_parameters(optimizer, [m.module for m in self._modules] + ([module] if module else []))
+        if foreign:
+            n = len(foreign)
+            what = f"{type(module).__name__} (nor of a model set up before)" if module is not None else (
+                "any model set up with this Fabric")
+            raise MisconfigurationError(
+                f"{type(optimizer).__name__} updates {n} parameter{'s' if n != 1 else ''} that "
+                f"{'are' if n != 1 else 'is'} not part of {what}: phalanx would neither average their gradients "
+                "across ranks nor shard them, so each rank would train its own copy. Set up every model the "
+                "optimizer trains: put them in one nn.Module (e.g. nn.ModuleDict({'a': a, 'b': b})) and set that "
+                "up, or `b = fabric.setup_module(b)` first; then create the optimizer from the set-up models' "
+                "parameters (`torch.optim.X(model.parameters())`)."
+            )
+
     def _wrap_optimizer(self, optimizer: Optimizer, module: FabricModule | None) -> FabricOptimizer:
         self._check_new_optimizer(optimizer)
         owner = module.module if module is not None else None
         if owner is None:
             found = param_owner(optimizer, self._modules)
             owner = found.module if found is not None else None
-        return FabricOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy, owner)
+        raw = self._strategy.setup_optimizer(optimizer)  # first: a backend may know better why a param is foreign
+        self._check_owned(raw)
+        return FabricOptimizer(raw, self._strategy, owner)
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True, move_to_device: bool = True

@@ -177,6 +177,12 @@ def param_owner(optimizer: Optimizer, modules: list[FabricModule]) -> FabricModu
     return owners[0] if len(owners) == 1 else None
 
 
+def foreign_parameters(optimizer: Optimizer, modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` updates that are parameters of none of ``modules``."""
+    owned = {id(p) for m in modules for p in m.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+
+
 def is_wrapped(obj: Any) -> bool:
     return isinstance(obj, (FabricModule, FabricOptimizer))
 

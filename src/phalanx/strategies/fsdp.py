@@ -452,15 +452,8 @@ class FSDPStrategy(ParallelStrategy):
                     "from its parameters: `model = fabric.setup_module(model); opt = fabric.setup_optimizers("
                     "torch.optim.AdamW(model.parameters()))`, then load optimizer state with fabric.load."
                 )
+        # Fabric already refused parameters of no set-up module; these are this module's or sharded ones.
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        for opt in optimizers:
-            foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in names and not is_sharded(p)]
-            if foreign:
-                raise MisconfigurationError(
-                    f"{type(opt).__name__} updates {len(foreign)} parameters that are not part of "
-                    f"{type(module).__name__} (nor of a model set up before), so they would never be trained. "
-                    "Create the optimizer from this model's parameters: `torch.optim.X(model.parameters())`."
-                )
         forward_module = self.setup_module(module)
         sharded_params = dict(module.named_parameters(remove_duplicate=False))
         for opt in optimizers:
