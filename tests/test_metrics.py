@@ -50,7 +50,7 @@ def test_lr_find_leaves_metric_state_and_attributes_untouched(style: str) -> Non
 
 
 def test_snapshot_restores_every_kind_of_module_state() -> None:
-    from phalanx.trainer.module_state import ModuleSnapshot
+    from phalanx.module_state import ModuleSnapshot
 
     model = Classifier()
     model.generator = torch.Generator().manual_seed(5)  # type: ignore[assignment]

@@ -1,7 +1,7 @@
 """Learning-rate range test (``Tuner(trainer).lr_find(...)``) that leaves no trace.
 
 The search trains for a few steps while raising the learning rate, records the loss, and then puts
-back *everything* it could have touched (:mod:`phalanx.trainer.module_state`): everything the module
+back *everything* it could have touched (:mod:`phalanx.module_state`): everything the module
 holds (weights and gradients, buffers, torchmetrics state, plain attributes its steps change), the
 fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
 and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.errors import MisconfigurationError
+from phalanx.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
-from phalanx.trainer.module_state import preserved
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import CheckpointError, MisconfigurationError
+from phalanx.module_state import load_metric_states, metric_states
 from phalanx.seed import capture_rng_state
-from phalanx.trainer.module_state import load_metric_states, metric_states
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
