@@ -295,7 +295,7 @@ class Fabric:
         targets = [model] if model is not None else self._modules
         if self._anomaly is not None:
             self._anomaly.before_backward(tensor)
-        self._strategy.backward(tensor, [m._forward_module for m in targets], *args, **kwargs)
+        self._strategy.backward(tensor, [m.forward_module for m in targets], *args, **kwargs)
         if self._anomaly is not None:
             self._anomaly.after_backward([m.module for m in targets])
 
@@ -321,7 +321,7 @@ class Fabric:
             raise MisconfigurationError(
                 "no_backward_sync needs the module returned by fabric.setup(), not the original module."
             )
-        return self._strategy.no_backward_sync(module._forward_module, enabled)
+        return self._strategy.no_backward_sync(module.forward_module, enabled)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's forward context, for code that runs outside the set-up model's forward."""

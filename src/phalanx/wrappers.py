@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
 
-_OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy"})
+_OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy", "_fwd", "_orig", "_redirects"})
 
 
 class FabricModule(nn.Module):
@@ -21,31 +21,46 @@ class FabricModule(nn.Module):
     (``model.student``) resolve to the original module; gradients computed through them are still
     averaged by the strategy (see :mod:`phalanx.strategies.ddp`)."""
 
+    _fwd: nn.Module
+    _orig: nn.Module
+    _redirects: dict[str, Callable[..., Any]]
+
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, strategy: Strategy) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
+        # Plain references too: a registered submodule is found through nn.Module.__getattr__, which
+        # costs on every step (forward, every custom-method call, every backward).
         object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_fwd", forward_module)
+        object.__setattr__(self, "_orig", original_module)
+        object.__setattr__(self, "_redirects", {})
 
     @property
     def module(self) -> nn.Module:
         """The user's module as it was passed to ``setup`` (now moved/converted/sharded in place)."""
-        return self._original_module
+        return self._orig
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module the strategy runs forward through (e.g. the DDP wrapper)."""
+        return self._fwd
 
     @property
     def _phalanx_unwrapped(self) -> nn.Module:
-        return self._original_module
+        return self._orig
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        precision = self._strategy.precision
+        strategy = self._strategy
+        precision = strategy.precision
         args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
-            out = self._strategy.module_forward(self._forward_module, *args, **kwargs)
+            out = strategy.module_forward(self._fwd, *args, **kwargs)
         return precision.convert_output(out)
 
     def _redirect_method(self, name: str) -> Callable[..., Any]:
         """Call ``original.<name>`` *as* the forward, so the strategy sees it (DDP arms its reducer)."""
-        original = self._original_module
+        original = self._orig
 
         def call(*args: Any, **kwargs: Any) -> Any:
             method = getattr(original, name)
@@ -64,18 +79,27 @@ class FabricModule(nn.Module):
 
             original.__dict__["forward"] = as_forward
             try:
-                return self(*args, **kwargs)
+                if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks:
+                    return self(*args, **kwargs)
+                return self.forward(*args, **kwargs)  # nothing registered on the wrapper: skip its __call__
             finally:
                 restore()
 
         return call
 
     def __getattr__(self, name: str) -> Any:
+        redirect = self.__dict__["_redirects"].get(name) if "_redirects" in self.__dict__ else None
+        if redirect is not None:
+            # The fast path for methods called every step (model.training_step): still a bound method of
+            # the original? (It can be replaced; the redirect itself looks it up at each call.)
+            original = self.__dict__["_orig"]
+            if getattr(getattr(original, name, None), "__self__", None) is original:
+                return redirect
         try:
             return super().__getattr__(name)
         except AttributeError:
             pass
-        original = self._original_module
+        original = self._orig
         attr = getattr(original, name)
         if (
             callable(attr)
@@ -84,7 +108,8 @@ class FabricModule(nn.Module):
             and name not in _PASSTHROUGH_METHODS
             and not name.startswith("_")
         ):
-            return self._redirect_method(name)
+            redirect = self._redirects[name] = self._redirect_method(name)
+            return redirect
         return attr
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -95,22 +120,22 @@ class FabricModule(nn.Module):
         ):
             super().__setattr__(name, value)
         else:
-            setattr(self._original_module, name, value)
+            setattr(self._orig, name, value)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._original_module[key]  # type: ignore[index]
+        return self._orig[key]  # type: ignore[index]
 
     def __len__(self) -> int:
-        return len(self._original_module)  # type: ignore[arg-type]
+        return len(self._orig)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._original_module)  # type: ignore[call-overload, no-any-return]
+        return iter(self._orig)  # type: ignore[call-overload, no-any-return]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._original_module.state_dict(*args, **kwargs)
+        return self._orig.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._orig.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 # Methods of nn.Module that query or configure the module; they must not be routed through forward.

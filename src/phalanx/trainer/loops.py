@@ -133,11 +133,15 @@ def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
 
 
 def optimizer_step(
-    trainer: Trainer, optimizer: Any, hooks: bool = True, readers: frozenset[str] = frozenset()
+    trainer: Trainer, optimizer: Any, hooks: bool = True, readers: frozenset[str] | None = None
 ) -> None:
-    """One real step: hooks, clipping, the optimizer's step, zero_grad."""
+    """One real step: hooks, clipping, the optimizer's step, zero_grad. ``readers``: the Module's
+    overridden per-batch hooks (the others are no-ops and are skipped)."""
+    if readers is None:
+        readers = overridden_batch_hooks(trainer)
     if hooks:
-        _module_hook(trainer, readers, "on_before_optimizer_step", optimizer)
+        if "on_before_optimizer_step" in readers:
+            _module_hook(trainer, readers, "on_before_optimizer_step", optimizer)
         trainer.call("on_before_optimizer_step", optimizer)
     if trainer.gradient_clip_val is not None:
         if trainer.gradient_clip_algorithm == "norm":
@@ -154,6 +158,10 @@ def optimizer_step(
 
 # Module hooks the training loop calls per batch: when overridden, user code there may read metrics.
 _BATCH_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "optimizer_step", "on_train_batch_end")
+
+
+def overridden_batch_hooks(trainer: Trainer) -> frozenset[str]:
+    return frozenset(h for h in _BATCH_HOOKS if overrides(trainer.module, h))
 
 
 def _module_hook(trainer: Trainer, readers: frozenset[str], name: str, *args: Any) -> None:
@@ -222,7 +230,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     results.reset()
     if start > 0 and resume is not None and resume.get("results") is not None:
         results.load_state_dict(resume["results"], t.module)
-    readers = frozenset(h for h in _BATCH_HOOKS if overrides(t.module, h))
+    readers = overridden_batch_hooks(t)
     t.module.train()
     t.module.on_train_epoch_start()
     t.call("on_train_epoch_start")
@@ -236,43 +244,56 @@ def run_train_epoch(trainer: Trainer) -> None:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
     board, fabric = t.metric_board, t.fabric
-    monitored = [c for c in t.lr_scheduler_configs if c.interval == "step" and c.monitor is not None]
+    # Per-epoch decisions, so a step does only the work that applies (the step's own cost is the
+    # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
+    step_schedulers_due = any(c.interval == "step" for c in t.lr_scheduler_configs)
+    monitored = any(c.interval == "step" and c.monitor is not None for c in t.lr_scheduler_configs)
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
+    batch_start = "on_train_batch_start" in readers
+    batch_end = "on_train_batch_end" in readers
+    cb_start = any(callable(getattr(cb, "on_train_batch_start", None)) for cb in t.callbacks)
+    cb_end = any(callable(getattr(cb, "on_train_batch_end", None)) for cb in t.callbacks)
+    val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     window: list[tuple[int, torch.Tensor]] = []
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
         seen = True
         results.batch = batch
         t.in_window = not boundary
-        _module_hook(t, readers, "on_train_batch_start", batch, batch_idx)
-        t.call("on_train_batch_start", batch, batch_idx)
+        if batch_start:
+            _module_hook(t, readers, "on_train_batch_start", batch, batch_idx)
+        if cb_start:
+            t.call("on_train_batch_start", batch, batch_idx)
         output, loss = micro_batch(t, batch, batch_idx, size, boundary)
         window.append((batch_idx, loss))
         log_due = False
         if boundary:
-            check_finite_losses(t, window)
+            if len(window) > 1 or not math.isfinite(loss.item()):  # the single read before the step
+                check_finite_losses(t, window)
             window = []
             optimizer_step(t, t.optimizer, readers=readers)
             t.global_step += 1
-            step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step,
-                            t.callback_metrics if monitored else {})
+            if step_schedulers_due:
+                step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step,
+                                t.callback_metrics if monitored else {})
             log_due = has_loggers and t.global_step % t.log_every_n_steps == 0
         t.batches_done = batch_idx + 1
         if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
             t.sync_step_metrics()
-        if boundary:
+        if boundary and (log_due or board.unlogged):
             board.flush_step_log(fabric, t.global_step, log_due)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
-        if boundary and _val_due_mid_epoch(t, batch_idx, total):
+        if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
             run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
-        out = detached(output)
-        if "on_train_batch_end" in readers:  # the default is a no-op
-            _module_hook(t, readers, "on_train_batch_end", out, batch, batch_idx)
-        t.call("on_train_batch_end", out, batch, batch_idx)
+        if batch_end or cb_end:
+            out = detached(output)
+            if batch_end:  # the default is a no-op
+                _module_hook(t, readers, "on_train_batch_end", out, batch, batch_idx)
+            t.call("on_train_batch_end", out, batch, batch_idx)
         t.in_window = False
-        if boundary and (t.should_stop or t.max_steps_reached):
+        if boundary and (t.should_stop or 0 <= t.max_steps <= t.global_step):
             break
     del iterator
     if not seen and start == 0:

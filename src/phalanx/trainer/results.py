@@ -127,10 +127,7 @@ class Results:
         entry = self.entries.get(key)
         if entry is None or entry.given != given:
             entry = self._entry(key, name, given, value, module)
-        if entry.metric is not None or is_metric(value):
-            self._log_metric(entry, value)
-            return
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and entry.metric is None:
             if value.numel() != 1:
                 raise MisconfigurationError(
                     f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it first)."
@@ -138,8 +135,11 @@ class Results:
             v: Any = value.detach() if value.requires_grad else value
             if v.dim():
                 v = v.reshape(())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and entry.metric is None:
             v = float(value)
+        elif entry.metric is not None or is_metric(value):
+            self._log_metric(entry, value)
+            return
         else:
             raise MisconfigurationError(
                 f"self.log({name!r}) got a {type(value).__name__}; log a number, a scalar tensor or a torchmetrics "
