@@ -14,6 +14,7 @@ from test_trainer_support import flat, quiet
 
 import phalanx
 from phalanx.errors import MisconfigurationError
+from phalanx.strategies import available_strategies
 from phalanx.tuner import Tuner
 
 pytest.importorskip("torchmetrics")
@@ -156,9 +157,9 @@ from metric_models import Classifier, loader, metric_report
 from phalanx.tuner import Tuner
 from test_trainer_support import flat, quiet
 
-mode = sys.argv[1]
+mode, strategy = sys.argv[1], sys.argv[2]
 phalanx.seed_everything(3)
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, **quiet())
+trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=2, **quiet())
 model = Classifier("object")
 if mode == "lr_find":
     Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=12, min_lr=1e-4,
@@ -168,12 +169,17 @@ report(trainer.fabric, params=flat(model), **metric_report(trainer, model))
 """
 
 
+STRATEGIES = ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
+    "fsdp" not in available_strategies(), reason="strategy 'fsdp' is not available in this build"))]
+
+
 @pytest.mark.timeout(300)
-def test_ddp_metric_objects_exact_identical_and_untouched_by_lr_find(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_metric_objects_exact_identical_and_untouched_by_lr_find(tmp_path: Path, strategy: str) -> None:
     (tmp_path / "plain").mkdir()
     (tmp_path / "tuned").mkdir()
-    plain = run_job(DDP_JOB, tmp_path / "plain", args=("plain",), timeout=200).check()
-    tuned = run_job(DDP_JOB, tmp_path / "tuned", args=("lr_find",), timeout=200).check()
+    plain = run_job(DDP_JOB, tmp_path / "plain", args=("plain", strategy), timeout=200).check()
+    tuned = run_job(DDP_JOB, tmp_path / "tuned", args=("lr_find", strategy), timeout=200).check()
     # The same fit on one process over the concatenated batches (2 ranks x 4 = 8 per step).
     trainer, model = _fit("object", lr_find=False)
     single = metric_report(trainer, model)
@@ -243,3 +249,44 @@ def test_metric_state_survives_resume_mid_epoch(tmp_path: Path, style: str) -> N
     saved = last["rank_states"][0]["metrics"]
     assert saved["train_acc"]["update_count"] == 2
     assert _plain(saved) and _plain(last["rank_states"][0]["results"])
+
+
+RESUME_JOB = """
+import os, sys, torch, phalanx
+from mp import report
+from phalanx.callbacks import ModelCheckpoint
+from metric_models import Classifier, loader
+from test_trainer_support import flat, quiet
+
+mode = sys.argv[1]
+
+
+class Kill:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if mode == "kill" and trainer.global_step == 13 and not trainer.in_window:
+            os._exit(17)  # no cleanup at all, like a preempted node
+
+
+phalanx.seed_everything(5)
+ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=3, save_last=True, save_top_k=0)
+trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, callbacks=[Kill(), ckpt],
+                          **quiet(enable_checkpointing=True))
+model = Classifier("object", dropout=0.3)
+trainer.fit(model, loader(64, 4, shuffle=True), loader(21, 5), ckpt_path="last" if mode == "resume" else None)
+report(trainer.fabric, params=flat(model), metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
+"""
+
+
+@pytest.mark.slow  # three 2-rank jobs; the single-process resume test above covers the same path in CI
+@pytest.mark.timeout(400)
+def test_ddp_killed_mid_epoch_resumes_with_the_same_metric_objects(tmp_path: Path) -> None:
+    for name in ("full", "cut"):
+        (tmp_path / name).mkdir()
+    full = run_job(RESUME_JOB, tmp_path / "full", args=("full",), timeout=200).check()
+    killed = run_job(RESUME_JOB, tmp_path / "cut", args=("kill",), timeout=200)
+    assert killed.returncode == 17, killed.output[-3000:]
+    resumed = run_job(RESUME_JOB, tmp_path / "cut", args=("resume",), timeout=200).check()
+    for rank in (0, 1):  # 8 steps per epoch: killed at step 13, resumed from step 12 (4 batches into epoch 1)
+        assert resumed.reports[rank]["params"] == full.reports[rank]["params"]
+        assert resumed.reports[rank]["metrics"] == full.reports[rank]["metrics"]
+        assert full.reports[rank]["metrics"]["train_seen"] == 64

@@ -14,15 +14,17 @@ stays on the device the backend reduces on; DDP/FSDP keep pointing at the same p
 What is restored, per submodule attribute (``vars(module)`` minus ``nn.Module``'s own machinery):
 
 * tensors: copied back in place (same object, same device);
-* lists, tuples, dicts, sets of restorable values: rebuilt with their original contents (a list or
-  dict keeps its identity);
+* lists, tuples, dicts, sets (exactly those types) of restorable values: rebuilt with their original
+  contents (a list or dict keeps its identity);
 * numbers, strings, bytes, None, ``torch.device``/``dtype``/``Size``, enums: put back;
 * ``torch.Generator`` and ``random.Random`` objects: their RNG state is put back;
 * attributes the phase *added* are deleted; attributes it removed come back.
 
-What cannot be restored is reset or left, and said here: any other object (an optimizer or
-tokenizer stored on the module, a user class instance) is put back *by reference*; what the phase
-did inside it stays. Forward/backward hooks registered during the phase stay registered.
+What cannot be restored is left, and said here: any other object (an optimizer or tokenizer stored
+on the module, a user class instance, a dict subclass, framework state such as FSDP's) is put back
+*by reference*; what the phase did inside it stays. Forward/backward hooks registered during the
+phase stay registered. A torchmetrics Metric is fully restored (its state, update count and caches are
+tensors, lists and numbers); metric state that cannot be restored would be a bug to report.
 
 :class:`TrainerSnapshot` adds what a Trainer owns (optimizer, schedulers, loss scaler, RNG of this
 rank, counters, published metrics and accumulators, the sampler position): any tuning phase wraps
@@ -94,7 +96,9 @@ def _make_restorer(value: Any, memo: dict[int, Restorer]) -> Restorer:
             return value
 
         return restore_tensor
-    if isinstance(value, list):
+    # Exact container types only: a subclass (an OrderedDict of framework state, a user class) is
+    # someone else's object and is kept by reference.
+    if type(value) is list:
         memo[id(value)] = lambda: value  # a list that contains itself
         items = [_restorer(v, memo) for v in value]
 
@@ -103,7 +107,7 @@ def _make_restorer(value: Any, memo: dict[int, Restorer]) -> Restorer:
             return value
 
         return restore_list
-    if isinstance(value, dict):
+    if type(value) is dict:
         memo[id(value)] = lambda: value
         entries = [(k, _restorer(v, memo)) for k, v in value.items()]
 
@@ -117,7 +121,7 @@ def _make_restorer(value: Any, memo: dict[int, Restorer]) -> Restorer:
     if type(value) is tuple:
         parts = [_restorer(v, memo) for v in value]
         return lambda: tuple(r() for r in parts)
-    if isinstance(value, set) and all(isinstance(v, _IMMUTABLE) for v in value):
+    if type(value) is set and all(isinstance(v, _IMMUTABLE) for v in value):
         members = frozenset(value)
 
         def restore_set() -> set[Any]:

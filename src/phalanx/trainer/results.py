@@ -9,6 +9,9 @@ Design choices, each fixing a known failure of managed loops:
   not is refused by name.
 * Epoch means are weighted by batch size, and the cross-rank reduction adds the per-rank weighted
   sums and weights: the result is the exact mean over every sample, however uneven the shards.
+  Evaluation scores each sample once (phalanx's evaluation sampler never pads). Training under
+  several ranks pads the epoch to a multiple of the world size by repeating its first samples (so
+  every rank steps together); training epoch values count those repeats, as the gradients do.
 * All metrics of one sync travel in ONE all_gather. Synced metrics are reduced over the ranks;
   unsynced ones take rank 0's value. Either way every rank ends with the same numbers, so callbacks
   that act on them (early stopping, checkpointing) make the same decision everywhere.
