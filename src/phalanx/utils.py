@@ -29,5 +29,10 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:
-    # Batches usually are where they go already (CPU jobs, loaders that pin and move): skip the call.
+    # Called on every batch: the usual shapes (a tensor, a tuple/list of tensors) take a direct path, and
+    # a tensor already on the device (CPU jobs, loaders that pin and move) is returned as it is.
+    if isinstance(data, torch.Tensor):
+        return data if data.device == device else data.to(device, non_blocking=True)
+    if type(data) is tuple or type(data) is list:
+        return type(data)([move_to_device(v, device) for v in data])
     return apply_to_tensors(data, lambda t: t if t.device == device else t.to(device, non_blocking=True))

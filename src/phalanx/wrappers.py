@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +14,7 @@ from torch.optim import Optimizer
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
 
+_MISSING = object()
 _OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy", "_fwd", "_orig", "_redirects"})
 
 
@@ -54,8 +57,12 @@ class FabricModule(nn.Module):
         strategy = self._strategy
         precision = strategy.precision
         args, kwargs = precision.convert_input((args, kwargs))
-        with precision.forward_context():
+        context = precision.forward_context()
+        if type(context) is contextlib.nullcontext:  # full precision: nothing to enter, every step
             out = strategy.module_forward(self._fwd, *args, **kwargs)
+        else:
+            with context:
+                out = strategy.module_forward(self._fwd, *args, **kwargs)
         return precision.convert_output(out)
 
     def _redirect_method(self, name: str) -> Callable[..., Any]:
@@ -64,26 +71,27 @@ class FabricModule(nn.Module):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             method = getattr(original, name)
-            had_instance_forward = "forward" in original.__dict__
-            saved = original.__dict__.get("forward")
+            instance = original.__dict__
+            saved = instance.get("forward", _MISSING)
 
             def as_forward(*a: Any, **k: Any) -> Any:
-                restore()  # nested self(...) calls inside the method must reach the real forward
+                # Put the real forward back first: nested self(...) calls inside the method must reach it.
+                if saved is not _MISSING:
+                    instance["forward"] = saved
+                elif "forward" in instance:
+                    del instance["forward"]
                 return method(*a, **k)
 
-            def restore() -> None:
-                if had_instance_forward:
-                    original.__dict__["forward"] = saved
-                else:
-                    original.__dict__.pop("forward", None)
-
-            original.__dict__["forward"] = as_forward
+            instance["forward"] = as_forward
             try:
                 if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks:
                     return self(*args, **kwargs)
                 return self.forward(*args, **kwargs)  # nothing registered on the wrapper: skip its __call__
             finally:
-                restore()
+                if saved is not _MISSING:
+                    instance["forward"] = saved
+                elif "forward" in instance:
+                    del instance["forward"]
 
         return call
 
@@ -93,7 +101,8 @@ class FabricModule(nn.Module):
             # The fast path for methods called every step (model.training_step): still a bound method of
             # the original? (It can be replaced; the redirect itself looks it up at each call.)
             original = self.__dict__["_orig"]
-            if getattr(getattr(original, name, None), "__self__", None) is original:
+            attr = getattr(original, name, None)
+            if type(attr) is MethodType and attr.__self__ is original:
                 return redirect
         try:
             return super().__getattr__(name)

@@ -37,6 +37,7 @@ from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
+from phalanx.utils import move_to_device
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -113,8 +114,8 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
             sampler.set_epoch(epoch)
             break
     iterator = iter(raw)
-    to_device = fabric.to_device
-    return (to_device(batch) for batch in iterator)
+    device = fabric.device
+    return (move_to_device(batch, device) for batch in iterator)
 
 
 def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
@@ -133,16 +134,19 @@ def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
 
 
 def optimizer_step(
-    trainer: Trainer, optimizer: Any, hooks: bool = True, readers: frozenset[str] | None = None
+    trainer: Trainer, optimizer: Any, hooks: bool = True, readers: frozenset[str] | None = None,
+    callbacks: bool = True,
 ) -> None:
     """One real step: hooks, clipping, the optimizer's step, zero_grad. ``readers``: the Module's
-    overridden per-batch hooks (the others are no-ops and are skipped)."""
+    overridden per-batch hooks (the others are no-ops and are skipped); ``callbacks``: whether a
+    callback defines ``on_before_optimizer_step``."""
     if readers is None:
         readers = overridden_batch_hooks(trainer)
     if hooks:
         if "on_before_optimizer_step" in readers:
             _module_hook(trainer, readers, "on_before_optimizer_step", optimizer)
-        trainer.call("on_before_optimizer_step", optimizer)
+        if callbacks:
+            trainer.call("on_before_optimizer_step", optimizer)
     if trainer.gradient_clip_val is not None:
         if trainer.gradient_clip_algorithm == "norm":
             trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=trainer.gradient_clip_val,
@@ -150,7 +154,9 @@ def optimizer_step(
         else:
             trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
     if hooks:
-        _module_hook(trainer, readers, "optimizer_step", optimizer)
+        if "optimizer_step" in readers:
+            trainer.sync_step_metrics()
+        trainer.module.optimizer_step(optimizer)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -254,6 +260,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     batch_end = "on_train_batch_end" in readers
     cb_start = any(callable(getattr(cb, "on_train_batch_start", None)) for cb in t.callbacks)
     cb_end = any(callable(getattr(cb, "on_train_batch_end", None)) for cb in t.callbacks)
+    cb_before = any(callable(getattr(cb, "on_before_optimizer_step", None)) for cb in t.callbacks)
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     window: list[tuple[int, torch.Tensor]] = []
     seen = False
@@ -272,7 +279,7 @@ def run_train_epoch(trainer: Trainer) -> None:
             if len(window) > 1 or not math.isfinite(loss.item()):  # the single read before the step
                 check_finite_losses(t, window)
             window = []
-            optimizer_step(t, t.optimizer, readers=readers)
+            optimizer_step(t, t.optimizer, readers=readers, callbacks=cb_before)
             t.global_step += 1
             if step_schedulers_due:
                 step_schedulers(t.module, t.lr_scheduler_configs, "step", t.global_step,

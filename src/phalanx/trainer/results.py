@@ -102,23 +102,15 @@ class Results:
         self.stage = stage
         self.device = device
         self.entries: dict[str, Entry] = {}
-        self._batch: Any = None
-        self._batch_size: int | None = None
+        self.batch: Any = None  # the current batch, for batch-size inference
+        self._sized: Any = None  # the batch whose size _batch_size is
+        self._batch_size = 0
         self.dataloader_idx = 0
         self.suffix = ""  # "/dataloader_idx_N" when an evaluation has several loaders
         self.in_epoch_end = False  # logging from an epoch-end hook: epoch-level by definition
         self.pending = False  # some step value was logged since the last sync
         self.pending_prog_bar = False  # ... and one of them goes to the progress bar
         self._metric_paths: dict[int, str] = {}
-
-    @property
-    def batch(self) -> Any:
-        """The current batch, for batch-size inference."""
-        return self._batch
-
-    @batch.setter
-    def batch(self, batch: Any) -> None:
-        self._batch, self._batch_size = batch, None
 
     # ------------------------------------------------------------------ recording
     def log(
@@ -163,8 +155,9 @@ class Results:
                 self._fold(entry)
 
     def _inferred_batch_size(self) -> int:
-        if self._batch_size is None:
-            self._batch_size = infer_batch_size(self._batch)
+        if self._sized is not self.batch:  # once per batch, however many values are logged
+            self._batch_size = infer_batch_size(self.batch)
+            self._sized = self.batch
         return self._batch_size
 
     def _entry(self, key: str, name: str, given: tuple[Any, ...], value: Any, module: Any) -> Entry:
