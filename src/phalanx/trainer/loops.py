@@ -351,6 +351,7 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     previous_stage = t.current_stage
     t.current_stage = stage
     t.module.eval()
+    t.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
     getattr(t.module, f"on_{hook}_epoch_start")()
     t.call(f"on_{hook}_epoch_start")
     step_fn = getattr(t.model, f"{hook}_step")
