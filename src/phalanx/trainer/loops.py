@@ -118,16 +118,22 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
     return (move_to_device(batch, device) for batch in iterator)
 
 
-def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
-    """Forward and backward of one micro-batch; returns training_step's output and its loss."""
+def micro_batch(
+    trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
+) -> tuple[Any, Any]:
+    """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
+    ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
+    forward that finds the method at each call)."""
     fabric, model = trainer.fabric, trainer.model
+    if step is None:
+        step = model.training_step
     if boundary:  # the common case (no accumulation): no sync-control context at all
-        output = model.training_step(batch, batch_idx)
+        output = step(batch, batch_idx)
         loss = loss_of(output)
         fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
         return output, loss
     with fabric.no_backward_sync(model, enabled=True):
-        output = model.training_step(batch, batch_idx)
+        output = step(batch, batch_idx)
         loss = loss_of(output)
         fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
     return output, loss
@@ -262,6 +268,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     cb_end = any(callable(getattr(cb, "on_train_batch_end", None)) for cb in t.callbacks)
     cb_before = any(callable(getattr(cb, "on_before_optimizer_step", None)) for cb in t.callbacks)
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
+    step = t.model.training_step
     window: list[tuple[int, torch.Tensor]] = []
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
@@ -272,7 +279,7 @@ def run_train_epoch(trainer: Trainer) -> None:
             _module_hook(t, readers, "on_train_batch_start", batch, batch_idx)
         if cb_start:
             t.call("on_train_batch_start", batch, batch_idx)
-        output, loss = micro_batch(t, batch, batch_idx, size, boundary)
+        output, loss = micro_batch(t, batch, batch_idx, size, boundary, step)
         window.append((batch_idx, loss))
         log_due = False
         if boundary:

@@ -127,7 +127,9 @@ class Results:
                 raise MisconfigurationError(
                     f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it first)."
                 )
-            v: Any = value.detach() if value.requires_grad else value
+            # A step-only value is detached when it is synced (holding it until the next step keeps no
+            # activations: backward has freed them); epoch values are kept in lists, so detach now.
+            v: Any = value.detach() if value.requires_grad and entry.on_epoch else value
             if v.dim():
                 v = v.reshape(())
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and entry.metric is None:
@@ -257,7 +259,7 @@ class Results:
         out: dict[str, float] = {}
         if fabric.world_size == 1:
             for e in pending:
-                out[e.name] = float(e.step_value)
+                out[e.name] = float(e.step_value)  # float() of a tensor that requires grad is fine
                 e.step_value = None
             return out
         rows = [torch.stack([_f(e.step_value, self.device) * e.step_weight, _f(e.step_weight, self.device)])
@@ -465,7 +467,7 @@ def reads_metrics(hook: Any) -> bool:
 
 def _f(value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=_DTYPE)
+        return value.detach().to(device=device, dtype=_DTYPE)
     return torch.tensor(value, dtype=_DTYPE, device=device)
 
 
