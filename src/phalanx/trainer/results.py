@@ -259,7 +259,8 @@ class Results:
         out: dict[str, float] = {}
         if fabric.world_size == 1:
             for e in pending:
-                out[e.name] = float(e.step_value)  # float() of a tensor that requires grad is fine
+                value = e.step_value
+                out[e.name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
                 e.step_value = None
             return out
         rows = [torch.stack([_f(e.step_value, self.device) * e.step_weight, _f(e.step_weight, self.device)])
