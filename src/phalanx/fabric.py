@@ -293,11 +293,12 @@ class Fabric:
                 "`model, optimizer = fabric.setup(model, optimizer)` first."
             )
         targets = [model] if model is not None else self._modules
-        if self._anomaly is not None:
-            self._anomaly.before_backward(tensor)
-        self._strategy.backward(tensor, [m.forward_module for m in targets], *args, **kwargs)
-        if self._anomaly is not None:
-            self._anomaly.after_backward([m.module for m in targets])
+        anomaly = self._anomaly
+        if anomaly is not None:
+            anomaly.before_backward(tensor)
+        self._strategy.backward(tensor, [m._fwd for m in targets], *args, **kwargs)
+        if anomaly is not None:
+            anomaly.after_backward([m.module for m in targets])
 
     def clip_gradients(
         self,

@@ -11,11 +11,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.precision import Precision
+
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
 
 _MISSING = object()
-_OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy", "_fwd", "_orig", "_redirects"})
+_OWN_MODULE_ATTRS = frozenset(
+    {"_forward_module", "_original_module", "_strategy", "_fwd", "_orig", "_redirects", "_plain_io"}
+)
 
 
 class FabricModule(nn.Module):
@@ -26,6 +30,7 @@ class FabricModule(nn.Module):
 
     _fwd: nn.Module
     _orig: nn.Module
+    _plain_io: bool
     _redirects: dict[str, Callable[..., Any]]
 
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, strategy: Strategy) -> None:
@@ -38,6 +43,11 @@ class FabricModule(nn.Module):
         object.__setattr__(self, "_fwd", forward_module)
         object.__setattr__(self, "_orig", original_module)
         object.__setattr__(self, "_redirects", {})
+        # Full precision converts nothing in or out: skip both calls on every forward.
+        precision = strategy.precision
+        plain = (type(precision).convert_input is Precision.convert_input and precision.param_dtype is None
+                 and type(precision).convert_output is Precision.convert_output)
+        object.__setattr__(self, "_plain_io", plain)
 
     @property
     def module(self) -> nn.Module:
@@ -54,16 +64,23 @@ class FabricModule(nn.Module):
         return self._orig
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(self._fwd, args, kwargs)
+
+    def _run(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``target`` as the strategy's forward: inputs converted, inside the precision's context."""
         strategy = self._strategy
         precision = strategy.precision
-        args, kwargs = precision.convert_input((args, kwargs))
+        plain = self._plain_io
+        if not plain:
+            args, kwargs = precision.convert_input((args, kwargs))
         context = precision.forward_context()
+        # Strategies call what they are given (their wrapper, or the module itself): any callable.
         if type(context) is contextlib.nullcontext:  # full precision: nothing to enter, every step
-            out = strategy.module_forward(self._fwd, *args, **kwargs)
+            out = strategy.module_forward(target, *args, **kwargs)
         else:
             with context:
-                out = strategy.module_forward(self._fwd, *args, **kwargs)
-        return precision.convert_output(out)
+                out = strategy.module_forward(target, *args, **kwargs)
+        return out if plain else precision.convert_output(out)
 
     def _redirect_method(self, name: str) -> Callable[..., Any]:
         """Call ``original.<name>`` *as* the forward, so the strategy sees it (DDP arms its reducer)."""
@@ -71,6 +88,10 @@ class FabricModule(nn.Module):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             method = getattr(original, name)
+            if self._fwd is original and not _hooked(original) and not _hooked(self):
+                # Nothing wraps the module and no hook watches its calls: running the method itself as
+                # the strategy's forward is what the forward patch below achieves, minus two calls.
+                return self._run(method, args, kwargs)
             instance = original.__dict__
             saved = instance.get("forward", _MISSING)
 
@@ -84,7 +105,7 @@ class FabricModule(nn.Module):
 
             instance["forward"] = as_forward
             try:
-                if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks:
+                if _hooked(self):
                     return self(*args, **kwargs)
                 return self.forward(*args, **kwargs)  # nothing registered on the wrapper: skip its __call__
             finally:
@@ -145,6 +166,12 @@ class FabricModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self._orig.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks of its own (then its ``__call__`` must not be skipped)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 # Methods of nn.Module that query or configure the module; they must not be routed through forward.
