@@ -296,7 +296,8 @@ class Fabric:
         anomaly = self._anomaly
         if anomaly is not None:
             anomaly.before_backward(tensor)
-        self._strategy.backward(tensor, [m._fwd for m in targets], *args, **kwargs)
+        forward_modules = [model._fwd] if model is not None else [m._fwd for m in targets]
+        self._strategy.backward(tensor, forward_modules, *args, **kwargs)
         if anomaly is not None:
             anomaly.after_backward([m.module for m in targets])
 

@@ -34,5 +34,7 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     if isinstance(data, torch.Tensor):
         return data if data.device == device else data.to(device, non_blocking=True)
     if type(data) is tuple or type(data) is list:
-        return type(data)([move_to_device(v, device) for v in data])
+        return type(data)([
+            v if isinstance(v, torch.Tensor) and v.device == device else move_to_device(v, device) for v in data
+        ])
     return apply_to_tensors(data, lambda t: t if t.device == device else t.to(device, non_blocking=True))

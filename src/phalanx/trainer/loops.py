@@ -76,6 +76,14 @@ def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> I
     With a known length the window sizes are computed; without one, each window is read ahead so
     the size of the last (partial) window is known before its first backward.
     """
+    if total is not None and n == 1:  # no accumulation: every batch is its own window
+        for batch_idx in range(start, total):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch_idx, batch, 1, True
+        return
     if total is not None:
         for batch_idx in range(start, total):
             try:
@@ -269,12 +277,15 @@ def run_train_epoch(trainer: Trainer) -> None:
     cb_before = any(callable(getattr(cb, "on_before_optimizer_step", None)) for cb in t.callbacks)
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     step = t.model.training_step
+    accumulating = t.accumulate_grad_batches > 1
+    t.in_window = False  # (without accumulation no step is ever inside a window)
     window: list[tuple[int, torch.Tensor]] = []
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
         seen = True
         results.batch = batch
-        t.in_window = not boundary
+        if accumulating:
+            t.in_window = not boundary
         if batch_start:
             _module_hook(t, readers, "on_train_batch_start", batch, batch_idx)
         if cb_start:
@@ -306,7 +317,8 @@ def run_train_epoch(trainer: Trainer) -> None:
             if batch_end:  # the default is a no-op
                 _module_hook(t, readers, "on_train_batch_end", out, batch, batch_idx)
             t.call("on_train_batch_end", out, batch, batch_idx)
-        t.in_window = False
+        if accumulating:
+            t.in_window = False
         if boundary and (t.should_stop or 0 <= t.max_steps <= t.global_step):
             break
     del iterator
