@@ -1,8 +1,15 @@
 """Per-step framework overhead on one CPU process: the same MLP, data, seed and optimizer under a raw
-PyTorch loop, phalanx Fabric, phalanx Trainer, Lightning Fabric, Lightning Trainer and Accelerate.
+PyTorch loop, phalanx Fabric, phalanx Trainer (plain, and calling ``self.log`` every step), Lightning
+Fabric, Lightning Trainer and Accelerate.
 
     bash bench/setup.sh
     bench/.venv/bin/python bench/overhead.py [--reps 7 --steps 200 --threads 1]
+    bench/.venv/bin/python bench/overhead.py --marginal --config tiny [--short 2000 --long 8000]
+
+``--marginal`` measures what one more step costs with start-up cancelled: the process CPU time of a
+whole run of ``--long`` steps minus that of ``--short`` steps, divided by the difference (each
+contender's setup, first-step allocations and teardown drop out). It needs only torch and phalanx;
+Lightning and Accelerate join when importable.
 
 Contenders run interleaved (raw, phalanx, ..., then the reverse order, ...) so a change in machine load hits
 all of them alike; the table shows medians over repetitions and the paired ratio to raw PyTorch.
@@ -46,6 +53,7 @@ from _common import (
 )
 
 CONFIG = {"d_in": 128, "hidden": 384, "depth": 3, "classes": 10}
+CONFIGS = {"default": dict(CONFIG), "tiny": {"d_in": 16, "hidden": 32, "depth": 1, "classes": 10}}
 Contender = Callable[[TensorDataset, int], ClockedMLP]
 
 
@@ -130,7 +138,7 @@ def lightning_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
     return model
 
 
-def phalanx_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
+def phalanx_trainer(data: TensorDataset, batch: int, log: bool = False) -> ClockedMLP:
     import phalanx
 
     class Module(phalanx.Module):
@@ -140,7 +148,10 @@ def phalanx_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return F.cross_entropy(self.model(x), y)
+            loss = F.cross_entropy(self.model(x), y)
+            if log:  # the usual Lightning-style step: one metric per step
+                self.log("train_loss", loss)
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(self.model)
@@ -155,15 +166,81 @@ def phalanx_trainer(data: TensorDataset, batch: int) -> ClockedMLP:
     return model
 
 
+def phalanx_trainer_logging(data: TensorDataset, batch: int) -> ClockedMLP:
+    return phalanx_trainer(data, batch, log=True)
+
+
 def quiet_frameworks() -> None:
     """Keep the report readable: Lightning logs its device summary and warns about num_workers=0.
     Its loggers are configured when it is imported, so import it first, then turn them down."""
-    import lightning  # noqa: F401
-
+    try:
+        import lightning  # noqa: F401
+    except ImportError:  # --marginal runs without the peers
+        pass
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     for pattern in (r".*does not have many workers.*", r".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message=pattern)
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+def marginal(args: argparse.Namespace, config: dict[str, int]) -> None:
+    """Marginal CPU time per step: (t(long) - t(short)) / (long - short), interleaved and paired."""
+    import time
+
+    contenders: dict[str, Contender] = {
+        "raw PyTorch": raw_torch,
+        "phalanx Fabric": phalanx_fabric,
+        "phalanx Trainer": phalanx_trainer,
+        "phalanx Trainer + self.log": phalanx_trainer_logging,
+    }
+    if _importable("lightning"):
+        contenders.update({"Lightning Fabric": lightning_fabric, "Lightning Trainer": lightning_trainer})
+    if _importable("accelerate"):
+        contenders["Accelerate"] = accelerate_loop
+    short, long = make_dataset(config, args.short * args.batch), make_dataset(config, args.long * args.batch)
+    per_step: dict[str, list[float]] = {name: [] for name in contenders}
+    losses: dict[str, float] = {}
+    for fn in contenders.values():  # untimed: first-call costs (imports, lazy init) out of every timing
+        fn(make_dataset(config, 50 * args.batch), args.batch)
+    for rep in range(args.reps):
+        order = list(contenders.items()) if rep % 2 == 0 else list(reversed(contenders.items()))
+        for name, fn in order:
+            seconds = {}
+            for label, data in (("short", short), ("long", long)):
+                start = time.process_time()
+                model = fn(data, args.batch)
+                seconds[label] = time.process_time() - start
+                if label == "long":
+                    losses[name] = full_loss(model, data)
+            per_step[name].append((seconds["long"] - seconds["short"]) / (args.long - args.short))
+        print(f"  rep {rep + 1}/{args.reps}: " + ", ".join(f"{n} {v[-1] * 1e6:.1f}" for n, v in per_step.items())
+              + " us/step", file=sys.stderr, flush=True)
+    raw = per_step["raw PyTorch"]
+    rows = []
+    for name, values in per_step.items():
+        rows.append([
+            name, f"{median(values) * 1e6:.1f}", f"{median([a - b for a, b in zip(values, raw)]) * 1e6:+.1f}",
+            f"{paired_ratio(values, raw):.4f}", f"{min(values) * 1e6:.1f}",
+            f"{losses[name]:.10f} (diff {abs(losses[name] - losses['raw PyTorch']):.1e})",
+        ])
+    n_params = sum(p.numel() for p in make_model(config).parameters())
+    print(f"## Marginal CPU time per step, 1 CPU process ({machine_line()})")
+    print(f"MLP {config} ({n_params} params), batch {args.batch}, AdamW, {args.threads} thread(s); "
+          f"(t({args.long} steps) - t({args.short} steps)) / {args.long - args.short}, process CPU time, "
+          f"{args.reps} interleaved repetitions (medians; ratio = median of paired ratios).")
+    print(f"versions: {framework_versions()}")
+    print(table(["contender", "us/step", "us/step over raw", "x raw", "min us/step", "final loss (long run)"],
+                rows))
+    if args.json:
+        args.json.write_text(json.dumps({"marginal_s_per_step": per_step, "losses": losses}, indent=1))
 
 
 def main() -> None:
@@ -174,7 +251,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--marginal", action="store_true", help="marginal cost per step (see the docstring)")
+    parser.add_argument("--short", type=int, default=2000, help="--marginal: steps of the short run")
+    parser.add_argument("--long", type=int, default=8000, help="--marginal: steps of the long run")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="default",
+                        help="model size: 'tiny' (a ~0.5 ms step) makes per-step framework cost visible")
     args = parser.parse_args()
+    config = CONFIGS[args.config]
+    CONFIG.update(config)  # the contenders build CONFIG's model
+    if args.marginal:
+        require_bench_venv(["phalanx"])
+        quiet_frameworks()
+        torch.set_num_threads(args.threads)
+        marginal(args, config)
+        return
     require_bench_venv(["lightning", "accelerate", "phalanx"])
     quiet_frameworks()
     torch.set_num_threads(args.threads)
@@ -183,6 +273,7 @@ def main() -> None:
         "raw PyTorch": raw_torch,
         "phalanx Fabric": phalanx_fabric,
         "phalanx Trainer": phalanx_trainer if phalanx_trainer_available() else None,
+        "phalanx Trainer + self.log": phalanx_trainer_logging if phalanx_trainer_available() else None,
         "Lightning Fabric": lightning_fabric,
         "Lightning Trainer": lightning_trainer,
         "Accelerate": accelerate_loop,

@@ -62,7 +62,7 @@ def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, ob
         fabric.launch()
         x, y = make_data()
         loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=4))
-        model, opt = fabric.setup(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
+        model = fabric.setup(make_model())  # an optimizer over another instance's parameters is refused
         opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         for epoch in range(2):
             for xb, yb in loader:

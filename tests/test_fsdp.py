@@ -350,11 +350,12 @@ def test_direct_call_of_unsharded_child_raises(tmp_path: Path, models: dict[str,
     _, expected_block = _distill_reference(models)
     for rank in (0, 1):
         rep = job.reports[rank]
+        # The module the user called is named (not a layer inside it), with a policy that works.
         assert rep["student_error"].startswith(
-            "student.inp (Linear) was called directly, but its parameters are sharded as part of the enclosing "
+            "student (Net) was called directly, but its parameters are sharded as part of the enclosing "
             "unit Distill, whose forward is not running"
         )
-        assert "auto_wrap_policy" in rep["student_error"]
+        assert "FSDPStrategy(auto_wrap_policy={Block, Net})" in rep["student_error"]
         _close(rep["block_grads"], expected_block)  # a block is its own unit under the default policy
 
 

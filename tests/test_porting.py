@@ -720,7 +720,7 @@ def test_fabric_collectives_on_one_process_have_lightnings_shapes() -> None:
 
 def test_fabric_clip_gradients_third_positional_argument_is_clip_val() -> None:
     fabric = L.Fabric(accelerator="cpu")
-    model, opt = fabric.setup(nn.Linear(3, 1), torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1))
+    model = fabric.setup(nn.Linear(3, 1))
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     fabric.backward(model(torch.full((2, 3), 100.0)).sum())
     fabric.clip_gradients(model, opt, 0.5)

@@ -92,7 +92,7 @@ def _trial(trainer: Trainer, method: str, steps: int) -> None:
                                                                t.accumulate_grad_batches):
             loops.micro_batch(t, batch, batch_idx, size, boundary)
             if boundary:
-                loops.optimizer_step(t, optimizer, hooks=False)
+                loops.optimizer_step(t, optimizer)
                 done += 1
                 if done >= steps:
                     break
@@ -195,7 +195,7 @@ def scale_batch_size(
     margin: float = 0.05, max_val: int = 8192,
 ) -> int:
     """``Tuner(trainer).scale_batch_size``: see the module docstring."""
-    from phalanx.tuner import _Snapshot
+    from phalanx.module_state import TrainerSnapshot
 
     if train_dataloaders is not None or val_dataloaders is not None or dataloaders is not None:
         raise MisconfigurationError(
@@ -210,7 +210,7 @@ def scale_batch_size(
             t.prepare_fit(None, None)
         elif t.model is None:
             t._wrap()
-        snapshot = _Snapshot(t)
+        snapshot = TrainerSnapshot(t)
         sources = (t.train_dataloader, t.train_sampler, t.num_training_batches, list(t.val_dataloaders),
                    t.optimizers, t.step_optimizers)
         try:

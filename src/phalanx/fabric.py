@@ -32,7 +32,7 @@ from phalanx.precision import canonical_precision
 from phalanx.seed import seed_everything as _seed_everything
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.utils import apply_to_tensors, move_to_device
-from phalanx.wrappers import FabricModule, FabricOptimizer, param_owner
+from phalanx.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 
 # `phalanx run --strategy ...` passes its flags to the script's Fabric through these variables.
 _CLI_ENV = {
@@ -234,6 +234,7 @@ class Fabric:
         self._check_placement(module, move_to_device)
         for opt in optimizers:
             self._check_new_optimizer(opt)
+            self._check_owned(opt, module)
         forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
@@ -294,13 +295,32 @@ class Fabric:
         if not isinstance(optimizer, Optimizer):
             raise MisconfigurationError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
 
+    def _check_owned(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
+        """Refuse parameters of no set-up module: nothing would sync (DDP) or shard (FSDP) them, so each
+        rank would silently train its own copy."""
+        foreign = foreign_parameters(optimizer, [m.module for m in self._modules] + ([module] if module else []))
+        if foreign:
+            n = len(foreign)
+            what = f"{type(module).__name__} (nor of a model set up before)" if module is not None else (
+                "any model set up with this Fabric")
+            raise MisconfigurationError(
+                f"{type(optimizer).__name__} updates {n} parameter{'s' if n != 1 else ''} that "
+                f"{'are' if n != 1 else 'is'} not part of {what}: phalanx would neither average their gradients "
+                "across ranks nor shard them, so each rank would train its own copy. Set up every model the "
+                "optimizer trains: put them in one nn.Module (e.g. nn.ModuleDict({'a': a, 'b': b})) and set that "
+                "up, or `b = fabric.setup_module(b)` first; then create the optimizer from the set-up models' "
+                "parameters (`torch.optim.X(model.parameters())`)."
+            )
+
     def _wrap_optimizer(self, optimizer: Optimizer, module: FabricModule | None) -> FabricOptimizer:
         self._check_new_optimizer(optimizer)
         owner = module.module if module is not None else None
         if owner is None:
             found = param_owner(optimizer, self._modules)
             owner = found.module if found is not None else None
-        return FabricOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy, owner)
+        raw = self._strategy.setup_optimizer(optimizer)  # first: a backend may know better why a param is foreign
+        self._check_owned(raw)
+        return FabricOptimizer(raw, self._strategy, owner)
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -329,11 +349,13 @@ class Fabric:
                 "`model, optimizer = fabric.setup(model, optimizer)` first."
             )
         targets = [model] if model is not None else self._modules
-        if self._anomaly is not None:
-            self._anomaly.before_backward(tensor)
-        self._strategy.backward(tensor, [m._forward_module for m in targets], *args, **kwargs)
-        if self._anomaly is not None:
-            self._anomaly.after_backward([m.module for m in targets])
+        anomaly = self._anomaly
+        if anomaly is not None:
+            anomaly.before_backward(tensor)
+        forward_modules = [model._fwd] if model is not None else [m._fwd for m in targets]
+        self._strategy.backward(tensor, forward_modules, *args, **kwargs)
+        if anomaly is not None:
+            anomaly.after_backward([m.module for m in targets])
 
     def clip_gradients(
         self,
@@ -358,7 +380,7 @@ class Fabric:
             raise MisconfigurationError(
                 "no_backward_sync needs the module returned by fabric.setup(), not the original module."
             )
-        return self._strategy.no_backward_sync(module._forward_module, enabled)
+        return self._strategy.no_backward_sync(module.forward_module, enabled)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's forward context, for code that runs outside the set-up model's forward."""

@@ -1,15 +1,15 @@
 """Learning-rate range test (``Tuner(trainer).lr_find(...)``) that leaves no trace.
 
 The search trains for a few steps while raising the learning rate, records the loss, and then puts
-back *everything* it could have touched: weights and gradients, the fit's optimizer and scheduler
-state, the loss scaler, every rank's RNG state, the trainer's counters and metrics. It never calls
-callbacks or loggers, and it logs into fresh metric accumulators created on ``fabric.device`` (then
-drops them), so nothing it did can leak into the fit that follows.
+back *everything* it could have touched (:mod:`phalanx.module_state`): everything the module
+holds (weights and gradients, buffers, torchmetrics state, plain attributes its steps change), the
+fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
+and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
+on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.errors import MisconfigurationError
-from phalanx.seed import capture_rng_state, restore_rng_state
+from phalanx.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
@@ -68,54 +68,6 @@ class LRFinderResult:
             ax.set_title(f"suggested lr = {lr:.3g}")
         fig.tight_layout()
         return fig
-
-
-class _Snapshot:
-    """Everything the search may change, copied so it can be put back exactly."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        t = trainer
-        module = t.module
-        # Tensors themselves (not state_dict): works for sharded parameters and keeps their identity.
-        self.tensors = [(t, t.detach().clone()) for t in (*module.parameters(), *module.buffers())]
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
-        self.modes = {name: m.training for name, m in module.named_modules()}
-        self.optimizer = copy.deepcopy(t.optimizer.state_dict()) if t.optimizer is not None else None
-        self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in t.lr_scheduler_configs]
-        self.precision = copy.deepcopy(t.fabric.strategy.precision.state_dict())
-        self.rng = capture_rng_state()
-        self.counters = {k: getattr(t, k) for k in ("global_step", "current_epoch", "batches_done", "should_stop",
-                                                     "epoch_finished", "in_window", "current_stage")}
-        self.epoch_start_rng = t.epoch_start_rng
-        self.metrics = (dict(t.callback_metrics), dict(t.logged_metrics), dict(t.progress_bar_metrics))
-        self.results = t.results
-        self.sampler = (t.train_sampler.epoch, t.train_sampler.skip) if t.train_sampler is not None else None
-
-    def restore(self, trainer: Trainer) -> None:
-        t = trainer
-        module = t.module
-        with torch.no_grad():
-            for tensor, saved in self.tensors:
-                tensor.copy_(saved)
-        for p, g in zip(module.parameters(), self.grads):
-            p.grad = g
-        for name, m in module.named_modules():
-            m.training = self.modes[name]
-        if self.optimizer is not None:
-            t.optimizer.load_state_dict(self.optimizer)
-        for c, state in zip(t.lr_scheduler_configs, self.schedulers):
-            c.scheduler.load_state_dict(state)
-        t.fabric.strategy.precision.load_state_dict(self.precision)
-        restore_rng_state(self.rng)
-        for k, v in self.counters.items():
-            setattr(t, k, v)
-        t.epoch_start_rng = self.epoch_start_rng
-        t.callback_metrics = dict(self.metrics[0])
-        t.logged_metrics = dict(self.metrics[1])
-        t.progress_bar_metrics = dict(self.metrics[2])
-        t.results = self.results
-        if self.sampler is not None:
-            t.train_sampler.epoch, t.train_sampler.skip = self.sampler
 
 
 class Tuner:
@@ -196,12 +148,8 @@ class Tuner:
     def _search(
         self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
     ) -> LRFinderResult:
-        t = self.trainer
-        snapshot = _Snapshot(t)
-        try:
+        with preserved(self.trainer):
             return self._run_search(min_lr, max_lr, num_training, mode, threshold)
-        finally:
-            snapshot.restore(t)
 
     def _run_search(
         self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
@@ -233,11 +181,11 @@ class Tuner:
                     for group in optimizer.param_groups:
                         group["lr"] = lr
                 t.results["train"].batch = batch
-                output = micro_batch(t, batch, batch_idx, size, boundary)
-                window_losses.append(_loss(output))
+                _, loss = micro_batch(t, batch, batch_idx, size, boundary)
+                window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
                     continue
-                optimizer_step(t, optimizer, hooks=False)
+                optimizer_step(t, optimizer)
                 # Every rank records the same mean loss, so every rank stops at the same step.
                 loss = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
                 window_losses = []
@@ -255,11 +203,6 @@ class Tuner:
                 raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
             epoch += 1
         return result
-
-
-def _loss(output: Any) -> torch.Tensor:
-    loss: torch.Tensor = output["loss"] if isinstance(output, dict) else output
-    return loss.detach().reshape(()).float()
 
 
 def _lr_attr(model: Any, attr_name: str) -> str:

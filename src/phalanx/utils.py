@@ -14,6 +14,8 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     dataclasses, returning a structure of the same shape."""
     if isinstance(data, torch.Tensor):
         return fn(data)
+    if type(data) is tuple or type(data) is list:  # the usual batch; checked before the (slow) ABC check
+        return type(data)(apply_to_tensors(v, fn) for v in data)
     if isinstance(data, Mapping):
         return type(data)({k: apply_to_tensors(v, fn) for k, v in data.items()})  # type: ignore[call-arg]
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # named tuple
@@ -27,4 +29,12 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:
-    return apply_to_tensors(data, lambda t: t.to(device, non_blocking=True))
+    # Called on every batch: the usual shapes (a tensor, a tuple/list of tensors) take a direct path, and
+    # a tensor already on the device (CPU jobs, loaders that pin and move) is returned as it is.
+    if isinstance(data, torch.Tensor):
+        return data if data.device == device else data.to(device, non_blocking=True)
+    if type(data) is tuple or type(data) is list:
+        return type(data)([
+            v if isinstance(v, torch.Tensor) and v.device == device else move_to_device(v, device) for v in data
+        ])
+    return apply_to_tensors(data, lambda t: t if t.device == device else t.to(device, non_blocking=True))

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.precision import Precision
+
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
 
-_OWN_MODULE_ATTRS = frozenset({"_forward_module", "_original_module", "_strategy"})
+_MISSING = object()
+_OWN_MODULE_ATTRS = frozenset(
+    {"_forward_module", "_original_module", "_strategy", "_fwd", "_orig", "_redirects", "_plain_io"}
+)
 
 
 class FabricModule(nn.Module):
@@ -21,61 +28,115 @@ class FabricModule(nn.Module):
     (``model.student``) resolve to the original module; gradients computed through them are still
     averaged by the strategy (see :mod:`phalanx.strategies.ddp`)."""
 
+    _fwd: nn.Module
+    _orig: nn.Module
+    _plain_io: bool
+    _redirects: dict[str, Callable[..., Any]]
+
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, strategy: Strategy) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
+        # Plain references too: a registered submodule is found through nn.Module.__getattr__, which
+        # costs on every step (forward, every custom-method call, every backward).
         object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_fwd", forward_module)
+        object.__setattr__(self, "_orig", original_module)
+        object.__setattr__(self, "_redirects", {})
+        # Full precision converts nothing in or out: skip both calls on every forward.
+        precision = strategy.precision
+        plain = (type(precision).convert_input is Precision.convert_input and precision.param_dtype is None
+                 and type(precision).convert_output is Precision.convert_output)
+        object.__setattr__(self, "_plain_io", plain)
 
     @property
     def module(self) -> nn.Module:
         """The user's module as it was passed to ``setup`` (now moved/converted/sharded in place)."""
-        return self._original_module
+        return self._orig
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module the strategy runs forward through (e.g. the DDP wrapper)."""
+        return self._fwd
 
     @property
     def _phalanx_unwrapped(self) -> nn.Module:
-        return self._original_module
+        return self._orig
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__ is the hook machinery; nothing is ever registered on this wrapper in the
+        # usual loop, so go straight to forward (every step, every forward) unless something is.
+        if _hooked(self):
+            return super().__call__(*args, **kwargs)
+        return self._run(self._fwd, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        precision = self._strategy.precision
-        args, kwargs = precision.convert_input((args, kwargs))
-        with precision.forward_context():
-            out = self._strategy.module_forward(self._forward_module, *args, **kwargs)
-        return precision.convert_output(out)
+        return self._run(self._fwd, args, kwargs)
+
+    def _run(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``target`` as the strategy's forward: inputs converted, inside the precision's context."""
+        strategy = self._strategy
+        precision = strategy.precision
+        plain = self._plain_io
+        if not plain:
+            args, kwargs = precision.convert_input((args, kwargs))
+        context = precision.forward_context()
+        # Strategies call what they are given (their wrapper, or the module itself): any callable.
+        if type(context) is contextlib.nullcontext:  # full precision: nothing to enter, every step
+            out = strategy.module_forward(target, *args, **kwargs)
+        else:
+            with context:
+                out = strategy.module_forward(target, *args, **kwargs)
+        return out if plain else precision.convert_output(out)
 
     def _redirect_method(self, name: str) -> Callable[..., Any]:
         """Call ``original.<name>`` *as* the forward, so the strategy sees it (DDP arms its reducer)."""
-        original = self._original_module
+        original = self._orig
 
         def call(*args: Any, **kwargs: Any) -> Any:
             method = getattr(original, name)
-            had_instance_forward = "forward" in original.__dict__
-            saved = original.__dict__.get("forward")
+            if self._fwd is original and not _hooked(original) and not _hooked(self):
+                # Nothing wraps the module and no hook watches its calls: running the method itself as
+                # the strategy's forward is what the forward patch below achieves, minus two calls.
+                return self._run(method, args, kwargs)
+            instance = original.__dict__
+            saved = instance.get("forward", _MISSING)
 
             def as_forward(*a: Any, **k: Any) -> Any:
-                restore()  # nested self(...) calls inside the method must reach the real forward
+                # Put the real forward back first: nested self(...) calls inside the method must reach it.
+                if saved is not _MISSING:
+                    instance["forward"] = saved
+                elif "forward" in instance:
+                    del instance["forward"]
                 return method(*a, **k)
 
-            def restore() -> None:
-                if had_instance_forward:
-                    original.__dict__["forward"] = saved
-                else:
-                    original.__dict__.pop("forward", None)
-
-            original.__dict__["forward"] = as_forward
+            instance["forward"] = as_forward
             try:
-                return self(*args, **kwargs)
+                if _hooked(self):
+                    return self(*args, **kwargs)
+                return self.forward(*args, **kwargs)  # nothing registered on the wrapper: skip its __call__
             finally:
-                restore()
+                if saved is not _MISSING:
+                    instance["forward"] = saved
+                elif "forward" in instance:
+                    del instance["forward"]
 
         return call
 
     def __getattr__(self, name: str) -> Any:
+        redirect = self.__dict__["_redirects"].get(name) if "_redirects" in self.__dict__ else None
+        if redirect is not None:
+            # The fast path for methods called every step (model.training_step): still a bound method of
+            # the original? (It can be replaced; the redirect itself looks it up at each call.)
+            original = self.__dict__["_orig"]
+            attr = getattr(original, name, None)
+            if type(attr) is MethodType and attr.__self__ is original:
+                return redirect
         try:
             return super().__getattr__(name)
         except AttributeError:
             pass
-        original = self._original_module
+        original = self._orig
         attr = getattr(original, name)
         if (
             callable(attr)
@@ -84,7 +145,8 @@ class FabricModule(nn.Module):
             and name not in _PASSTHROUGH_METHODS
             and not name.startswith("_")
         ):
-            return self._redirect_method(name)
+            redirect = self._redirects[name] = self._redirect_method(name)
+            return redirect
         return attr
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -95,22 +157,28 @@ class FabricModule(nn.Module):
         ):
             super().__setattr__(name, value)
         else:
-            setattr(self._original_module, name, value)
+            setattr(self._orig, name, value)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._original_module[key]  # type: ignore[index]
+        return self._orig[key]  # type: ignore[index]
 
     def __len__(self) -> int:
-        return len(self._original_module)  # type: ignore[arg-type]
+        return len(self._orig)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._original_module)  # type: ignore[call-overload, no-any-return]
+        return iter(self._orig)  # type: ignore[call-overload, no-any-return]
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's signature is overloaded
-        return self._original_module.state_dict(*args, **kwargs)
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._orig.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks of its own (then its ``__call__`` must not be skipped)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 # Methods of nn.Module that query or configure the module; they must not be routed through forward.
@@ -176,6 +244,12 @@ def param_owner(optimizer: Optimizer, modules: list[FabricModule]) -> FabricModu
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     owners = [m for m in modules if ids & {id(p) for p in m.module.parameters()}]
     return owners[0] if len(owners) == 1 else None
+
+
+def foreign_parameters(optimizer: Optimizer, modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` updates that are parameters of none of ``modules``."""
+    owned = {id(p) for m in modules for p in m.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
 
 
 def is_wrapped(obj: Any) -> bool:

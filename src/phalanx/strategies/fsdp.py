@@ -10,7 +10,13 @@ hard to misuse:
   sharded parameters by name; ``setup_optimizers`` refuses an optimizer holding pre-sharding ones.
 * Calling a child directly (``model.student(x)``) is fine when the child is its own sharded unit:
   FSDP's hooks live on that unit and reduce its gradients. A child whose parameters belong to an
-  enclosing unit would run on sharded (or never reduced) parameters, so phalanx raises instead.
+  enclosing unit would run on sharded (or never reduced) parameters, so phalanx raises instead, naming
+  the class of the module that was called (the one to make a unit: naming an inner layer instead can
+  split tied weights, e.g. GPT-2's embedding and output head, across units).
+* A bare container as the model (``nn.ModuleDict({"teacher": ..., "student": ...})``, seed 000's
+  structure) has no forward, which ``fully_shard`` refuses: phalanx shards each child as its own unit
+  and leaves the container itself unsharded (it holds no parameters), so its children are called
+  directly, as they must be.
 * Gradient accumulation skips the reduce-scatter (``set_requires_gradient_sync(False)``), and an
   optimizer step after such a backward raises, exactly as under DDP.
 * Gradient clipping measures the norm over all shards of all ranks, not of the local shard (torch's
@@ -30,7 +36,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,7 @@ from phalanx.checkpoint.dcp import class_name
 from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.launch import ClusterEnvironment
+from phalanx.module_state import is_metric
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
 from phalanx.strategies.parallel import ParallelStrategy
 
@@ -103,12 +110,12 @@ class FSDPMixedPrecision(MixedPrecision):
             super()._unscale(optimizer)
 
 
-def _decide_root_now(module: nn.Module) -> bool:
+def _decide_root_now(module: FSDPModule) -> bool:
     """Make ``module`` FSDP's root before any forward: otherwise the first unit to run forward becomes
     the root, and calling ``model.student(x)`` before ``model(x)`` would break the real root for good.
     The hook is private to torch; without it (False) phalanx guards the call order instead."""
     try:
-        lazy_init = module._get_fsdp_state()._lazy_init  # type: ignore[operator]
+        lazy_init = module._get_fsdp_state()._lazy_init
     except AttributeError:
         return False
     lazy_init()
@@ -149,6 +156,7 @@ class _Root:
 
     name: str
     param_ids: frozenset[int]
+    units: list[FSDPModule]  # the outermost sharded units: the root itself, or a bare container's children
     sync_enabled: bool = True
     ran_forward: bool = False  # some unit of this root ran forward since the last backward
     root_ready: bool = True  # FSDP knows this module is its root (see _decide_root_now)
@@ -267,7 +275,7 @@ class FSDPStrategy(ParallelStrategy):
             yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if isinstance(module, FSDPModule) and id(module) in self._roots:
+        if id(module) in self._roots:
             raise MisconfigurationError("This module was already set up with FSDP; set it up once.")
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = [t.is_meta for t in tensors]
@@ -284,19 +292,26 @@ class FSDPStrategy(ParallelStrategy):
             for sub in list(module.modules()):
                 if isinstance(sub, self.activation_checkpointing_policy):
                     checkpoint(sub)
+        tied = _tied_weights_hint(module)  # before sharding: fully_shard replaces (and so unties) parameters
         with self.guard.guarded("setup_module (FSDP sharding)"):
             self._shard(module)
             if any(on_meta):
                 self._materialize(module)
+            units = _outermost_units(module)
             try:
-                root_ready = _decide_root_now(module)
+                # Every outermost unit (the model, or a bare container's children) becomes its own root.
+                root_ready = all([_decide_root_now(unit) for unit in units])
             except (RuntimeError, ValueError) as err:
                 raise MisconfigurationError(
-                    f"FSDP could not set up {type(module).__name__}: {err}. Parameters shared between modules "
-                    "(tied weights) must live in one sharded unit: leave those modules out of auto_wrap_policy."
+                    f"FSDP could not set up {class_name(module)}: {str(err).rstrip('.')}. {tied}"
                 ) from err
+        # Metric state (torchmetrics) is neither parameter nor buffer, so fully_shard does not move it;
+        # it must live where the backend reduces (seed 002).
+        for sub in module.modules():
+            if is_metric(sub):
+                sub.to(self.root_device)
         self._stale.update(originals)
-        self._install_hooks(module, root_ready)
+        self._install_hooks(module, units, root_ready)
         return module
 
     def _shard(self, module: nn.Module) -> None:
@@ -323,8 +338,21 @@ class FSDPStrategy(ParallelStrategy):
                 )
                 if chosen:
                     fully_shard(sub, **kwargs)
-        if not isinstance(module, FSDPModule):
+        if _is_bare_container(module):
+            self._shard_children(module, kwargs)
+        elif not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
+
+    def _shard_children(self, container: nn.Module, kwargs: dict[str, Any]) -> None:
+        """A container without forward cannot be a unit: each child with parameters becomes one (nested
+        bare containers likewise), so every parameter is sharded and every child can be called."""
+        for child in container.children():
+            if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+                continue
+            if _is_bare_container(child):
+                self._shard_children(child, kwargs)
+            else:
+                fully_shard(child, **kwargs)
 
     def _materialize(self, module: nn.Module) -> None:
         owners = [
@@ -349,20 +377,24 @@ class FSDPStrategy(ParallelStrategy):
             for _, m in owners:
                 m.reset_parameters()
 
-    def _install_hooks(self, root: nn.Module, root_ready: bool) -> None:
-        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()), root_ready=root_ready)
+    def _install_hooks(self, root: nn.Module, units: list[FSDPModule], root_ready: bool) -> None:
+        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()), units, root_ready=root_ready)
         self._roots[id(root)] = record
+        unit_classes = sorted({class_name(m) for m in root.modules() if isinstance(m, FSDPModule) and m is not root})
         if not root_ready:
-            root.register_forward_pre_hook(lambda *_: setattr(record, "root_ready", True))
+            for outer in units:
+                cast(nn.Module, outer).register_forward_pre_hook(lambda *_: setattr(record, "root_ready", True))
 
         def visit(mod: nn.Module, path: str, unit: nn.Module) -> None:
             if isinstance(mod, FSDPModule):
                 unit = mod
                 self._track_unit(mod, record)
-                if not root_ready and mod is not root:
+                if not root_ready and not any(mod is outer for outer in units):
                     self._require_root_first(mod, path, record)
-            elif any(True for _ in mod.parameters(recurse=False)):
-                self._guard_direct_call(mod, path, unit)
+            elif _owns_unit_parameters(mod):
+                # Every module holding parameters of the enclosing unit, outermost first: the check of the
+                # module the user actually called fires before those of the layers inside it.
+                self._guard_direct_call(mod, path, unit, unit_classes)
             for name, child in mod.named_children():
                 visit(child, f"{path}.{name}" if path else name, unit)
 
@@ -401,18 +433,21 @@ class FSDPStrategy(ParallelStrategy):
         # In front of FSDP's own pre-forward hook, which would pick the root.
         unit.register_forward_pre_hook(check, prepend=True)
 
-    def _guard_direct_call(self, mod: nn.Module, path: str, unit: nn.Module) -> None:
+    def _guard_direct_call(self, mod: nn.Module, path: str, unit: nn.Module, unit_classes: list[str]) -> None:
         unit_id = id(unit)
+        cls = type(mod).__name__
+        policy = ", ".join(sorted({cls, *unit_classes}))
 
         def check(*_: Any) -> None:
             # Backward recomputation (activation checkpointing) re-runs forwards outside the unit's.
             if self._active.get(unit_id, 1) == 0 and torch._C._current_graph_task_id() == -1:
                 raise MisconfigurationError(
-                    f"{path or type(mod).__name__} ({type(mod).__name__}) was called directly, but its "
-                    f"parameters are sharded as part of the enclosing unit {class_name(unit)}, whose forward "
-                    "is not running: it would compute on sharded parameters and its gradients would never be "
-                    "reduced. Call the set-up model instead, or make this module its own sharded unit "
-                    "(add its class to FSDPStrategy(auto_wrap_policy={...}) or shard it in parallelize_fn)."
+                    f"{path or cls} ({cls}) was called directly, but its parameters are sharded as part of the "
+                    f"enclosing unit {class_name(unit)}, whose forward is not running: it would compute on "
+                    "sharded parameters and its gradients would never be reduced. Call the set-up model instead, "
+                    f"or make {path or cls} its own sharded unit: FSDPStrategy(auto_wrap_policy={{{policy}}}) "
+                    f"(the units sharded now, plus {cls}), or fully_shard(module.{path or '<it>'}, mesh=mesh) in "
+                    "parallelize_fn."
                 )
 
         mod.register_forward_pre_hook(check)
@@ -450,15 +485,8 @@ class FSDPStrategy(ParallelStrategy):
                     "from its parameters: `model = fabric.setup_module(model); opt = fabric.setup_optimizers("
                     "torch.optim.AdamW(model.parameters()))`, then load optimizer state with fabric.load."
                 )
+        # Fabric already refused parameters of no set-up module; these are this module's or sharded ones.
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        for opt in optimizers:
-            foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in names and not is_sharded(p)]
-            if foreign:
-                raise MisconfigurationError(
-                    f"{type(opt).__name__} updates {len(foreign)} parameters that are not part of "
-                    f"{type(module).__name__} (nor of a model set up before), so they would never be trained. "
-                    "Create the optimizer from this model's parameters: `torch.optim.X(model.parameters())`."
-                )
         forward_module = self.setup_module(module)
         sharded_params = dict(module.named_parameters(remove_duplicate=False))
         for opt in optimizers:
@@ -495,20 +523,22 @@ class FSDPStrategy(ParallelStrategy):
                 record.ran_forward = False
 
     @contextlib.contextmanager
-    def _sync_disabled(self, module: FSDPModule, record: _Root) -> Iterator[None]:
-        module.set_requires_gradient_sync(False)
+    def _sync_disabled(self, record: _Root) -> Iterator[None]:
+        for unit in record.units:
+            unit.set_requires_gradient_sync(False)
         record.sync_enabled = False
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            for unit in record.units:
+                unit.set_requires_gradient_sync(True)
             record.sync_enabled = True
 
     def no_backward_sync(self, forward_module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         record = self._roots.get(id(forward_module))
-        if not enabled or record is None or not isinstance(forward_module, FSDPModule):
+        if not enabled or record is None:
             return contextlib.nullcontext()
-        return self._sync_disabled(forward_module, record)
+        return self._sync_disabled(record)
 
     def check_ready_to_step(self, optimizer: Optimizer) -> None:
         for record in self._roots.values():
@@ -606,6 +636,61 @@ class FSDPStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         with self.internal_state_dict():
             return super().load_checkpoint(path, state, strict, weights_only)
+
+
+def _is_bare_container(module: nn.Module) -> bool:
+    """A ModuleDict/ModuleList (or subclass) without its own forward, which fully_shard refuses."""
+    if not isinstance(module, (nn.ModuleDict, nn.ModuleList)) or type(module).forward is not nn.Module.forward:
+        return False
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+    if own:
+        raise MisconfigurationError(
+            f"{type(module).__name__} has no forward, so FSDP cannot make it a sharded unit, and it holds tensors of "
+            f"its own ({own}) that no child unit would shard. Move them into a child module, or give the model "
+            "a forward (subclass nn.Module)."
+        )
+    return True
+
+
+def _outermost_units(module: nn.Module) -> list[FSDPModule]:
+    if isinstance(module, FSDPModule):
+        return [module]
+    return [u for child in module.children() for u in _outermost_units(child)]
+
+
+def _owns_unit_parameters(module: nn.Module) -> bool:
+    """Whether some parameter under ``module`` is not inside a nested sharded unit."""
+    if any(True for _ in module.parameters(recurse=False)):
+        return True
+    return any(not isinstance(c, FSDPModule) and _owns_unit_parameters(c) for c in module.children())
+
+
+def _tied_weights_hint(module: nn.Module) -> str:
+    """Name the smallest module that holds every user of each shared (tied) parameter: the class to
+    make a unit, instead of one of the modules that share it."""
+    users: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        users.setdefault(id(p), []).append(name.rsplit(".", 1)[0] if "." in name else "")
+    hints = []
+    modules = dict(module.named_modules())
+    for paths in users.values():
+        if len(set(paths)) < 2:
+            continue
+        common = paths[0].split(".")
+        for path in paths[1:]:
+            parts = path.split(".")
+            n = 0
+            while n < min(len(common), len(parts)) and common[n] == parts[n]:
+                n += 1
+            common = common[:n]
+        holder = ".".join(common)
+        cls = type(modules[holder]).__name__ if holder in modules else type(module).__name__
+        hints.append(f"{' and '.join(sorted(set(paths)))} share a parameter (tied weights), so they must be in one "
+                     f"unit: make {holder or 'the root'} ({cls}) the unit (auto_wrap_policy={{{cls}, ...}}) and "
+                     "leave the modules that share it out of auto_wrap_policy")
+    if not hints:
+        return "Parameters shared between modules (tied weights) must live in one sharded unit."
+    return "; ".join(hints[:3]) + "."
 
 
 __all__ = ["FSDPMixedPrecision", "FSDPStrategy"]

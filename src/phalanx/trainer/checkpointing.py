@@ -26,6 +26,7 @@ import torch
 from phalanx import checkpoint, diagnostics
 from phalanx.checkpoint.format import find_unsafe
 from phalanx.errors import CheckpointError, MisconfigurationError
+from phalanx.module_state import load_metric_states, metric_states
 from phalanx.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
             "rng": capture_rng_state(),
             "epoch_rng": None if done else t.epoch_start_rng,
             "results": None if done else t.results["train"].state_dict(),
+            "metrics": metric_states(t.module),  # torchmetrics state: not in state_dict (non-persistent)
         }
         state["rank_states"] = t.fabric.all_gather_object(own)
     for cb in t.callbacks:
@@ -217,6 +219,7 @@ def restore(trainer: Trainer, path: str | Path) -> None:
                            "data order and counters are restored, per-rank RNG states and partial epoch metrics are "
                            "not.", rank=t.global_rank)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
+    load_metric_states(t.module, mine.get("metrics"))
     t.set_resume_state({
         "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)),
         "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],

@@ -183,3 +183,29 @@ def num_batches(loader: Any, limit: int | float) -> int | None:
     if isinstance(limit, float):
         return int(total * limit) if limit < 1.0 else total
     return min(total, limit)
+
+
+def empty_loader_error(what: str, loader: Any, limit_name: str, limit: int | float, world_size: int) -> Exception:
+    """The error for a loader that yields no batches (a training loop over it would spin through
+    ``max_epochs`` empty epochs and checkpoint an untrained model; an empty validation would leave
+    every monitored metric missing)."""
+    raw = getattr(loader, "loader", loader)
+    facts = []
+    dataset = getattr(raw, "dataset", None)
+    try:
+        facts.append(f"{len(dataset)} samples")  # type: ignore[arg-type]
+    except TypeError:
+        facts.append("no length (an iterable dataset)")
+    if getattr(raw, "batch_size", None) is not None:
+        facts.append(f"batch_size={raw.batch_size}, drop_last={raw.drop_last}")
+    if world_size > 1:
+        facts.append(f"split across {world_size} ranks")
+    if limit != 1.0:
+        facts.append(f"{limit_name}={limit}")
+    fix = f" or raise {limit_name}" if limit != 1.0 else ""
+    skip = (" To skip validation, pass no validation loader or Trainer(limit_val_batches=0)."
+            if what == "validation" else "")
+    return MisconfigurationError(
+        f"The {what} dataloader yields 0 batches ({', '.join(facts)}). Check the dataset split and the batch size "
+        f"(drop_last=True drops a last partial batch, which may be all there is){fix}.{skip}"
+    )

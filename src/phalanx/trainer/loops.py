@@ -5,22 +5,40 @@ shorter last window of an epoch) runs forward and backward with the loss divided
 size, gradient sync is skipped on all but the last micro-batch (forward and backward both inside
 ``fabric.no_backward_sync``), and then exactly one optimizer step, one ``global_step`` increment,
 one round of step-interval schedulers and one ``on_before_optimizer_step`` happen.
+
+A non-finite training loss stops the run before the optimizer step, naming epoch, global step,
+batch and rank. The check costs no collective and no per-micro-batch host sync: the window's losses
+are read once, at the boundary, right before stepping (one ``.item()``/``.tolist()``; on a GPU that
+waits for the window's backward, which the step would wait for anyway). A rank that raises ends the
+job; its peers are stopped by the launcher with this rank's error as the cause. With a loss scaler
+(``16-mixed``) the check is the same: the scaler exists for *gradients* that overflow because of its
+scale, but the loss is computed before any scaling, so a non-finite loss is the forward pass or the
+data, and letting the scaler skip the step (and halve its scale, again at every recurrence) would
+hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.anomaly`.
+
+Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
+at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
+before any hook of the user's callbacks or Module that could read them, and at epoch end.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator, Mapping
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.anomaly import NonFiniteError
 from phalanx.errors import MisconfigurationError
 from phalanx.seed import capture_rng_state, restore_rng_state
-from phalanx.trainer.data import num_batches
+from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import train_batch
+from phalanx.utils import move_to_device
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -59,6 +77,14 @@ def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> I
     With a known length the window sizes are computed; without one, each window is read ahead so
     the size of the last (partial) window is known before its first backward.
     """
+    if total is not None and n == 1:  # no accumulation: every batch is its own window
+        for batch_idx in range(start, total):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch_idx, batch, 1, True
+        return
     if total is not None:
         for batch_idx in range(start, total):
             try:
@@ -97,36 +123,66 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
             sampler.set_epoch(epoch)
             break
     iterator = iter(raw)
-    return (fabric.to_device(batch) for batch in iterator)
+    device = fabric.device
+    return (move_to_device(batch, device) for batch in iterator)
 
 
-def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
-    """Forward and backward of one micro-batch; returns training_step's output."""
+def micro_batch(
+    trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
+) -> tuple[Any, Any]:
+    """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
+    ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
+    forward that finds the method at each call)."""
     fabric, model = trainer.fabric, trainer.model
-    with fabric.no_backward_sync(model, enabled=not boundary):
-        output = model.training_step(batch, batch_idx)
+    if step is None:
+        step = model.training_step
+    if boundary:  # the common case (no accumulation): no sync-control context at all
+        output = step(batch, batch_idx)
         loss = loss_of(output)
         fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
-    return output
+        return output, loss
+    with fabric.no_backward_sync(model, enabled=True):
+        output = step(batch, batch_idx)
+        loss = loss_of(output)
+        fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
+    return output, loss
 
 
-def optimizer_step(trainer: Trainer, optimizer: Any, hooks: bool = True) -> None:
-    """One real step: hooks, clipping, the optimizer's step, zero_grad."""
-    module = trainer.module
-    if hooks:
-        module.on_before_optimizer_step(optimizer)
-        trainer.call("on_before_optimizer_step", optimizer)
+def optimizer_step(trainer: Trainer, optimizer: Any) -> None:
+    """One real step without hooks (the tuners' steps): clipping, the optimizer's step, zero_grad. The
+    Trainer's own steps, with Lightning's hooks, are :func:`phalanx.trainer.stepping.train_batch`."""
     if trainer.gradient_clip_val is not None:
         if trainer.gradient_clip_algorithm == "norm":
             trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=trainer.gradient_clip_val,
                                           error_if_nonfinite=False)
         else:
             trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
-    if hooks:
-        module.optimizer_step(trainer.current_epoch, trainer.batches_done, optimizer)
-    else:
-        optimizer.step()
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]) -> None:
+    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read)."""
+    if len(losses) == 1:
+        values = [losses[0][1].item()]
+    else:
+        values = torch.stack([loss.detach() for _, loss in losses]).tolist()
+    bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
+    if not bad:
+        return
+    t = trainer
+    batch_idx, value = bad[0]
+    where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
+    more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
+    raise NonFiniteError(
+        f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
+        f"{where}{more}. The run stops here, before the optimizer steps on it (the weights are those after "
+        f"step {t.global_step}). Typical causes: a learning rate that is too high (look at the losses before this "
+        "batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
+        "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
+        "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
+        "torch.autograd.detect_anomaly() names the operation."
+    )
 
 
 def _takes_dataloader_idx(method: Any) -> bool:
@@ -147,6 +203,13 @@ def _val_due_at_epoch_end(trainer: Trainer) -> bool:
     return bool(trainer.val_dataloaders) and every is not None and (trainer.current_epoch + 1) % every == 0
 
 
+def _bar_refresh_rate(trainer: Trainer) -> int:
+    from phalanx.callbacks import ProgressBar
+
+    rates = [cb.refresh_rate for cb in trainer.callbacks if isinstance(cb, ProgressBar) and cb.refresh_rate > 0]
+    return min(rates) if rates else 0
+
+
 def run_train_epoch(trainer: Trainer) -> None:
     t = trainer
     resume = t.take_resume_state()
@@ -157,7 +220,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     results = t.results["train"]
     results.reset()
     if start > 0 and resume is not None and resume.get("results") is not None:
-        results.load_state_dict(resume["results"])
+        results.load_state_dict(resume["results"], t.module)
     t.reload_dataloaders_if_due()
     t.module.train()
     t.module.on_train_epoch_start()
@@ -171,31 +234,54 @@ def run_train_epoch(trainer: Trainer) -> None:
     if resume is not None and start > 0:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
+    board, fabric = t.metric_board, t.fabric
+    # Per-epoch decisions, so a step does only the work that applies (the step's own cost is the
+    # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
+    bar_rate = _bar_refresh_rate(t)
+    has_loggers = bool(t.loggers)
+    batch_end = overrides(t.module, "on_train_batch_end")
+    cb_end = any(callable(getattr(cb, "on_train_batch_end", None)) for cb in t.callbacks)
+    val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
+    seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
+        seen = True
         results.batch = batch
         t.in_window = not boundary
         if not t.batch_start(batch, batch_idx):
             break
+        steps_before = t.global_step
         output = train_batch(t, batch, batch_idx, size, boundary)
         t.batches_done = batch_idx + 1
-        t.publish_step_metrics(results.sync_step(t.fabric), results, log=boundary)
+        log_due = has_loggers and t.global_step > steps_before and t.global_step % t.log_every_n_steps == 0
+        if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
+            t.sync_step_metrics()
+        if t.global_step > steps_before and (log_due or board.unlogged):
+            board.flush_step_log(fabric, t.global_step, log_due)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
-        if boundary and _val_due_mid_epoch(t, batch_idx, total):
+        if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
             run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
-        t.module.on_train_batch_end(detached(output), batch, batch_idx)
-        t.call("on_train_batch_end", detached(output), batch, batch_idx)
+        if batch_end or cb_end:
+            out = detached(output)
+            if batch_end:  # the default is a no-op
+                t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
+                t.module.on_train_batch_end(out, batch, batch_idx)
+            t.call("on_train_batch_end", out, batch, batch_idx)
         t.in_window = False
         if boundary and (t.should_stop or t.max_steps_reached):
             break
     del iterator
+    if not seen and start == 0:
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+                                 t.world_size)
     if _val_due_at_epoch_end(t):
         run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
     t.epoch_finished = True
+    t.sync_step_metrics()
     results.in_epoch_end = True
     t.module.on_train_epoch_end()
     results.in_epoch_end = False
-    t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    board.publish_epoch(results.sync_epoch(fabric), results, fabric, t.current_epoch, t.global_step)
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", t.current_epoch + 1, t.callback_metrics)
     t.call("on_train_epoch_end")
     t.current_epoch += 1
@@ -203,7 +289,21 @@ def run_train_epoch(trainer: Trainer) -> None:
     t.epoch_finished = False
 
 
+def check_data(trainer: Trainer) -> None:
+    """Refuse loaders with no batches before the first epoch: an empty training loader would run
+    ``max_epochs`` empty epochs (and write checkpoints of an untrained model); an empty validation
+    loader would leave every monitored ``val_*`` metric missing."""
+    t = trainer
+    if t.num_training_batches == 0:
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+                                 t.world_size)
+    for loader in t.val_dataloaders:
+        if num_batches(loader, t.limit_val_batches) == 0:
+            raise empty_loader_error("validation", loader, "limit_val_batches", t.limit_val_batches, t.world_size)
+
+
 def run_fit(trainer: Trainer) -> None:
+    check_data(trainer)
     while not trainer.should_stop and not trainer.max_steps_reached and trainer.current_epoch < trainer.max_epochs:
         run_train_epoch(trainer)
 
@@ -212,11 +312,14 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     """Validation or test over every loader; returns one dict of epoch metrics per loader."""
     t = trainer
     hook = "validation" if stage == "validate" else "test"
+    limit_name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
     results = t.results[stage]
     results.reset()
     was_training = t.module.training
     previous_stage = t.current_stage
     t.current_stage = stage
+    t.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
+    board, fabric = t.metric_board, t.fabric
     getattr(t.module, f"on_{hook}_model_eval")()
     t.hook(f"on_{hook}_start")
     getattr(t.module, f"on_{hook}_epoch_start")()
@@ -229,18 +332,28 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
             results.dataloader_idx = idx
             results.suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
             n = num_batches(loader, limit)
+            if n == 0:
+                raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
+            seen = False
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
+                seen = True
                 results.batch = batch
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
                 t.hook(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 output = step_fn(batch, batch_idx, **extra)
-                t.publish_step_metrics(results.sync_step(t.fabric), results, log=True)
+                if results.pending:  # step values in evaluation (rare): logged per batch
+                    values = board.publish_step(results.sync_step(fabric), results)
+                    if not t.sanity_checking:
+                        board.log_now(fabric, values, t.global_step)
                 t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+            if not seen:
+                raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
     results.in_epoch_end = True
     with eval_grad_mode(t):
         getattr(t.module, f"on_{hook}_epoch_end")()
     results.in_epoch_end = False
-    metrics = t.publish_epoch_metrics(results.sync_epoch(t.fabric), results)
+    metrics = results.sync_epoch(fabric)
+    board.publish_epoch(metrics, results, fabric, t.current_epoch, t.global_step, log=not t.sanity_checking)
     t.call(f"on_{hook}_epoch_end")
     t.hook(f"on_{hook}_end")
     t.current_stage = previous_stage

@@ -210,13 +210,18 @@ class Module(HyperparametersMixin, nn.Module):
         metric_attribute: str | None = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """Record a scalar metric.
+        """Record a scalar metric: a number, a one-element tensor, or a torchmetrics ``Metric``.
 
         Defaults: in training, ``on_step=True, on_epoch=False``; in validation/test, ``on_step=False,
         on_epoch=True``. Epoch values are exact: means are weighted by batch size (inferred from the
         batch, or ``batch_size=``). ``sync_dist=True`` reduces across ranks; without it, the value of
         rank 0 is used on every rank, so ``trainer.callback_metrics`` is always identical everywhere.
         ``reduce_fx``: "mean", "sum", "max" or "min" (or torch.mean/sum/max/min).
+
+        A ``Metric`` (an attribute of this module, e.g. ``self.acc(preds, y); self.log("acc", self.acc)``)
+        logs its forward value on steps and ``compute()`` at epoch end, after which it is ``reset()``;
+        torchmetrics reduces it across ranks itself, so ``sync_dist``/``reduce_fx`` do not apply.
+        Logging never communicates; values are synced across ranks where they are read.
         """
         _refuse_log_options(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute, rank_zero_only)
         if self._trainer is None and self._fabric is not None:
@@ -225,10 +230,11 @@ class Module(HyperparametersMixin, nn.Module):
             return
         self.trainer.results_for_logging().log(
             name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, logger=logger,
-            sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size,
+            sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, module=self,
         )
 
-    def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
+    def log_dict(self, metrics: Mapping[str, Any] | Any, **kwargs: Any) -> None:
+        """``self.log`` for each item of a dict or a torchmetrics ``MetricCollection`` (its prefixed names)."""
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 

@@ -2,31 +2,49 @@
 
 Design choices, each fixing a known failure of managed loops:
 
-* Accumulators are created on ``fabric.device`` (the device the backend reduces on) and restored
-  there from checkpoints or snapshots: nothing here ever moves them elsewhere, so a later
-  distributed reduction cannot meet a tensor on the wrong device.
+* Accumulators live on ``fabric.device`` (the device the backend reduces on) and are restored there
+  from checkpoints or snapshots: nothing here ever moves them elsewhere, so a later distributed
+  reduction cannot meet a tensor on the wrong device. A logged torchmetrics ``Metric`` must be a
+  submodule of the Module (as in Lightning), so ``setup`` moved it to that device too; one that is
+  not is refused by name.
 * Epoch means are weighted by batch size, and the cross-rank reduction adds the per-rank weighted
   sums and weights: the result is the exact mean over every sample, however uneven the shards.
-* All metrics of one step (or epoch) travel in ONE all_gather. Synced metrics are reduced over the
-  ranks; unsynced ones take rank 0's value. Either way every rank ends with the same numbers, so
-  callbacks that act on them (early stopping, checkpointing) make the same decision everywhere.
+  Evaluation scores each sample once (phalanx's evaluation sampler never pads). Training under
+  several ranks pads the epoch to a multiple of the world size by repeating its first samples (so
+  every rank steps together); training epoch values count those repeats, as the gradients do.
+* All metrics of one sync travel in ONE all_gather. Synced metrics are reduced over the ranks;
+  unsynced ones take rank 0's value. Either way every rank ends with the same numbers, so callbacks
+  that act on them (early stopping, checkpointing) make the same decision everywhere.
+* ``self.log`` itself never communicates and costs a few microseconds: a step value is kept until
+  something consumes it (logger flush, progress bar refresh, a callback or hook that may read
+  ``trainer.callback_metrics``, epoch end), and epoch values are kept as a list folded into the
+  float64 accumulator every ``_FOLD`` values (a fixed grouping, so a resumed run adds in the same
+  order as an uninterrupted one and ends bit-identical).
+* A logged ``Metric`` follows Lightning: the step value is the metric's last forward value (this
+  rank's batch, or the global one with ``dist_sync_on_step``), the epoch value is ``compute()`` at
+  epoch end (torchmetrics reduces across ranks inside it: every rank calls it at the same point),
+  then ``reset()``. ``sync_dist`` and ``reduce_fx`` do not apply (no second reduction); rank 0's
+  value is published so every rank holds the same number.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from phalanx.errors import MisconfigurationError
+from phalanx.module_state import is_metric
 from phalanx.trainer.module import check_reduce_fx
 
 _DTYPE = torch.float64  # exact enough to add millions of batch-weighted values
+_FOLD = 64  # epoch values kept as a list before being added to the float64 accumulator
+_START = {"mean": 0.0, "sum": 0.0, "max": -float("inf"), "min": float("inf")}
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     """One logged name: how it is reduced and its running epoch accumulators."""
 
@@ -38,10 +56,15 @@ class Entry:
     sync_dist: bool
     reduce_fx: str
     dataloader_idx: int
-    total: torch.Tensor  # weighted sum (mean), sum, max or min of this epoch's values on this rank
-    weight: torch.Tensor  # sum of batch sizes (mean) or number of values (others)
-    step_value: torch.Tensor | None = None  # logged since the last step sync
+    total: torch.Tensor  # weighted sum (mean), sum, max or min of the folded values on this rank
+    weight: float = 0.0  # sum of batch sizes (mean) or number of values (others), folded
+    values: list[Any] = field(default_factory=list)  # epoch values not folded yet (tensors or floats)
+    weights: list[float] = field(default_factory=list)
+    step_value: Any = None  # logged since the last step sync (a tensor or a float)
     step_weight: float = 1.0
+    metric: Any = None  # a torchmetrics Metric: epoch value = metric.compute()
+    metric_path: str = ""  # where the metric lives in the Module (for checkpoints)
+    given: tuple[Any, ...] = ()  # the options as passed, to recognise a repeated call cheaply
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -65,6 +88,13 @@ def infer_batch_size(batch: Any) -> int:
     )
 
 
+def _stack(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Step values (0-d tensors or floats) as one float64 vector on ``device``."""
+    if all(isinstance(v, torch.Tensor) and v.device == device for v in values):
+        return torch.stack(values).to(_DTYPE)
+    return torch.stack([torch.as_tensor(v).to(device=device, dtype=_DTYPE) for v in values])
+
+
 class Results:
     """The metrics of one stage ("train", "validate", "test"): step values and epoch accumulators."""
 
@@ -73,84 +103,172 @@ class Results:
         self.device = device
         self.entries: dict[str, Entry] = {}
         self.batch: Any = None  # the current batch, for batch-size inference
+        self._sized: Any = None  # the batch whose size _batch_size is
+        self._batch_size = 0
         self.dataloader_idx = 0
         self.suffix = ""  # "/dataloader_idx_N" when an evaluation has several loaders
         self.in_epoch_end = False  # logging from an epoch-end hook: epoch-level by definition
+        self.pending = False  # some step value was logged since the last sync
+        self.pending_prog_bar = False  # ... and one of them goes to the progress bar
+        self._metric_paths: dict[int, str] = {}
 
     # ------------------------------------------------------------------ recording
     def log(
         self, name: str, value: Any, *, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
-        logger: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None,
+        logger: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, module: Any = None,
     ) -> None:
+        given = (on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, self.in_epoch_end)
+        key = name + self.suffix if self.suffix else name
+        entry = self.entries.get(key)
+        if entry is None or entry.given != given:
+            entry = self._entry(key, name, given, value, module)
+        if isinstance(value, torch.Tensor) and entry.metric is None:
+            if value.numel() != 1:
+                raise MisconfigurationError(
+                    f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it first)."
+                )
+            # A step-only value is detached when it is synced (holding it until the next step keeps no
+            # activations: backward has freed them); epoch values are kept in lists, so detach now.
+            v: Any = value.detach() if value.requires_grad and entry.on_epoch else value
+            if v.dim():
+                v = v.reshape(())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and entry.metric is None:
+            v = float(value)
+        elif entry.metric is not None or is_metric(value):
+            self._log_metric(entry, value)
+            return
+        else:
+            raise MisconfigurationError(
+                f"self.log({name!r}) got a {type(value).__name__}; log a number, a scalar tensor or a torchmetrics "
+                "Metric."
+            )
+        weight = 1.0
+        if entry.reduce_fx == "mean" and (entry.on_epoch or entry.sync_dist):
+            weight = float(batch_size) if batch_size is not None else float(self._inferred_batch_size())
+        if entry.on_step:
+            entry.step_value, entry.step_weight = v, weight
+            self.pending = True
+            if entry.prog_bar:
+                self.pending_prog_bar = True
+        if entry.on_epoch:
+            entry.values.append(v)
+            entry.weights.append(weight)
+            if len(entry.values) >= _FOLD:
+                self._fold(entry)
+
+    def _inferred_batch_size(self) -> int:
+        if self._sized is not self.batch:  # once per batch, however many values are logged
+            self._batch_size = infer_batch_size(self.batch)
+            self._sized = self.batch
+        return self._batch_size
+
+    def _entry(self, key: str, name: str, given: tuple[Any, ...], value: Any, module: Any) -> Entry:
+        """Create the entry for ``key``, or check that a call with other options means the same."""
+        on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, in_epoch_end = given
         fx = check_reduce_fx(reduce_fx)
         train = self.stage == "train"
-        if self.in_epoch_end:
+        if in_epoch_end:
             on_step, on_epoch = False, True
         on_step = train if on_step is None else on_step
         on_epoch = (not train) if on_epoch is None else on_epoch
         if not on_step and not on_epoch:
             raise MisconfigurationError(f"self.log({name!r}): on_step and on_epoch are both False; nothing to record.")
-        tensor = self._scalar(name, value)
-        key = name + self.suffix
+        metric = value if is_metric(value) else None
         entry = self.entries.get(key)
-        if entry is None:
-            zero = torch.zeros((), dtype=_DTYPE, device=self.device)
-            start = {"mean": zero, "sum": zero, "max": zero - torch.inf, "min": zero + torch.inf}[fx]
-            entry = Entry(key, on_step, on_epoch, prog_bar, logger, sync_dist, fx, self.dataloader_idx,
-                          start.clone(), zero.clone())
-            self.entries[key] = entry
-        elif (entry.on_step, entry.on_epoch, entry.sync_dist, entry.reduce_fx) != (on_step, on_epoch, sync_dist, fx):
-            raise MisconfigurationError(
-                f"self.log({name!r}) was called with different on_step/on_epoch/sync_dist/reduce_fx within one "
-                "epoch; log each name with the same options every time."
-            )
-        weight = 1.0
-        if fx == "mean" and (on_epoch or sync_dist):
-            weight = float(batch_size if batch_size is not None else infer_batch_size(self.batch))
-        entry.step_value, entry.step_weight = tensor, weight
-        if on_epoch:
-            if fx == "mean":
-                entry.total += tensor * weight
-                entry.weight += weight
-            elif fx == "sum":
-                entry.total += tensor
-                entry.weight += 1
-            elif fx == "max":
-                entry.total = torch.maximum(entry.total, tensor)
-                entry.weight += 1
-            else:
-                entry.total = torch.minimum(entry.total, tensor)
-                entry.weight += 1
-
-    def _scalar(self, name: str, value: Any) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
+        if entry is not None:
+            if (entry.on_step, entry.on_epoch, entry.sync_dist, entry.reduce_fx) != (on_step, on_epoch, sync_dist, fx):
                 raise MisconfigurationError(
-                    f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it first)."
+                    f"self.log({name!r}) was called with different on_step/on_epoch/sync_dist/reduce_fx within one "
+                    "epoch; log each name with the same options every time."
                 )
-            return value.detach().reshape(()).to(device=self.device, dtype=_DTYPE)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return torch.tensor(float(value), dtype=_DTYPE, device=self.device)
-        raise MisconfigurationError(
-            f"self.log({name!r}) got a {type(value).__name__}; log a number or a scalar tensor."
-        )
+            entry.given = given
+            return entry
+        entry = Entry(key, on_step, on_epoch, prog_bar, logger, sync_dist, fx, self.dataloader_idx,
+                      torch.full((), _START[fx], dtype=_DTYPE, device=self.device), given=given)
+        if metric is not None:
+            entry.metric, entry.metric_path = metric, self._metric_path(name, metric, module)
+        self.entries[key] = entry
+        return entry
+
+    def _metric_path(self, name: str, metric: Any, module: Any) -> str:
+        path = self._metric_paths.get(id(metric))
+        if path is None and module is not None:
+            self._metric_paths = {id(m): p for p, m in module.named_modules() if is_metric(m)}
+            path = self._metric_paths.get(id(metric))
+        if path is None:
+            raise MisconfigurationError(
+                f"self.log({name!r}) got a {type(metric).__name__} that is not a submodule of the Module. Make it an "
+                f"attribute (self.{name.split('/')[-1].replace('-', '_')} = {type(metric).__name__}(...)) or put it in "
+                "an nn.ModuleDict / MetricCollection attribute: then setup moves it to the device the backend reduces "
+                "on, checkpoints carry its state, and the LR finder leaves it untouched."
+            )
+        if metric.device != self.device:
+            raise MisconfigurationError(
+                f"self.log({name!r}): metric {path!r} keeps its state on {metric.device}, but this job reduces on "
+                f"{self.device}; compute() would fail (or reduce on the wrong backend). It was moved off the device "
+                "after setup: leave its placement to phalanx."
+            )
+        return path
+
+    def _log_metric(self, entry: Entry, metric: Any) -> None:
+        if metric is not entry.metric:
+            raise MisconfigurationError(
+                f"self.log({entry.name!r}) was given {type(metric).__name__} this time and "
+                f"{type(entry.metric).__name__ if entry.metric is not None else 'plain values'} earlier in this "
+                "epoch; log one Metric object (or only plain values) per name."
+            )
+        if entry.on_step:
+            value = metric._forward_cache
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise MisconfigurationError(
+                    f"self.log({entry.name!r}, metric, on_step=True) logs the value of the metric's last forward "
+                    "call, and there is none (or it is not a scalar): call the metric (self.metric(preds, target)) "
+                    "rather than metric.update(...) before logging it, or log it with on_step=False."
+                )
+            entry.step_value, entry.step_weight = value.detach(), 1.0
+            self.pending = True
+            if entry.prog_bar:
+                self.pending_prog_bar = True
+
+    def _fold(self, entry: Entry) -> None:
+        if not entry.values:
+            return
+        stacked = _stack(entry.values, self.device)
+        fx = entry.reduce_fx
+        if fx == "mean":
+            weights = torch.tensor(entry.weights, dtype=_DTYPE, device=self.device)
+            entry.total = entry.total + (stacked * weights).sum()
+            entry.weight += sum(entry.weights)
+        else:
+            if fx == "sum":
+                entry.total = entry.total + stacked.sum()
+            elif fx == "max":
+                entry.total = torch.maximum(entry.total, stacked.max())
+            else:
+                entry.total = torch.minimum(entry.total, stacked.min())
+            entry.weight += len(entry.values)
+        entry.values, entry.weights = [], []
 
     # ------------------------------------------------------------------ reducing across ranks
     def sync_step(self, fabric: Any) -> dict[str, float]:
         """Values logged since the last call, identical on every rank. Returns name -> float."""
-        pending = sorted((e for e in self.entries.values() if e.step_value is not None and e.on_step),
-                         key=lambda e: e.name)
-        for e in self.entries.values():
-            if not e.on_step:
-                e.step_value = None
+        pending = sorted((e for e in self.entries.values() if e.step_value is not None), key=lambda e: e.name)
+        self.pending = self.pending_prog_bar = False
         if not pending:
             return {}
-        rows = [torch.stack([_value(e) * e.step_weight, _f(e.step_weight, self.device)]) for e in pending]
+        out: dict[str, float] = {}
+        if fabric.world_size == 1:
+            for e in pending:
+                value = e.step_value
+                out[e.name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
+                e.step_value = None
+            return out
+        rows = [torch.stack([_f(e.step_value, self.device) * e.step_weight, _f(e.step_weight, self.device)])
+                for e in pending]
         gathered = self._gather(fabric, torch.stack(rows), [e.name for e in pending], "step")
-        out: dict[str, Any] = {}
         for i, e in enumerate(pending):
             col = gathered[:, i]
-            if not e.sync_dist:
+            if not e.sync_dist or e.metric is not None:
                 value = col[0, 0] / col[0, 1]
             elif e.reduce_fx == "mean":
                 value = col[:, 0].sum() / col[:, 1].sum()
@@ -161,23 +279,53 @@ class Results:
         return out
 
     def sync_epoch(self, fabric: Any) -> dict[str, float]:
-        """This epoch's values of every on_epoch entry, identical on every rank."""
+        """This epoch's values of every on_epoch entry, identical on every rank. Computes and resets the
+        logged Metrics (a collective inside torchmetrics: every rank gets here at the same point)."""
         entries = sorted((e for e in self.entries.values() if e.on_epoch), key=lambda e: e.name)
-        if not entries:
-            return {}
-        rows = torch.stack([torch.stack([e.total, e.weight]) for e in entries])
-        gathered = self._gather(fabric, rows, [e.name for e in entries], "epoch")
         out: dict[str, float] = {}
-        for i, e in enumerate(entries):
-            col = gathered[:, i]
-            if not e.sync_dist:
-                col = col[:1]
-            if e.reduce_fx == "mean":
-                value = col[:, 0].sum() / col[:, 1].sum()
-            else:
-                value = _reduce(col[:, 0], e.reduce_fx)
-            out[e.name] = float(value)
+        scalars = [e for e in entries if e.metric is None]
+        metrics = [e for e in entries if e.metric is not None]
+        if scalars or metrics:
+            for e in scalars:
+                self._fold(e)
+            # The names of both kinds travel in this gather, so ranks that logged different metrics are
+            # told so before any of them enters a Metric's compute() (whose collectives would not match).
+            rows = torch.stack([torch.stack([e.total, _f(e.weight, self.device)]) for e in scalars]) if scalars \
+                else torch.zeros(0, 2, dtype=_DTYPE, device=self.device)
+            gathered = self._gather(fabric, rows, [e.name for e in entries], "epoch")
+            for i, e in enumerate(scalars):
+                col = gathered[:, i]
+                if not e.sync_dist:
+                    col = col[:1]
+                if e.reduce_fx == "mean":
+                    value = col[:, 0].sum() / col[:, 1].sum()
+                else:
+                    value = _reduce(col[:, 0], e.reduce_fx)
+                out[e.name] = float(value)
+        if metrics:
+            computed = []
+            for e in metrics:
+                value = e.metric.compute()
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise MisconfigurationError(
+                        f"self.log({e.name!r}, metric): {type(e.metric).__name__}.compute() returned "
+                        f"{type(value).__name__}, not a scalar; log a metric that computes one number (log the "
+                        "members of a MetricCollection with self.log_dict(collection))."
+                    )
+                computed.append(value.detach().reshape(()).to(device=self.device, dtype=_DTYPE))
+            values = torch.stack(computed).reshape(-1, 1).expand(-1, 2)
+            if fabric.world_size > 1:  # rank 0's computed values, so every rank publishes the same numbers
+                values = self._gather(fabric, values, [e.name for e in metrics], "epoch Metric")[0]
+            for i, e in enumerate(metrics):
+                out[e.name] = float(values[i, 0])
+        self.reset_metrics()
         return out
+
+    def reset_metrics(self) -> None:
+        """Reset every Metric logged this epoch (also on_step-only ones: their state must not grow)."""
+        for e in self.entries.values():
+            if e.metric is not None:
+                e.metric.reset()
 
     def _gather(self, fabric: Any, rows: torch.Tensor, names: list[str], what: str) -> torch.Tensor:
         # The last column carries a checksum of the names, so ranks that logged different metrics are
@@ -194,7 +342,7 @@ class Results:
                 "must call self.log with the same names at the same points; log a placeholder where a rank has "
                 "nothing to report."
             )
-        return gathered[:, :-1].reshape(gathered.shape[0], len(names), 2)
+        return gathered[:, :-1].reshape(gathered.shape[0], rows.shape[0], 2)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
@@ -202,39 +350,128 @@ class Results:
         self.suffix = ""
         self.dataloader_idx = 0
         self.in_epoch_end = False
-
-    def names(self, *, prog_bar: bool = False, logger: bool = False) -> set[str]:
-        return {e.name for e in self.entries.values() if (not prog_bar or e.prog_bar) and (not logger or e.logger)}
+        self.pending = self.pending_prog_bar = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Accumulators (on the CPU, for checkpoints); ``load_state_dict`` puts them on ``self.device``."""
-        return {
-            name: {**{k: getattr(e, k) for k in ("on_step", "on_epoch", "prog_bar", "logger", "sync_dist",
-                                                    "reduce_fx", "dataloader_idx")},
-                   "total": e.total.detach().cpu().clone(), "weight": e.weight.detach().cpu().clone()}
-            for name, e in self.entries.items()
-        }
+        """Accumulators (on the CPU, for checkpoints; tensors, numbers and strings only, so the file opens
+        with ``weights_only=True``); ``load_state_dict`` puts them on ``self.device``. A logged Metric is
+        stored by its path in the Module: its state is saved with the Module's metric states."""
+        out: dict[str, Any] = {}
+        for name, e in self.entries.items():
+            values = _stack(e.values, self.device).cpu() if e.values else torch.zeros(0, dtype=_DTYPE)
+            out[name] = {**{k: getattr(e, k) for k in ("on_step", "on_epoch", "prog_bar", "logger", "sync_dist",
+                                                        "reduce_fx", "dataloader_idx", "metric_path")},
+                         "total": e.total.detach().cpu().clone(), "weight": float(e.weight),
+                         "values": values, "weights": [float(w) for w in e.weights]}
+        return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.entries = {}
+    def load_state_dict(self, state: dict[str, Any], module: Any = None) -> None:
+        self.reset()
+        metrics = {p: m for p, m in module.named_modules() if is_metric(m)} if module is not None else {}
         for name, s in state.items():
-            self.entries[name] = Entry(
+            entry = Entry(
                 name, s["on_step"], s["on_epoch"], s["prog_bar"], s["logger"], s["sync_dist"], s["reduce_fx"],
-                s["dataloader_idx"], s["total"].to(self.device, _DTYPE), s["weight"].to(self.device, _DTYPE),
+                s["dataloader_idx"], s["total"].to(self.device, _DTYPE), float(s["weight"]),
             )
+            if "values" in s:
+                entry.values = list(s["values"].to(self.device, _DTYPE).unbind())
+                entry.weights = [float(w) for w in s["weights"]]
+            if s.get("metric_path"):
+                if s["metric_path"] not in metrics:
+                    raise MisconfigurationError(
+                        f"The checkpoint's epoch metrics log {name!r} from metric {s['metric_path']!r}, which the "
+                        "Module does not have; resume with the Module that wrote the checkpoint."
+                    )
+                entry.metric, entry.metric_path = metrics[s["metric_path"]], s["metric_path"]
+            self.entries[name] = entry
 
     def devices(self) -> set[torch.device]:
         """Where the accumulators live (a test hook: always ``{fabric.device}``)."""
-        return {t.device for e in self.entries.values() for t in (e.total, e.weight)}
+        out = {e.total.device for e in self.entries.values()}
+        out |= {v.device for e in self.entries.values() for v in e.values if isinstance(v, torch.Tensor)}
+        return out
 
 
-def _f(value: float, device: torch.device) -> torch.Tensor:
+class MetricBoard:
+    """What the loops publish, identical on every rank: ``callback_metrics`` (tensors), the progress bar's
+    and the loggers' values, and the step values synced since the last logger flush."""
+
+    def __init__(self) -> None:
+        self.callback: dict[str, torch.Tensor] = {}
+        self.progress_bar: dict[str, float] = {}
+        self.logged: dict[str, float] = {}
+        self.unlogged: dict[str, float] = {}
+
+    @staticmethod
+    def _keys(entry: Entry, level: str) -> tuple[str, ...]:
+        if entry.on_step and entry.on_epoch:
+            return (f"{entry.name}_{level}", entry.name)
+        return (entry.name,)
+
+    def publish_step(self, values: dict[str, float], results: Results) -> dict[str, float]:
+        """Publish synced step values; returns those meant for the loggers (training ones are also kept
+        until the loop's next logger flush, see :meth:`flush_step_log`)."""
+        to_log: dict[str, float] = {}
+        for name, value in values.items():
+            entry = results.entries[name]
+            keys = self._keys(entry, "step")
+            for key in keys:
+                self.callback[key] = torch.tensor(value, dtype=torch.float64)
+            if entry.prog_bar:
+                self.progress_bar[keys[0]] = value
+            if entry.logger:
+                to_log[keys[0]] = value
+        if results.stage == "train":
+            self.unlogged.update(to_log)
+        return to_log
+
+    def flush_step_log(self, fabric: Any, step: int, due: bool) -> None:
+        """At an optimizer step: send the training step values synced since the last flush to the loggers
+        (when ``due``), then forget them."""
+        if due:
+            self.log_now(fabric, self.unlogged, step)
+        self.unlogged = {}
+
+    def log_now(self, fabric: Any, values: dict[str, float], step: int) -> None:
+        if values:
+            self.logged.update(values)
+            fabric.log_dict(values, step=step)
+
+    def publish_epoch(
+        self, values: dict[str, float], results: Results, fabric: Any, epoch: int, step: int, log: bool = True
+    ) -> None:
+        to_log: dict[str, float] = {}
+        for name, value in values.items():
+            entry = results.entries[name]
+            keys = self._keys(entry, "epoch")
+            for key in keys:
+                self.callback[key] = torch.tensor(value, dtype=torch.float64)
+            if entry.prog_bar:
+                self.progress_bar[keys[0]] = value
+            if entry.logger:
+                to_log[keys[0]] = value
+        if to_log and log:
+            to_log["epoch"] = float(epoch)
+            self.logged.update(to_log)
+            fabric.log_dict(to_log, step=step)
+
+    def snapshot(self) -> tuple[dict[str, Any], ...]:
+        return dict(self.callback), dict(self.progress_bar), dict(self.logged), dict(self.unlogged)
+
+    def restore(self, saved: tuple[dict[str, Any], ...]) -> None:
+        self.callback, self.progress_bar, self.logged, self.unlogged = (dict(d) for d in saved)
+
+
+def reads_metrics(hook: Any) -> bool:
+    """Whether a callback method may read ``trainer.callback_metrics`` on some ranks only (user code may
+    do anything; phalanx's own callbacks read it on every rank or read only the progress bar values)."""
+    return not getattr(hook, "__module__", "").startswith("phalanx.callbacks.")
+
+
+def _f(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=_DTYPE)
     return torch.tensor(value, dtype=_DTYPE, device=device)
-
-
-def _value(entry: Entry) -> torch.Tensor:
-    assert entry.step_value is not None
-    return entry.step_value
 
 
 def _reduce(values: torch.Tensor, fx: str) -> torch.Tensor:

@@ -173,7 +173,8 @@ def _legacy_optimizer_step(module: Module) -> bool:
 
 def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
     """Run one training batch (and the optimizer step it completes); returns training_step's output."""
-    from phalanx.trainer.loops import loss_of
+    from phalanx.trainer.loops import check_finite_losses, loss_of
+    from phalanx.trainer.module import overrides
     from phalanx.trainer.optim import step_schedulers
 
     t = trainer
@@ -187,22 +188,31 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
         with t.profile("run_training_batch"), t.fabric.autocast():
             return as_outputs(module.training_step(batch, batch_idx))
     optimizer = t.step_optimizers[0]
+    window = t.window_losses
     if batch_idx % t.accumulate_grad_batches == 0:
+        window.clear()
         t.hook("on_before_zero_grad", optimizer)
         module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
     if not boundary:
         with t.profile("run_training_batch"):
-            return as_outputs(micro_batch(t, batch, batch_idx, window_size, boundary))
+            output = micro_batch(t, batch, batch_idx, window_size, boundary)
+        window.append((batch_idx, loss_of(output).detach()))
+        return as_outputs(output)
     ran: dict[str, Any] = {}
 
     def closure() -> torch.Tensor:
         with t.profile("run_training_batch"):
             ran["output"] = micro_batch(t, batch, batch_idx, window_size, True)
+        window.append((batch_idx, loss_of(ran["output"]).detach()))
+        check_finite_losses(t, window)  # before any step on these gradients (one read per window)
+        window.clear()
         t.hook("on_before_optimizer_step", optimizer)
         module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
         return loss_of(ran["output"])
 
     steps_before = t.global_step
+    if overrides(module, "optimizer_step"):
+        t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
     if _legacy_optimizer_step(module):
         closure()
         module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
@@ -214,8 +224,11 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
             "training_step and backward never happened. Call optimizer.step(closure=optimizer_closure), or "
             "optimizer_closure() before stepping."
         )
-    if t.global_step > steps_before:
-        step_schedulers(module, t.lr_scheduler_configs, "step", t.global_step, t.callback_metrics)
+    configs = t.lr_scheduler_configs
+    if t.global_step > steps_before and configs:
+        # Reading callback_metrics syncs pending step values across ranks: only for a monitored scheduler.
+        monitored = any(c.interval == "step" and c.monitor is not None for c in configs)
+        step_schedulers(module, configs, "step", t.global_step, t.callback_metrics if monitored else {})
     return as_outputs(ran["output"])
 
 

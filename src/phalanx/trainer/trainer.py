@@ -31,7 +31,7 @@ from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.module import DataModule, Module, overrides
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
-from phalanx.trainer.results import Entry, Results
+from phalanx.trainer.results import MetricBoard, Results, reads_metrics
 from phalanx.trainer.settings import (
     check_weights_only,
     checkpoint_marks,
@@ -98,7 +98,6 @@ class Trainer(TrainerViews):
         inference_mode: evaluate under ``torch.inference_mode`` (else ``torch.no_grad``).
         use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
         profiler: "simple", "advanced", "pytorch" or a :class:`phalanx.profilers.Profiler`.
-        detect_anomaly: stop at the first backward with nan/inf loss or gradients (Fabric's detector).
         barebones: turn off everything that costs time outside the steps (refuses arguments that need it).
         plugins: refused (see :func:`phalanx.trainer.settings.refuse_plugins` for each equivalent).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm before setup.
@@ -106,6 +105,10 @@ class Trainer(TrainerViews):
         default_root_dir: where logs and checkpoints go (default: the working directory).
         enable_autolog_hparams: send ``module.hparams`` to the loggers when fit starts.
         model_registry: refused (phalanx uploads nothing).
+        detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
+            (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.anomaly` for the cost). Without it, a
+            non-finite training loss still stops the run before the optimizer step (see
+            :mod:`phalanx.trainer.loops`).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class Trainer(TrainerViews):
         self._should_stop = False
         self.epoch_finished = False
         self.in_window = False
+        self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
         self.epoch_start_rng: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
         self.ckpt_path: str | None = None
@@ -244,9 +248,7 @@ class Trainer(TrainerViews):
         self.val_check_batches: int | None = None
         self.num_eval_batches: list[int | None] = []  # per loader, of the evaluation running now
         self.results: dict[str, Results] = {s: Results(s, self.fabric.device) for s in _STAGES}
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.logged_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
+        self.metric_board = MetricBoard()
 
     # ------------------------------------------------------------------ construction helpers
     def _make_loggers(self, logger: Any) -> list[Any]:
@@ -379,6 +381,8 @@ class Trainer(TrainerViews):
             method = getattr(cb, hook, None)
             if not callable(method) or (self.fast_dev_run and off_in_fast_dev_run(cb)):
                 continue
+            if reads_metrics(method):  # user code may read callback_metrics on one rank only
+                self.sync_step_metrics()
             saved = checkpoint_marks(cb)
             with self.profile(f"[Callback]{type(cb).__qualname__}.{hook}"):
                 method(self, self.module, *args)
@@ -389,8 +393,11 @@ class Trainer(TrainerViews):
         """A Lightning hook: every callback's ``name(trainer, module, *args)``, then the module's
         ``name(*args)`` (whose return value is returned)."""
         self.call(name, *args)
-        with self.profile(f"[LightningModule]{type(self.module).__name__}.{name}"):
-            return getattr(self.module, name)(*args)
+        module = self.module
+        if overrides(module, name):
+            self.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
+        with self.profile(f"[LightningModule]{type(module).__name__}.{name}"):
+            return getattr(module, name)(*args)
 
     def profile(self, action: str) -> contextlib.AbstractContextManager[Any]:
         """Measure ``action`` with the Trainer's profiler (a no-op without one)."""
@@ -405,6 +412,29 @@ class Trainer(TrainerViews):
             if callable(after):
                 after(checkpoint_callback)
 
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """The latest step and epoch values, identical on every rank. Step values are synced across ranks
+        only when something reads them, so reading this is a collective while some are pending: read it
+        on every rank (phalanx syncs before each hook of your callbacks and Module, so reading it there,
+        on any rank, is always free and safe)."""
+        self.sync_step_metrics()
+        return self.metric_board.callback
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return self.metric_board.progress_bar
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        return self.metric_board.logged
+
+    def sync_step_metrics(self) -> None:
+        """Publish the step values logged since the last sync (one all_gather per stage that has any)."""
+        for results in self.results.values():
+            if results.pending:
+                self.metric_board.publish_step(results.sync_step(self.fabric), results)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.fabric.print(*args, **kwargs)
 
@@ -415,45 +445,6 @@ class Trainer(TrainerViews):
                 "predict_step). Log from the *_step methods or the epoch/batch hooks."
             )
         return self.results[self.current_stage]
-
-    def _keys(self, entry: Entry, level: str) -> tuple[str, ...]:
-        if entry.on_step and entry.on_epoch:
-            return (f"{entry.name}_{level}", entry.name)
-        return (entry.name,)
-
-    def publish_step_metrics(self, values: dict[str, float], results: Results, log: bool) -> None:
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, "step")
-            for key in keys:
-                self.callback_metrics[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar_metrics[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
-        if self.sanity_checking:
-            return
-        if to_log and log and (self.current_stage != "train" or self.global_step % self.log_every_n_steps == 0):
-            self.logged_metrics.update(to_log)
-            self.fabric.log_dict(to_log, step=self.global_step)
-
-    def publish_epoch_metrics(self, values: dict[str, float], results: Results) -> dict[str, float]:
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, "epoch")
-            for key in keys:
-                self.callback_metrics[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar_metrics[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
-        if to_log and not self.sanity_checking:
-            to_log["epoch"] = float(self.current_epoch)
-            self.logged_metrics.update(to_log)
-            self.fabric.log_dict(to_log, step=self.global_step)
-        return values
 
     def take_resume_state(self) -> dict[str, Any] | None:
         resume, self._resume = self._resume, None
@@ -779,7 +770,8 @@ class Trainer(TrainerViews):
         if not n or not self.val_dataloaders or self.limit_val_batches == 0:
             return
         rng = capture_rng_state()
-        saved = (dict(self.callback_metrics), dict(self.logged_metrics), dict(self.progress_bar_metrics))
+        self.sync_step_metrics()
+        saved = self.metric_board.snapshot()
         self.sanity_checking = True
         try:
             self.call("on_sanity_check_start")
@@ -789,7 +781,7 @@ class Trainer(TrainerViews):
             self.call("on_sanity_check_end")
         finally:
             self.sanity_checking = False
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = saved
+        self.metric_board.restore(saved)
         self.results["validate"].reset()
         restore_rng_state(rng)
 
