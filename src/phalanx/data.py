@@ -159,6 +159,8 @@ def warn_iterable(loader: DataLoader[Any], is_global_zero: bool) -> None:
     if isinstance(loader.dataset, IterableDataset) and is_global_zero:
         print(
             "[phalanx] The dataloader wraps an IterableDataset, which no sampler can split: make sure each "
-            "rank yields a different shard (see torch.utils.data.get_worker_info and fabric.global_rank).",
+            "data-parallel rank yields a different shard (see torch.utils.data.get_worker_info and "
+            "fabric.strategy.distributed_sampler_kwargs(), whose 'rank' is the global rank except under tensor "
+            "parallelism, where the ranks of one model replica must yield the same data).",
             file=sys.stderr,
         )

@@ -279,13 +279,9 @@ def _check_keys(state: dict[str, Any]) -> None:
         raise CheckpointError(f"{META_KEY!r} is reserved for phalanx's own metadata; rename that key.")
 
 
-def save_sharded(strategy: ParallelStrategy, path: Path, state: dict[str, Any]) -> None:
-    _check_keys(state)
-    with strategy.guard.guarded("save (sharded checkpoint)"):
-        pass  # everyone arrives: a save called on rank 0 alone fails here, named
-    token = uuid.uuid4().hex[:12] if strategy.is_global_zero else None
-    token = strategy.collectives.broadcast_object(token, name="save: agree on the temporary directory")
-    tmp = _partial_dir(path, str(token))
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Sort ``state`` into what DCP writes as shards (model and optimizer state dicts), everything else
+    (``extras``, rank 0 pickles it into the marker) and the marker's record of which key is which."""
     tensors: dict[str, Any] = {}
     extras: dict[str, Any] = {}
     modules, optimizers, fresh = [], [], {}
@@ -304,6 +300,17 @@ def save_sharded(strategy: ParallelStrategy, path: Path, state: dict[str, Any]) 
             extras[key] = raw.state_dict()
         else:
             extras[key] = value
+    return tensors, extras, {"modules": modules, "optimizers": optimizers, "fresh_optimizers": fresh}
+
+
+def save_sharded(strategy: ParallelStrategy, path: Path, state: dict[str, Any]) -> None:
+    _check_keys(state)
+    with strategy.guard.guarded("save (sharded checkpoint)"):
+        pass  # everyone arrives: a save called on rank 0 alone fails here, named
+    token = uuid.uuid4().hex[:12] if strategy.is_global_zero else None
+    token = strategy.collectives.broadcast_object(token, name="save: agree on the temporary directory")
+    tmp = _partial_dir(path, str(token))
+    tensors, extras, kinds = split_state(state)
     path.parent.mkdir(parents=True, exist_ok=True)
     if strategy.is_global_zero:
         _clear_stale(path)
@@ -317,7 +324,7 @@ def save_sharded(strategy: ParallelStrategy, path: Path, state: dict[str, Any]) 
     strategy.collectives.barrier("save: every rank wrote its shards")
     status = None
     if strategy.is_global_zero:
-        meta = _meta(strategy, "sharded", modules=modules, optimizers=optimizers, fresh_optimizers=fresh)
+        meta = _meta(strategy, "sharded", **kinds)
         try:
             atomic_save({META_KEY: meta, "extras": extras}, tmp / MARKER)
             _fsync_dir(tmp)

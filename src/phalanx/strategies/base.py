@@ -20,6 +20,7 @@ from phalanx.checkpoint import io as ckpt_io
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
+from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 
 #: How the lockstep guard cross-checks collectives: names and tensor signatures, or also call sites.
 LOCKSTEP_MODES = ("default", "strict")
@@ -33,6 +34,10 @@ class Strategy:
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     #: Whether gradients of set-up modules are averaged across ranks in ``backward``.
     syncs_gradients: ClassVar[bool] = False
+    #: Module classes whose activations are recomputed in backward (see ``strategies._transforms``).
+    activation_checkpointing_policy: tuple[type[nn.Module], ...] = ()
+    #: ``torch.compile`` keyword arguments, applied in place after wrapping; None: no compile.
+    compile_options: dict[str, Any] | None = None
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -118,7 +123,10 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/convert/wrap ``module``; returns the module that forward runs through."""
         module = self.precision.convert_module(module)
-        return module.to(self.root_device)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        module = module.to(self.root_device)
+        compile_in_place(module, self.compile_options)
+        return module
 
     def unwrap(self, forward_module: nn.Module) -> nn.Module:
         return forward_module
@@ -212,7 +220,8 @@ class Strategy:
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> Any:
+        """Write ``state``; returns None, or a handle where the write continues in the background."""
         with self._checkpoint_op("save"):
             full = ckpt_io.collect_state(state, self)
             if self.is_global_zero:

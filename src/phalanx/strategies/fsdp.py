@@ -41,6 +41,7 @@ from phalanx.checkpoint import sharded
 from phalanx.checkpoint.sharded import class_name
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.precision import PRECISIONS, Precision
+from phalanx.strategies._transforms import check_compile, compile_in_place
 from phalanx.strategies.parallel import ParallelStrategy
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -203,6 +204,8 @@ class FSDPStrategy(ParallelStrategy):
             backward instead of stored (parameter names are unchanged).
         state_dict_type: ``"sharded"`` (a directory, every rank writes its shards) or ``"full"`` (one
             file gathered to rank 0). ``load`` reads either.
+        compile: ``True`` or a dict of ``torch.compile`` arguments: the sharded root is compiled in place
+            after sharding.
         Other arguments: see :class:`~phalanx.strategies.parallel.ParallelStrategy`.
     """
 
@@ -219,9 +222,11 @@ class FSDPStrategy(ParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.compile_options = check_compile(compile)
         for arg, value in (("auto_wrap_policy", auto_wrap_policy), ("activation_checkpointing_policy",
                                                                     activation_checkpointing_policy)):
             if value is not None and not (
@@ -317,6 +322,7 @@ class FSDPStrategy(ParallelStrategy):
                 ) from err
         self._stale.update(originals)
         self._install_hooks(module)
+        compile_in_place(module, self.compile_options)
         return module
 
     def _shard(self, module: nn.Module) -> None:
