@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(400)
 # Shared by the jobs (imported as `models`) and the single-process references.
 MODEL_CODE = '''
 import torch
+import phalanx
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -70,12 +71,57 @@ def make_data(n=32):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
+class LitNet(phalanx.Module):
+    """Net under the Trainer; logs a per-sample count with reduce_fx="sum" (each sample counted once)."""
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("train_samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+        self.log("val_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def parallelize_lit(module, mesh):
+    parallelize(module.net, mesh)  # the strategy shards the LitNet root itself
+    return module
+
+
 def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
 
 
 def full_params(model):
     return torch.cat([full(p) for p in model.parameters()])
+
+
+def opt_state(model, opt):
+    return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
+
+
+def one_more_step(fabric, model, opt):
+    """One Adam step on the global batch x[0:8], whatever the mesh shape (a checkpoint's continuation)."""
+    x, y = make_data()
+    dp = fabric.strategy.distributed_sampler_kwargs() or {"num_replicas": 1, "rank": 0}
+    size = 8 // dp["num_replicas"]
+    lo = size * dp["rank"]
+    opt.zero_grad()
+    fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + size]), y[lo : lo + size]))
+    opt.step()
 '''
 
 
@@ -139,7 +185,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from phalanx.errors import GradientSyncError
 from phalanx.strategies import ModelParallelStrategy
 from mp import report
-from models import make_model, make_data, full_params, parallelize
+from models import make_model, make_data, full_params, opt_state, one_more_step, parallelize
 
 torch.set_num_threads(1)
 fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
@@ -165,6 +211,16 @@ for i in range(0, 32, 8):
     norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
     opt.step()
 report(fabric, a=full_params(model), a_norms=norms)
+
+# Checkpoints of the 2 x 2 run (sharded directory and full file), then one more step for reference.
+state = {"model": model, "optimizer": opt, "step": 4}
+fabric.save("ckpt", state)
+fabric.strategy.state_dict_type = "full"
+fabric.save("ckpt.pt", state)
+fabric.strategy.state_dict_type = "sharded"
+report(fabric, a_opt=opt_state(model, opt))
+one_more_step(fabric, model, opt)
+report(fabric, a_after=full_params(model))
 
 # B: gradient accumulation (2 micro-batches per step); the first skips the data-parallel reduce.
 model = fabric.setup_module(make_model())
@@ -209,14 +265,23 @@ def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4
     return models["full_params"](model), norms
 
 
-def test_two_by_two_training_equals_single_process(tmp_path: Path, models: dict[str, Any]) -> None:
-    job = run_job(EQUIVALENCE_JOB, tmp_path, timeout=300).check()
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """One 4-rank 2 x 2 job: training phases, a data-split probe, and the checkpoints it saved."""
+    tmp_path = tmp_path_factory.mktemp("mp2x2")
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    return tmp_path, run_job(EQUIVALENCE_JOB, tmp_path, timeout=300).check().reports
+
+
+def test_two_by_two_training_equals_single_process(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                   models: dict[str, Any]) -> None:
+    reports = trained[1]
     expected_a, expected_norms = _reference(models, "adam", clip=True)
     expected_b, _ = _reference(models, "sgd", clip=False)
     assert max(expected_norms) > 0.5  # clipping really happened
     seen = {}
     for rank in range(4):
-        rep = job.reports[rank]
+        rep = reports[rank]
         dp, tp = rep["coords"]
         assert rep["sampler"] == {"num_replicas": 2, "rank": dp}
         seen[(dp, tp)] = rep["seen"]
@@ -231,3 +296,105 @@ def test_two_by_two_training_equals_single_process(tmp_path: Path, models: dict[
     # The classic silent bug: split by world rank, the two tensor-parallel peers would read different data.
     assert seen[(0, 0)] == seen[(0, 1)] and seen[(1, 0)] == seen[(1, 1)]
     assert sorted(seen[(0, 0)] + seen[(1, 0)]) == list(range(16))
+
+
+TRAINER_JOB = """
+import torch, phalanx
+from torch.utils.data import DataLoader, TensorDataset
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import LitNet, make_data, full_params, parallelize_lit
+
+torch.set_num_threads(1)
+phalanx.seed_everything(7)
+trainer = phalanx.Trainer(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize_lit, 2, 2),
+                          max_epochs=2, enable_progress_bar=False, enable_checkpointing=False, logger=False)
+model = LitNet()
+x, y = make_data()
+trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+            DataLoader(TensorDataset(x[:20], y[:20]), batch_size=4))
+report(trainer.fabric, params=full_params(model.net), steps=trainer.global_step,
+       metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
+"""
+
+
+@pytest.mark.slow
+def test_two_by_two_trainer_fit_equals_single_process(tmp_path: Path, models: dict[str, Any]) -> None:
+    job = run_job(TRAINER_JOB, tmp_path, timeout=300).check()
+    import phalanx
+    from torch.utils.data import DataLoader, TensorDataset
+
+    phalanx.seed_everything(7)
+    trainer = phalanx.Trainer(accelerator="cpu", devices=1, max_epochs=2, enable_progress_bar=False,
+                              enable_checkpointing=False, logger=False)
+    model = models["LitNet"]()
+    x, y = models["make_data"]()
+    # One process, batches of 8 = the two data-parallel ranks' batches of 4, in the same order.
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True),
+                DataLoader(TensorDataset(x[:20], y[:20]), batch_size=8))
+    single = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert single["train_samples"] == 32 and single["val_samples"] == 20
+    for rank in range(4):
+        rep = job.reports[rank]
+        assert rep["steps"] == trainer.global_step == 8
+        _close(rep["params"], models["full_params"](model.net))
+        # Every sample counted once: the tensor-parallel peers' identical logs are not added twice.
+        assert rep["metrics"] == pytest.approx(single, rel=1e-6)
+
+
+LOAD_JOB = """
+import sys, torch, phalanx
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import make_model, full_params, opt_state, one_more_step, parallelize
+
+torch.set_num_threads(1)
+dp, tp = int(sys.argv[1]), int(sys.argv[2])
+fabric = phalanx.Fabric(accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(parallelize, dp, tp))
+fabric.launch()
+for name in ("ckpt", "ckpt.pt"):
+    m = make_model()
+    model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load("SAVED/" + name, state)
+    report(fabric, **{name: full_params(model), name + ":opt": opt_state(model, opt), name + ":step": state["step"]})
+    one_more_step(fabric, model, opt)
+    report(fabric, **{name + ":after": full_params(model)})
+"""
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param((1, 2), marks=pytest.mark.slow), pytest.param((2, 1), marks=pytest.mark.slow), (1, 1),
+], ids=["1x2", "2x1", "1-process"])
+def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                     tmp_path: Path, shape: tuple[int, int]) -> None:
+    saved, reports = trained
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    job = run_job(LOAD_JOB.replace("SAVED", str(saved)), tmp_path, args=tuple(map(str, shape)), timeout=300).check()
+    ref = reports[0]
+    for rank in range(shape[0] * shape[1]):
+        rep = job.reports[rank]
+        for name in ("ckpt", "ckpt.pt"):
+            _close(rep[name], torch.tensor(ref["a"], dtype=torch.float64), atol=1e-7)
+            _close(rep[name + ":opt"], torch.tensor(ref["a_opt"], dtype=torch.float64), atol=1e-7)
+            assert rep[name + ":step"] == 4
+            # Training continues exactly as the 2 x 2 run did.
+            _close(rep[name + ":after"], torch.tensor(ref["a_after"], dtype=torch.float64))
+
+
+def test_two_by_two_checkpoint_loads_without_a_process_group(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                             models: dict[str, Any]) -> None:
+    from phalanx.checkpoint.sharded import read_sharded
+
+    saved, reports = trained
+    expected = torch.tensor(reports[0]["a"], dtype=torch.float64)
+    fabric = Fabric(accelerator="cpu", devices=1)  # the single-device strategy: plain tensors
+    model = fabric.setup(models["make_model"]())
+    state: dict[str, Any] = {"model": model, "step": 0}
+    fabric.load(saved / "ckpt.pt", state, strict=False)
+    _close(models["full_params"](model).tolist(), expected, atol=1e-7)
+    assert state["step"] == 4
+    # The sharded directory reads as full tensors anywhere (what `phalanx consolidate` writes).
+    plain = models["make_model"]()
+    plain.load_state_dict(read_sharded(saved / "ckpt")["model"])
+    _close(models["full_params"](plain).tolist(), expected, atol=1e-7)
