@@ -398,3 +398,83 @@ def test_two_by_two_checkpoint_loads_without_a_process_group(trained: tuple[Path
     plain = models["make_model"]()
     plain.load_state_dict(read_sharded(saved / "ckpt")["model"])
     _close(models["full_params"](plain).tolist(), expected, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- meta-device init
+MEMORY_JOB = """
+import resource, sys, torch, phalanx
+from torch import nn
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import FeedForward, parallelize
+
+torch.set_num_threads(1)
+
+
+class Big(nn.Module):
+    def __init__(self, d=1024, layers=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward(d) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
+fabric.launch()
+fabric.seed_everything(3)
+empty = sys.argv[1] == "meta"
+before = peak_mib()
+with fabric.init_module(empty_init=empty):
+    model = Big()
+full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+model = fabric.setup_module(model)
+after_setup = peak_mib()
+opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(fabric.strategy.distributed_sampler_kwargs()["rank"]))
+fabric.backward(model(x).pow(2).mean())
+opt.step()
+after_step = peak_mib()
+local = {n: [float(p.to_local().double().sum()), float(p.to_local().double().std()) if p.to_local().numel() > 1 else 0.0]
+         for n, p in model.module.named_parameters() if n.startswith("blocks.0.")}
+report(fabric, full_mib=full_mib, setup_mib=after_setup - before, step_mib=after_step - before,
+       coords=fabric.strategy.device_mesh.get_coordinate(), local=local,
+       finite=all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()))
+"""
+
+
+@pytest.mark.slow
+def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    # glibc raises its mmap threshold after each large free, then keeps freed blocks (FSDP's per-block
+    # all-gather buffers) in the heap: RSS would count every block's buffers as if alive. A fixed threshold
+    # makes RSS follow live memory.
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    meta = run_job(MEMORY_JOB, tmp_path, args=("meta",), timeout=400, env=env).check().reports
+    full = meta[0]["full_mib"]
+    assert 380 < full < 420  # ~100 M float32 parameters
+    for rank in range(4):
+        rep = meta[rank]
+        assert rep["finite"]
+        # Each rank holds a quarter of the parameters (2 x 2): setup stays far below the full model,
+        # and a training step (its parameters and gradients + one block all-gathered) stays under it.
+        assert rep["setup_mib"] < 0.4 * full, rep
+        assert rep["step_mib"] < 0.9 * full, rep
+    by_coord = {tuple(meta[r]["coords"]): meta[r]["local"] for r in range(4)}
+    for dp in (0, 1):
+        a, b = by_coord[(dp, 0)], by_coord[(dp, 1)]
+        # Replicated over 'tensor_parallel' (a RowwiseParallel bias, the LayerNorm): equal on both peers.
+        for name in ("blocks.0.down.bias", "blocks.0.norm.weight", "blocks.0.norm.bias"):
+            assert a[name] == b[name], name
+        # Tensor-parallel shards come from different random streams (no repeated rows).
+        for name in ("blocks.0.up.weight", "blocks.0.down.weight"):
+            assert a[name] != b[name], name
+    # Without empty_init every rank first builds the whole model: the same measurement sees it.
+    eager = run_job(MEMORY_JOB, tmp_path, args=("eager",), timeout=400, env=env).check().reports
+    assert all(eager[rank]["setup_mib"] > 0.9 * full for rank in range(4))
