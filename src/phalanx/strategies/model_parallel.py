@@ -45,6 +45,7 @@ from phalanx.precision import Precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.fsdp import FSDPStrategy, local_tensor
+from phalanx.strategies.parallel import ParallelStrategy
 
 MESH_DIMS = ("data_parallel", "tensor_parallel")
 
@@ -352,6 +353,13 @@ class ModelParallelStrategy(FSDPStrategy):
             local = local_tensor(grad)
             local.mul_(coef.to(local.device, local.dtype))
         return total
+
+    def verify_in_sync(
+        self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0
+    ) -> None:
+        # Only tensors sharded over no mesh dimension hold the same values on every rank.
+        kept = [(n, local_tensor(t)) for n, t in named if not self._layout(n, t)[0]]
+        ParallelStrategy.verify_in_sync(self, kept, what, rtol, atol)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> Any:
