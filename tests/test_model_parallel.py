@@ -478,3 +478,53 @@ def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
     # Without empty_init every rank first builds the whole model: the same measurement sees it.
     eager = run_job(MEMORY_JOB, tmp_path, args=("eager",), timeout=400, env=env).check().reports
     assert all(eager[rank]["setup_mib"] > 0.9 * full for rank in range(4))
+
+
+PRECISION_JOB = """
+import sys, torch, phalanx
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import make_model, make_data, full_params, parallelize
+
+torch.set_num_threads(1)
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision=sys.argv[1],
+                        strategy=ModelParallelStrategy(parallelize, 1, 2))
+fabric.launch()
+m = make_model()
+model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+x, y = make_data()
+losses = []
+for i in range(0, 32, 8):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8])
+    fabric.backward(loss)
+    fabric.clip_gradients(model, opt, max_norm=0.5)
+    opt.step()
+    losses.append(float(loss))
+report(fabric, params=full_params(model), losses=losses, dtype=str(next(model.parameters()).dtype),
+       scaler=fabric.strategy.precision.state_dict().get("scaler", {}).get("scale"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str, Any], precision: str) -> None:
+    job = run_job(PRECISION_JOB, tmp_path, args=(precision,), timeout=300).check()
+    model = models["make_model"]()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = models["make_data"]()
+    for i in range(0, 32, 8):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    expected = models["full_params"](model)
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["dtype"] == ("torch.bfloat16" if precision == "bf16-true" else "torch.float32")
+        assert (rep["scaler"] is not None) == (precision == "16-mixed")
+        got = torch.tensor(rep["params"], dtype=torch.float64)
+        assert torch.isfinite(got).all()
+        # Half-precision arithmetic: close to the float32 run, not equal.
+        assert (got - expected).abs().max() < 0.05, (got - expected).abs().max()
+    assert job.reports[0]["params"] == job.reports[1]["params"]

@@ -25,6 +25,7 @@ checkpoints). What this file adds is what goes wrong silently once a second mesh
 from __future__ import annotations
 
 import datetime
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -223,7 +224,11 @@ class ModelParallelStrategy(FSDPStrategy):
         with self.guard.guarded("setup_module (model parallel: parallelize_fn and sharding)"):
             self._parallelize(module)
             if any(on_meta):
-                self._materialize(module)  # FSDP's: to_empty + reset_parameters, a random stream per rank
+                with warnings.catch_warnings():
+                    # torch warns that DTensor random ops are not coordinated on CPU meshes: phalanx gives
+                    # each rank its own stream and makes replicated shards agree below (_sync_replicas).
+                    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+                    self._materialize(module)  # FSDP's: to_empty + reset_parameters, a random stream per rank
             elif self.root_device.type != "cpu":
                 module.to(self.root_device)  # what parallelize_fn left unsharded (buffers, frozen parts)
             self._sync_replicas(module)
