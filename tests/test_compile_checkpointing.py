@@ -111,7 +111,7 @@ def test_activation_checkpointing_single_device(models: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("kind", [
-    "ddp",
+    pytest.param("ddp", marks=pytest.mark.slow),
     pytest.param("fsdp", marks=pytest.mark.slow),
     pytest.param("model_parallel", marks=pytest.mark.slow),
 ])

@@ -222,6 +222,7 @@ report(fabric, a_opt=opt_state(model, opt))
 one_more_step(fabric, model, opt)
 report(fabric, a_after=full_params(model))
 
+
 # B: gradient accumulation (2 micro-batches per step); the first skips the data-parallel reduce.
 model = fabric.setup_module(make_model())
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -245,6 +246,24 @@ try:
     report(fabric, step_error=None)
 except GradientSyncError as err:
     report(fabric, step_error=str(err))
+
+# Misuse, each refused at setup with the fix (the strategy's function is swapped per case).
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from phalanx.errors import MisconfigurationError
+cases = {
+    "no_fn": None,
+    "returns_other": lambda model, mesh: torch.compile(model),
+    "not_data_parallel": lambda model, mesh: fully_shard(model, mesh=mesh["tensor_parallel"]),
+    "foreign_mesh": lambda model, mesh: fully_shard(model, mesh=init_device_mesh("cpu", (4,))),
+}
+for name, fn in cases.items():
+    fabric.strategy.parallelize_fn = fn
+    try:
+        fabric.setup_module(make_model())
+        report(fabric, **{name: None})
+    except MisconfigurationError as err:
+        report(fabric, **{name: str(err)})
 """
 
 
@@ -381,6 +400,16 @@ def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[i
             assert rep[name + ":step"] == 4
             # Training continues exactly as the 2 x 2 run did.
             _close(rep[name + ":after"], torch.tensor(ref["a_after"], dtype=torch.float64))
+
+
+def test_misuse_is_refused_with_the_fix(trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    for rep in trained[1].values():
+        assert rep["no_fn"].startswith("ModelParallelStrategy has no parallelize_fn and Net is not parallelized.")
+        assert "parallelize_fn must modify the module in place" in rep["returns_other"]
+        assert "returned a different object (OptimizedModule)" in rep["returns_other"]
+        assert rep["not_data_parallel"].startswith("Parameters ['inp.weight', 'inp.bias', ")
+        assert "are not sharded over the 'data_parallel' mesh dimension" in rep["not_data_parallel"]
+        assert "inp.weight is distributed over a device mesh with dimensions None" in rep["foreign_mesh"]
 
 
 def test_two_by_two_checkpoint_loads_without_a_process_group(trained: tuple[Path, dict[int, dict[str, Any]]],
@@ -528,3 +557,4 @@ def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str,
         # Half-precision arithmetic: close to the float32 run, not equal.
         assert (got - expected).abs().max() < 0.05, (got - expected).abs().max()
     assert job.reports[0]["params"] == job.reports[1]["params"]
+

@@ -195,15 +195,17 @@ class ModelParallelStrategy(FSDPStrategy):
         return self.device_mesh
 
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
-        # Tensor-parallel peers must read the same samples: split by data-parallel rank only.
-        _, tp = self._require_shape()
-        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
+        # Tensor-parallel peers must read the same samples: split by data-parallel rank only. The mesh is
+        # row-major over the ranks (init_device_mesh), so rank r sits at (r // tp, r % tp).
+        dp, tp = self._require_shape()
+        return {"num_replicas": dp, "rank": self.global_rank // tp}
 
     def teardown(self) -> None:
         try:
             if self._guard is not None:
                 self._saver.finish(self)
         finally:
+            self._saver.close()
             self._device_mesh = None
             super().teardown()
 
