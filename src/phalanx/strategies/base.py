@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +21,10 @@ from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
+from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
 
 T = TypeVar("T")
 
@@ -36,6 +40,10 @@ class Strategy:
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
     #: Whether gradients of set-up modules are averaged across ranks in ``backward``.
     syncs_gradients: ClassVar[bool] = False
+    #: Module classes whose activations are recomputed in backward (see ``strategies._transforms``).
+    activation_checkpointing_policy: tuple[type[nn.Module], ...] = ()
+    #: ``torch.compile`` keyword arguments, applied in place after wrapping; None: no compile.
+    compile_options: dict[str, Any] | None = None
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -121,7 +129,10 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/convert/wrap ``module``; returns the module that forward runs through."""
         module = self.precision.convert_module(module)
-        return module.to(self.root_device)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        module = module.to(self.root_device)
+        compile_in_place(module, self.compile_options)
+        return module
 
     def unwrap(self, forward_module: nn.Module) -> nn.Module:
         return forward_module
@@ -243,8 +254,10 @@ class Strategy:
                           for k, v in module.state_dict().items()}
         return type(module).__name__, shapes
 
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint | None:
+        """Write ``state``; returns None, or the handle of a write that continues in the background."""
         checkpoint.save(self, path, state)
+        return None
 
     def load_checkpoint(
         self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True

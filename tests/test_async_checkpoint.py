@@ -1,0 +1,238 @@
+"""Asynchronous sharded saves (FSDPStrategy(async_save=True), inherited by ModelParallelStrategy): the
+checkpoint holds the state as of the save call although training goes on during the write; the next
+save/load waits for it; a failed background write or publish is raised on every rank with its true
+cause and keeps the previous checkpoint; a process killed during the background write leaves the
+previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp import HERE, REPO, run_job
+from test_model_parallel import MODEL_CODE
+
+from phalanx.checkpoint import read_everything
+
+pytestmark = pytest.mark.timeout(300)
+
+ROUND_TRIP_JOB = """
+import errno, sys
+import torch, phalanx
+from pathlib import Path
+from phalanx.checkpoint import storage
+from phalanx.errors import CheckpointError
+from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
+from mp import report
+from models import make_model, full_params, opt_state, one_more_step, parallelize
+
+torch.set_num_threads(1)
+strategy = (FSDPStrategy(async_save=True) if sys.argv[1] == "fsdp"
+            else ModelParallelStrategy(parallelize, 2, 1, async_save=True))
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+m = make_model()
+model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+one_more_step(fabric, model, opt)
+
+handle = fabric.save("first", {"model": model, "optimizer": opt, "step": 1})
+report(fabric, at_save=full_params(model), opt_at_save=opt_state(model, opt))
+for _ in range(3):  # training goes on while the shards are written
+    one_more_step(fabric, model, opt)
+handle.wait()
+report(fabric, handle=type(handle).__name__, done=handle.done(), published=Path("first").is_dir())
+
+# The next save waits for nothing now; a load right after an asynchronous save reads that save.
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 4})
+at_save2 = full_params(model)
+one_more_step(fabric, model, opt)
+m = make_model()
+fresh, fresh_opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+fabric.load("ckpt", state)
+report(fabric, loaded=full_params(fresh), at_save2=at_save2, step=state["step"])
+
+# A background write that fails (here: rank 1's storage) is raised on every rank at the next save,
+# and the checkpoint in place stays the previous one.
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+original = FileSystemWriter.write_data
+def broken(self, plan, planner):
+    raise OSError(28, "No space left on device")
+if fabric.global_rank == 1:
+    FileSystemWriter.write_data = broken
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 99})
+try:
+    handle.wait()  # local: this rank's part ended (torch tells every rank when one rank's write failed)
+    report(fabric, local_failure=None)
+except CheckpointError as err:
+    report(fabric, local_failure=str(err))
+FileSystemWriter.write_data = original
+try:
+    fabric.save("other", {"model": model})
+    report(fabric, failure=None)
+except CheckpointError as err:
+    report(fabric, failure=str(err))
+state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+fabric.load("ckpt", state)
+report(fabric, step_after_failure=state["step"])
+
+# Rank 0 cannot publish (a read-only mount): the other rank, whose shards were written, hears of it too.
+original = storage._move_into_place
+def read_only(tmp, path, exchange):
+    raise OSError(errno.EROFS, "Read-only file system", str(path))
+if fabric.global_rank == 0:
+    storage._move_into_place = read_only
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 123})
+try:
+    handle.wait()  # the publish runs in the background: keep the failure in place until it is done
+    report(fabric, local_publish_failure=None)
+except CheckpointError as err:
+    report(fabric, local_publish_failure=str(err))
+storage._move_into_place = original
+try:
+    fabric.load("ckpt", state)
+    report(fabric, publish_failure=None)
+except CheckpointError as err:
+    report(fabric, publish_failure=str(err))
+fabric.load("ckpt", state)
+leftovers = sorted(p.name for p in Path(".").iterdir() if p.name.startswith(".ckpt"))
+report(fabric, step_after_publish_failure=state["step"], leftovers=leftovers)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> None:
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    job = run_job(ROUND_TRIP_JOB, tmp_path, timeout=240, args=(strategy,)).check()
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["handle"] == "AsyncCheckpoint" and rep["done"]
+        assert torch.equal(torch.tensor(rep["loaded"]), torch.tensor(rep["at_save2"]))
+        assert rep["step"] == 4
+        # Rank 1's disk was full; torch tells every rank, and each raises the operating system's cause.
+        cause = "Cannot write the shards of checkpoint ckpt: [Errno 28] No space left on device"
+        assert rep["failure"] is not None and cause in rep["failure"], rep["failure"]
+        assert "The previous checkpoint, if any, is unchanged." in rep["failure"]
+        assert cause in rep["local_failure"]
+        assert rep["step_after_failure"] == 4
+        # Only rank 0 publishes; its failure reaches rank 1, which had nothing to fail.
+        publish = "Cannot publish checkpoint ckpt: [Errno 30] Read-only file system"
+        assert rep["publish_failure"] is not None and publish in rep["publish_failure"], rep["publish_failure"]
+        assert ("failed on rank 0" in rep["publish_failure"]) == (rank == 1), rep["publish_failure"]
+        assert (rep["local_publish_failure"] is not None) == (rank == 0)
+        assert rep["step_after_publish_failure"] == 4
+        assert rep["leftovers"] == []  # the unpublished directory was removed
+    assert job.reports[0]["published"]  # on rank 0, wait() returns once the checkpoint is in place
+    # The first save holds the state as of the save call, although three steps ran during its write.
+    first = read_everything(tmp_path / "first")
+    assert first["step"] == 1
+    ns: dict[str, Any] = {}
+    exec(MODEL_CODE, ns)
+    plain = ns["make_model"]()
+    plain.load_state_dict(first["model"])
+    assert torch.equal(ns["full_params"](plain), torch.tensor(job.reports[0]["at_save"], dtype=torch.float64))
+    saved_opt = torch.cat([first["optimizer"]["state"][i][k].reshape(-1).double()
+                           for i in range(len(first["optimizer"]["state"])) for k in ("exp_avg", "exp_avg_sq", "step")])
+    assert torch.equal(saved_opt, torch.tensor(job.reports[0]["opt_at_save"], dtype=torch.float64))
+    assert job.reports[0]["at_save"] != job.reports[0]["at_save2"]
+
+
+KILL_JOB = """
+import os
+import torch
+from torch import nn
+import phalanx
+from pathlib import Path
+from phalanx.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
+torch.set_num_threads(1)
+shard = lambda model, mesh: fully_shard(model, mesh=mesh["data_parallel"])
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(shard, 2, 1, async_save=True))
+fabric.launch()
+Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+model(torch.randn(2, 512)).sum().backward()
+opt.step()
+
+def fill(step):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+
+fill(1)
+fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 1}).wait()
+fabric.barrier()
+if fabric.global_rank == 0:
+    Path("ready").write_text("1")
+for step in range(2, 10_000):
+    fill(step)
+    fabric.save("ckpt", {"model": model, "optimizer": opt, "step": step})
+    fill(-step)  # training overwrites the parameters while the write runs: the copy must not see it
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_trial(tmp_path: Path, seed: int) -> int:
+    """SIGKILL every process of the saving job at one random moment (the ranks run in sessions of their own,
+    so each is killed by pid, then the launcher); the checkpoint left must be complete and hold one save's
+    values only. Returns its step."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "job.py").write_text(textwrap.dedent(KILL_JOB))
+    env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
+    proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the saving job never became ready"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+        time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):  # a surviving rank could still publish while we read
+        assert time.monotonic() < deadline, "a killed rank is still running"
+        time.sleep(0.05)
+    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
+    step = int(sd["step"])
+    for key, value in sd["model"].items():
+        assert torch.all(value == float(step)), f"{key} holds values of another step than {step}"
+    assert set(sd["optimizer"]["state"]) == set(range(16))
+    return step
+
+
+def test_kill_during_async_write_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    _kill_trial(tmp_path, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_kill_during_async_write_many_trials(tmp_path: Path) -> None:
+    steps = [_kill_trial(tmp_path / str(i), seed=200 + i) for i in range(8)]
+    assert max(steps) > 1, steps  # kills landed after later saves began, not only before
