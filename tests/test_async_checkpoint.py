@@ -6,20 +6,13 @@ previous checkpoint loadable."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import HERE, REPO, run_job
+from mp import kill_mid_run, run_job
 from test_model_parallel import MODEL_CODE
 
 from phalanx.checkpoint import read_everything
@@ -183,42 +176,11 @@ for step in range(2, 10_000):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _kill_trial(tmp_path: Path, seed: int) -> int:
-    """SIGKILL every process of the saving job at one random moment (the ranks run in sessions of their own,
-    so each is killed by pid, then the launcher); the checkpoint left must be complete and hold one save's
-    values only. Returns its step."""
+    """SIGKILL every process of the saving job at one random moment; the checkpoint left must be complete
+    and hold one save's values only. Returns its step."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "job.py").write_text(textwrap.dedent(KILL_JOB))
-    env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
-    proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 150
-        while not (tmp_path / "ready").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, "the saving job never became ready"
-            time.sleep(0.05)
-        pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
-        time.sleep(random.Random(seed).uniform(0.0, 2.0))
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids):  # a surviving rank could still publish while we read
-        assert time.monotonic() < deadline, "a killed rank is still running"
-        time.sleep(0.05)
+    kill_mid_run(KILL_JOB, tmp_path, ranks=2, delay=random.Random(seed).uniform(0.0, 2.0))
     sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
     step = int(sd["step"])
     for key, value in sd["model"].items():

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import HERE, REPO, run_job
+from mp import kill_mid_run, run_job
 from test_fsdp import MODEL_CODE
 
 from phalanx import Fabric
@@ -311,7 +306,7 @@ def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
 
 
 KILL_JOB = """
-import sys
+import os
 import torch
 from torch import nn
 import phalanx
@@ -319,6 +314,7 @@ from pathlib import Path
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()
+Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
 model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
 model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
 model(torch.randn(2, 512)).sum().backward()
@@ -343,20 +339,7 @@ def _kill_trial(tmp_path: Path, seed: int) -> int:
     the checkpoint that survived (and assert it is complete and self-consistent)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     _write_models(tmp_path)
-    (tmp_path / "job.py").write_text(textwrap.dedent(KILL_JOB))
-    env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
-    proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ready").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, "the saving job never became ready"
-            time.sleep(0.05)
-        time.sleep(random.Random(seed).uniform(0.0, 2.0))
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_mid_run(KILL_JOB, tmp_path, ranks=2, delay=random.Random(seed).uniform(0.0, 2.0), ready_timeout=120)
     sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
     step = sd["step"]
     for key, value in sd["model"].items():
