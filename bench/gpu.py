@@ -17,6 +17,7 @@ Where no CUDA device exists it prints a skip line and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import socket
@@ -125,20 +126,29 @@ def timed_loop(
     return (time.perf_counter() - start) / args.steps, float(loss)
 
 
-def raw_single(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
-    model = make_model().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward,
+    autocast: bool = False,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One optimizer step on next-token cross-entropy: the step every contender times (``backward``:
+    ``fabric.backward`` for phalanx; ``autocast``: bf16 autocast around the forward)."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return timed_loop(step, batches, args)
+    return step
+
+
+def raw_single(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
+    model = make_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    return timed_loop(train_step(model, opt, autocast=True), batches, args)
 
 
 def phalanx_run(strategy: str, args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
@@ -150,17 +160,9 @@ def phalanx_run(strategy: str, args: argparse.Namespace, batches: list[Any]) -> 
     # fused AdamW needs the parameters on the GPU, so the optimizer is made after setup_module.
     wrapped = fabric.setup_module(model)
     opt = fabric.setup_optimizers(torch.optim.AdamW(wrapped.parameters(), lr=3e-4, fused=True))
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = wrapped(x)  # phalanx's bf16-mixed precision runs the forward under autocast
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    # phalanx's bf16-mixed precision runs the forward under autocast itself.
     try:
-        return timed_loop(step, batches, args)
+        return timed_loop(train_step(wrapped, opt, fabric.backward), batches, args)
     finally:
         fabric.teardown()
 
@@ -181,16 +183,7 @@ def raw_fsdp(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return timed_loop(step, batches, args)
+        return timed_loop(train_step(model, opt), batches, args)
     finally:
         dist.destroy_process_group()
 
@@ -279,16 +272,7 @@ def _tp_worker(rank: int, kind: str, args: argparse.Namespace, port: int, result
             mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
             model = parallelize(make_tp_model(args.smoke_cpu), mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
-
-            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            result = timed_loop(step, batches, args)
+            result = timed_loop(train_step(model, opt), batches, args)
         finally:
             dist.destroy_process_group()
     else:
@@ -304,16 +288,7 @@ def _tp_worker(rank: int, kind: str, args: argparse.Namespace, port: int, result
         try:
             wrapped = fabric.setup_module(make_tp_model(args.smoke_cpu))
             opt = fabric.setup_optimizers(torch.optim.AdamW(wrapped.parameters(), lr=3e-4, foreach=True))
-
-            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                logits = wrapped(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-                fabric.backward(loss)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            result = timed_loop(step, batches, args)
+            result = timed_loop(train_step(wrapped, opt, fabric.backward), batches, args)
         finally:
             fabric.teardown()
     if rank == 0:

@@ -6,13 +6,13 @@ previous checkpoint loadable."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import kill_mid_run, run_job
+from mp import run_job
+from test_fsdp_checkpoint import kill_trial
 from test_model_parallel import MODEL_CODE
 
 from phalanx.checkpoint import read_everything
@@ -140,61 +140,15 @@ def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> Non
     assert job.reports[0]["at_save"] != job.reports[0]["at_save2"]
 
 
-KILL_JOB = """
-import os
-import torch
-from torch import nn
-import phalanx
-from pathlib import Path
-from phalanx.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import fully_shard
-
-torch.set_num_threads(1)
-shard = lambda model, mesh: fully_shard(model, mesh=mesh["data_parallel"])
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(shard, 2, 1, async_save=True))
-fabric.launch()
-Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
-model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
-model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
-model(torch.randn(2, 512)).sum().backward()
-opt.step()
-
-def fill(step):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float(step))
-
-fill(1)
-fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 1}).wait()
-fabric.barrier()
-if fabric.global_rank == 0:
-    Path("ready").write_text("1")
-for step in range(2, 10_000):
-    fill(step)
-    fabric.save("ckpt", {"model": model, "optimizer": opt, "step": step})
-    fill(-step)  # training overwrites the parameters while the write runs: the copy must not see it
-"""
-
-
-def _kill_trial(tmp_path: Path, seed: int) -> int:
-    """SIGKILL every process of the saving job at one random moment; the checkpoint left must be complete
-    and hold one save's values only. Returns its step."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    kill_mid_run(KILL_JOB, tmp_path, ranks=2, delay=random.Random(seed).uniform(0.0, 2.0))
-    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
-    step = int(sd["step"])
-    for key, value in sd["model"].items():
-        assert torch.all(value == float(step)), f"{key} holds values of another step than {step}"
-    assert set(sd["optimizer"]["state"]) == set(range(16))
-    return step
+ASYNC = "FSDPStrategy(async_save=True)"
 
 
 def test_kill_during_async_write_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
-    _kill_trial(tmp_path, seed=0)
+    kill_trial(tmp_path, seed=0, strategy=ASYNC)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_during_async_write_many_trials(tmp_path: Path) -> None:
-    steps = [_kill_trial(tmp_path / str(i), seed=200 + i) for i in range(8)]
+    steps = [kill_trial(tmp_path / str(i), seed=200 + i, strategy=ASYNC) for i in range(8)]
     assert max(steps) > 1, steps  # kills landed after later saves began, not only before
