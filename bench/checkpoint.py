@@ -20,8 +20,8 @@ median of the paired ratios phalanx/raw.
 
 ``--stall``: what a checkpoint costs the *training loop*. The same model trains for ``--steps`` steps,
 saving a sharded checkpoint every ``--every`` steps, three ways interleaved per repetition: no save,
-``fabric.save`` synchronous, and ``ModelParallelStrategy(async_save=True)`` (the call returns once the
-shards are staged in memory; the write overlaps the next steps and competes with them for the CPU).
+``fabric.save`` synchronous, and ``FSDPStrategy(async_save=True)`` (the call returns once the shards are
+copied into memory; the write overlaps the next steps and competes with them for the CPU).
 Reported: the step that calls ``save`` (the stall), the other steps, and the whole window including
 the wait for the last write.
 """
@@ -80,11 +80,7 @@ def timed(fabric: phalanx.Fabric, fn: Callable[[], Any]) -> float:
 
 def stall(args: argparse.Namespace) -> None:
     """Per-step wall time of a training loop that saves every ``args.every`` steps: none / sync / async."""
-    from torch.distributed.fsdp import fully_shard
-
-    from phalanx.strategies import ModelParallelStrategy
-
-    strategy = ModelParallelStrategy(lambda m, mesh: fully_shard(m, mesh=mesh["data_parallel"]), 2, 1)
+    strategy = FSDPStrategy()  # ModelParallelStrategy inherits the same asynchronous saves
     fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     model, opt = build(fabric, args.params)

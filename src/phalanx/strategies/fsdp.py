@@ -632,6 +632,7 @@ class FSDPStrategy(ParallelStrategy):
         with self.internal_state_dict():
             if self.async_save:
                 return self._saves.save(self, path, state)
+            self._saves.finish(self)  # async_save was switched off while a write ran
             super().save_checkpoint(path, state)
         return None
 
