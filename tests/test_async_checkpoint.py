@@ -16,6 +16,8 @@ from test_fsdp_checkpoint import kill_trial
 from test_model_parallel import MODEL_CODE
 
 from phalanx.checkpoint import read_everything
+from phalanx.errors import MisconfigurationError
+from phalanx.strategies import FSDPStrategy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,6 +102,23 @@ except CheckpointError as err:
 fabric.load("ckpt", state)
 leftovers = sorted(p.name for p in Path(".").iterdir() if p.name.startswith(".ckpt"))
 report(fabric, step_after_publish_failure=state["step"], leftovers=leftovers)
+
+# Copying the shards fails on rank 1 (out of memory): every rank raises before any write starts.
+from phalanx.checkpoint import async_sharded
+stage = async_sharded._ReusedStaging.stage
+def no_memory(self, tensors):
+    raise MemoryError("cannot allocate the staging copy")
+if fabric.global_rank == 1:
+    async_sharded._ReusedStaging.stage = no_memory
+try:
+    fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 77})
+    report(fabric, stage_failure=None)
+except CheckpointError as err:
+    report(fabric, stage_failure=str(err))
+async_sharded._ReusedStaging.stage = stage
+fabric.load("ckpt", state)
+leftovers = sorted(p.name for p in Path(".").iterdir() if p.name.startswith(".ckpt"))
+report(fabric, step_after_stage_failure=state["step"], leftovers_after_stage_failure=leftovers)
 """
 
 
@@ -125,6 +144,8 @@ def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> Non
         assert (rep["local_publish_failure"] is not None) == (rank == 0)
         assert rep["step_after_publish_failure"] == 4
         assert rep["leftovers"] == []  # the unpublished directory was removed
+        assert "Saving ckpt failed on rank 1: MemoryError: cannot allocate the staging copy" in rep["stage_failure"]
+        assert rep["step_after_stage_failure"] == 4 and rep["leftovers_after_stage_failure"] == []
     assert job.reports[0]["published"]  # on rank 0, wait() returns once the checkpoint is in place
     # The first save holds the state as of the save call, although three steps ran during its write.
     first = read_everything(tmp_path / "first")
@@ -141,6 +162,11 @@ def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> Non
 
 
 ASYNC = "FSDPStrategy(async_save=True)"
+
+
+def test_async_save_needs_sharded_checkpoints() -> None:
+    with pytest.raises(MisconfigurationError, match="async_save=True writes sharded checkpoints"):
+        FSDPStrategy(async_save=True, state_dict_type="full")
 
 
 def test_kill_during_async_write_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 The user's ``parallelize_fn(model, device_mesh)`` applies torch's own sharding (``parallelize_module``
 on ``device_mesh["tensor_parallel"]``, ``fully_shard`` on ``device_mesh["data_parallel"]``,
 activation checkpointing, ``module.compile()``) in the order it chooses; everything else is the
-FSDP strategy's (optimizer re-pointing, accumulation semantics, the lockstep guard, DCP
-checkpoints). What this file adds is what goes wrong silently once a second mesh dimension exists:
+FSDP strategy's (setup, optimizer re-pointing, accumulation semantics, clipping over every mesh the
+gradients live on, the lockstep guard, DCP checkpoints, asynchronous saves). What this file adds is
+what goes wrong silently once a second mesh dimension exists:
 
 * Data split by world rank. The ranks of one tensor-parallel group must see the *same* batch; split
   by global rank, each computes a different slice of a different batch and the result is garbage
@@ -14,9 +15,6 @@ checkpoints). What this file adds is what goes wrong silently once a second mesh
   LayerNorm sharded only by FSDP) must hold the same values on all its replicas. Meta-device
   materialization draws each rank's shards from its own random stream, so after initialization
   the replicated shards are broadcast from the first rank of that dimension.
-* A gradient norm that counts replicas twice. Clipping sums the p-th powers of the local shards
-  over the world, counting each shard once: only on the rank whose coordinate along every
-  dimension the tensor is replicated over is zero.
 * Gradients never averaged across data-parallel ranks. Parameters not sharded over
   ``"data_parallel"`` would be trained per rank; phalanx shards the root with ``fully_shard`` when
   ``parallelize_fn`` did not, and refuses a parameter that is still not covered.
