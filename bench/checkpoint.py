@@ -17,6 +17,13 @@ optimizer holds two more copies: ~4x the parameter bytes in all. Contenders, int
 
 Each timing starts and ends with a barrier, measured on rank 0; the table reports medians and the
 median of the paired ratios phalanx/raw.
+
+``--stall``: what a checkpoint costs the *training loop*. The same model trains for ``--steps`` steps,
+saving a sharded checkpoint every ``--every`` steps, three ways interleaved per repetition: no save,
+``fabric.save`` synchronous, and ``FSDPStrategy(async_save=True)`` (the call returns once the shards are
+copied into memory; the write overlaps the next steps and competes with them for the CPU).
+Reported: the step that calls ``save`` (the stall), the other steps, and the whole window including
+the wait for the last write.
 """
 
 from __future__ import annotations
@@ -71,6 +78,75 @@ def timed(fabric: phalanx.Fabric, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def stall(args: argparse.Namespace) -> None:
+    """Per-step wall time of a training loop that saves every ``args.every`` steps: none / sync / async."""
+    strategy = FSDPStrategy()  # ModelParallelStrategy inherits the same asynchronous saves
+    fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model, opt = build(fabric, args.params)
+    width = model.module[0].in_features
+    n = sum(p.numel() for p in model.module.parameters())
+    root = Path(fabric.broadcast(tempfile.mkdtemp(prefix="phalanx-stall-bench-") if fabric.is_global_zero else None))
+    x = torch.randn(8, width)
+
+    def window(mode: str) -> tuple[list[float], list[float], float]:
+        """(save-step seconds, other-step seconds, window seconds) on rank 0."""
+        strategy.async_save = mode == "async"
+        os.sync()
+        dist.barrier()
+        saves, others = [], []
+        start = time.perf_counter()
+        handle = None
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            fabric.backward(model(x).pow(2).mean())
+            opt.step()
+            if mode != "none" and step % args.every == 0:
+                handle = fabric.save(root / "ckpt", {"model": model, "optimizer": opt, "step": step})
+                saves.append(time.perf_counter() - t0)
+            else:
+                others.append(time.perf_counter() - t0)
+        if handle is not None:
+            handle.wait()
+        dist.barrier()  # every rank's part written (and published, on rank 0)
+        return saves, others, time.perf_counter() - start
+
+    modes = ("none", "sync", "async")
+    results: dict[str, list[tuple[list[float], list[float], float]]] = {m: [] for m in modes}
+    for rep in range(-args.warmup, args.reps):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+            out = window(mode)
+            if rep >= 0:
+                results[mode].append(out)
+    if fabric.is_global_zero:
+        def med(values: list[float]) -> str:
+            return f"{statistics.median(values):.3f}" if values else "-"
+
+        base = statistics.median(w for _, _, w in results["none"])
+        lines = [
+            f"2 CPU ranks (gloo), {n / 1e6:.1f} M parameters + AdamW state, a sharded save every {args.every} of "
+            f"{args.steps} steps, torch {torch.__version__}; medians over {args.reps} interleaved repetitions "
+            f"after {args.warmup} untimed.",
+            "",
+            "| checkpointing | step that saves (s) | other steps (s) | window (s) | window / no save |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for mode, label in zip(modes, ("none", "fabric.save, synchronous", "fabric.save, async_save=True")):
+            saves = [t for s, _, _ in results[mode] for t in s]
+            others = [t for _, o, _ in results[mode] for t in o]
+            win = statistics.median(w for _, _, w in results[mode])
+            lines.append(f"| {label} | {med(saves)} | {med(others)} | {win:.2f} | {win / base:.2f} |")
+        table = "\n".join(lines)
+        print(table)
+        if args.out is not None:
+            args.out.write_text(table + "\n")
+    fabric.barrier("bench done")
+    fabric.teardown()
+    if fabric.is_global_zero:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=50e6)
@@ -82,10 +158,17 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, one repetition (checks the script)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    parser.add_argument("--stall", action="store_true", help="measure the training-step stall instead: no save / "
+                        "synchronous / asynchronous sharded saves every --every steps")
+    parser.add_argument("--steps", type=int, default=20, help="--stall: training steps per window")
+    parser.add_argument("--every", type=int, default=5, help="--stall: save every this many steps")
     args = parser.parse_args()
     if args.quick:
         args.params, args.reps, args.warmup = 5e6, 1, 0
     torch.set_num_threads(1)
+    if args.stall:
+        stall(args)
+        return
     strategy = FSDPStrategy()
     fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()

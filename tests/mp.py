@@ -9,8 +9,10 @@ fails the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -97,3 +99,44 @@ def _plain(value: Any) -> Any:
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_mid_run(code: str, tmp_path: Path, ranks: int, delay: float, ready_timeout: float = 150) -> None:
+    """Run ``code`` (a launched job whose ranks write their pid to ``pid<rank>`` and whose rank 0 writes
+    a ``ready`` file once the state to check is in place), wait ``delay`` seconds after ``ready``, then
+    SIGKILL every rank and the launcher. Returns once none of them runs any more.
+
+    The ranks run in sessions of their own (torch's launcher starts them so), so killing the launcher's
+    process group would leave them running: a rank could go on saving, and publish, while the test
+    reads the checkpoint. Each rank is killed by its pid instead."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(code))
+    env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
+    proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the job never became ready"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(ranks)]
+        time.sleep(delay)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a killed rank is still running"
+        time.sleep(0.05)

@@ -355,6 +355,9 @@ def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int
     finally:
         if proc.poll() is None:
             proc.kill()
+    # The writer was killed by pid and the launcher stops the other ranks before it exits; check that none
+    # still runs before reading, or one could still be saving while the checkpoint is read.
+    assert_no_orphans(tmp_path)
     confirmed = 1 + rest.count("saved ")  # the last step whose save returned (two lines were read above)
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
     on_disk = _load_step(target, devices, strategy, tmp_path)
@@ -366,7 +369,6 @@ def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int
             _load_step(partial, devices, strategy, tmp_path)
         except CheckpointError:
             refused += 1
-    assert_no_orphans(tmp_path)
     return confirmed, on_disk, len(leftovers), refused
 
 

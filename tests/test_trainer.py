@@ -94,6 +94,7 @@ def test_logging_errors() -> None:
 def test_ranks_logging_different_names_are_told_so() -> None:
     class TwoRanks:
         world_size = 2
+        strategy = phalanx.strategies.DDPStrategy()
 
         def all_gather(self, t: torch.Tensor) -> torch.Tensor:
             other = t.clone()

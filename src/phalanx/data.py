@@ -166,7 +166,9 @@ def warn_iterable(loader: DataLoader[Any], rank: int) -> None:
     """Say (on rank 0) that phalanx cannot shard an IterableDataset: each rank must yield its own part."""
     if isinstance(loader.dataset, IterableDataset):
         warn(
-            "The dataloader wraps an IterableDataset, which no sampler can split: make sure each rank yields "
-            "a different shard (see torch.utils.data.get_worker_info and fabric.global_rank).",
+            "The dataloader wraps an IterableDataset, which no sampler can split: make sure each data-parallel "
+            "rank yields a different shard (see torch.utils.data.get_worker_info and "
+            "fabric.strategy.distributed_sampler_kwargs(), whose 'rank' is the global rank except under tensor "
+            "parallelism, where the ranks of one model replica must yield the same data).",
             rank=rank,
         )

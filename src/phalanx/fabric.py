@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,8 +31,12 @@ from phalanx.errors import MisconfigurationError
 from phalanx.precision import canonical_precision
 from phalanx.seed import seed_everything as _seed_everything
 from phalanx.strategies import Strategy, resolve_strategy
+from phalanx.strategies._transforms import refuse_compiled
 from phalanx.utils import apply_to_tensors, move_to_device
 from phalanx.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
 
 # `phalanx run --strategy ...` passes its flags to the script's Fabric through these variables.
 _CLI_ENV = {
@@ -287,6 +291,7 @@ class Fabric:
             raise MisconfigurationError("This module was already set up by fabric.setup(); set it up once.")
         if not isinstance(module, nn.Module):
             raise MisconfigurationError(f"fabric.setup expects an nn.Module, got {type(module).__name__}.")
+        refuse_compiled(module)
 
     @staticmethod
     def _check_new_optimizer(optimizer: Any) -> None:
@@ -466,9 +471,10 @@ class Fabric:
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> None:
+    def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> AsyncCheckpoint | None:
         """Save ``state`` (modules, optimizers, stateful objects and plain values). Call it on every rank:
-        the strategy decides who writes. The write is atomic."""
+        the strategy decides who writes. The write is atomic. Returns None, or the handle of a save that
+        continues in the background (``FSDPStrategy(async_save=True)``, ``ModelParallelStrategy`` too)."""
         self._ensure_launched()
         if filter is not None:
             raise MisconfigurationError(
@@ -478,7 +484,7 @@ class Fabric:
             )
         if not isinstance(state, Mapping):
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
-        self._strategy.save_checkpoint(path, dict(state))
+        return self._strategy.save_checkpoint(path, dict(state))
 
     def load(
         self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,

@@ -226,6 +226,13 @@ def _first_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def plain_failure(err: BaseException) -> RuntimeError:
+    """DCP gathers every rank's failure and raises the same on all of them, as a BaseException listing
+    every traceback: an ordinary error naming the first rank's exception (raise it ``from err``, so the
+    checkpoint layer still finds the operating system's cause behind it)."""
+    return RuntimeError(_first_cause(err))
+
+
 class DCPShards:
     """The ``torch.distributed.checkpoint`` layout (see the module docstring).
 
@@ -248,19 +255,22 @@ class DCPShards:
                 out[e.key] = get_optimizer_state_dict(_require_module(e.module, e.obj), e.obj)
         return out
 
-    def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
+    def state_dicts(self, entries: list[Entry]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What DCP writes for ``entries`` (this rank's shards, live) and the info ``write`` returns."""
         # An optimizer that has not stepped has no tensors to shard (and the helpers would invent a
         # zero step): it goes into the marker as a plain state dict.
         tensors = self._tensors(entries, with_state_only=True)
+        return tensors, {"sharded": list(tensors), "optimizers": [e.key for e in entries if e.key in tensors
+                                                                  and e.kind == OPTIMIZER]}
+
+    def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
+        tensors, info = self.state_dicts(entries)
         with self._collective("save: writing shards (torch.distributed.checkpoint)"):
             try:
                 dcp_save(tensors, storage_writer=FileSystemWriter(str(directory)))
             except CheckpointException as err:
-                # DCP gathers every rank's failure and raises the same on all of them, as a BaseException;
-                # the checkpoint layer finds the operating system's cause behind it.
-                raise RuntimeError(_first_cause(err)) from err
-        return {"sharded": list(tensors), "optimizers": [e.key for e in entries if e.key in tensors
-                                                         and e.kind == OPTIMIZER]}
+                raise plain_failure(err) from err
+        return info
 
     def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
         if not (directory / METADATA).is_file():

@@ -159,17 +159,32 @@ def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
     entries = sort_state(state)
     host.barrier("save")  # enter together: a save reached by some ranks only fails here, named
     shards = host.checkpoint_shards()
-    kinds = {e.key: e.kind for e in entries}
     if shards is None:
         def write_file() -> None:
             payload = _gather(host, entries)
             if host.is_global_zero:
-                payload[META_KEY] = make_meta(host, FILE_LAYOUT, kinds)
+                payload[META_KEY] = make_meta(host, FILE_LAYOUT, {e.key: e.kind for e in entries})
                 check_plain(payload)
                 storage.write_file(payload, path)
 
         _together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file)
         return
+
+    tmp = begin_directory(host, path)
+    try:
+        info = _together(host, "save: every rank wrote its shards", f"Saving {path}",
+                         lambda: _write_shards(shards, tmp, path, entries))
+        write_marker(host, tmp, path, shards.layout, entries, info, publish=True)
+    except BaseException:
+        if host.is_global_zero:
+            storage.delete_now(tmp)
+        raise
+
+
+# The phases of a directory save, shared with the asynchronous save (phalanx.checkpoint.async_sharded).
+def begin_directory(host: Host, path: Path) -> Path:
+    """Rank 0 checks ``path`` can take a directory checkpoint; every rank gets the hidden directory
+    the checkpoint is assembled in (a collective)."""
 
     def prepare() -> str:
         if path.exists() and not path.is_dir():
@@ -188,29 +203,29 @@ def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
         return uuid.uuid4().hex[:12]
 
     token = _on_rank0(host, "save: agree on the temporary directory", f"Saving {path}", prepare)
-    tmp = storage.partial_dir(path, token)
-    try:
-        info = _together(host, "save: every rank wrote its shards", f"Saving {path}",
-                         lambda: _write_shards(shards, tmp, path, entries))
-        rest = [e for e in entries if e.key not in info["sharded"]]
+    return storage.partial_dir(path, token)
 
-        def publish() -> None:
-            extras = _gather(host, rest)
-            if host.is_global_zero:
-                marker = {META_KEY: make_meta(host, shards.layout, kinds, shards=info), "extras": extras}
-                check_plain(marker)
-                storage.write_file(marker, tmp / MARKER, "checkpoint marker")
-                storage.fsync_dir(tmp)
-                try:
-                    storage.publish_dir(tmp, path)
-                except OSError as err:
-                    raise storage.write_error(err, path, "publish checkpoint") from err
 
-        _together(host, "save: rank 0 published the checkpoint", f"Saving {path}", publish)
-    except BaseException:
+def write_marker(
+    host: Host, tmp: Path, path: Path, layout: str, entries: list[Entry], info: dict[str, Any], publish: bool
+) -> None:
+    """Rank 0 writes the marker into ``tmp``: phalanx's metadata and every entry the shards (``info``)
+    do not hold, as of now. With ``publish`` it then moves ``tmp`` to ``path``. A collective: a failure
+    reaches every rank."""
+    rest = [e for e in entries if e.key not in info["sharded"]]
+
+    def write() -> None:
+        extras = _gather(host, rest)
         if host.is_global_zero:
-            storage.delete_now(tmp)
-        raise
+            kinds = {e.key: e.kind for e in entries}
+            marker = {META_KEY: make_meta(host, layout, kinds, shards=info), "extras": extras}
+            check_plain(marker)
+            storage.write_file(marker, tmp / MARKER, "checkpoint marker")
+            if publish:
+                storage.publish_dir(tmp, path)
+
+    name = "save: rank 0 published the checkpoint" if publish else "save: rank 0 wrote the checkpoint marker"
+    _together(host, name, f"Saving {path}", write)
 
 
 def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) -> dict[str, Any]:

@@ -262,12 +262,24 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish_dir(tmp: Path, path: Path, exchange: bool = True) -> None:
     """Move the finished directory ``tmp`` to ``path``, replacing what is there; ``path`` holds a
     complete checkpoint (the old or the new one) at every instant, or, on systems without an atomic
-    exchange, the old one sits under ``.old-`` for the moment between two renames."""
+    exchange, the old one sits under ``.old-`` for the moment between two renames. A failure is a
+    ``CheckpointError`` naming its true cause."""
     if os.path.lexists(path) and not path.is_dir():
         raise CheckpointError(
             f"Cannot write the checkpoint directory {path}: a file exists at that path (a single-file "
             "checkpoint?). Choose another path or remove it first."
         )
+    fsync_dir(tmp)  # its entries are durable before the directory appears under its name
+    try:
+        _move_into_place(tmp, path, exchange)
+    except OSError as err:
+        raise write_error(err, path, "publish checkpoint") from err
+    fsync_dir(path.parent)
+    for old in path.parent.glob(f".{path.name}{_OLD}*"):
+        delete_now(old)  # the new checkpoint is in place: older copies are garbage now
+
+
+def _move_into_place(tmp: Path, path: Path, exchange: bool) -> None:
     if not os.path.lexists(path):
         os.rename(tmp, path)
     elif exchange and _exchange(tmp, path):
@@ -282,9 +294,6 @@ def publish_dir(tmp: Path, path: Path, exchange: bool = True) -> None:
         except BaseException:
             os.rename(old, path)
             raise
-    fsync_dir(path.parent)
-    for old in path.parent.glob(f".{path.name}{_OLD}*"):
-        delete_now(old)  # the new checkpoint is in place: older copies are garbage now
 
 
 def remove(path: Path) -> None:

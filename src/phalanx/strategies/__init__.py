@@ -68,11 +68,15 @@ def available_strategies() -> list[str]:
 
 
 def __getattr__(name: str) -> Any:
-    # FSDPStrategy imports torch.distributed.fsdp/checkpoint: only when someone asks for it.
+    # FSDPStrategy/ModelParallelStrategy import torch.distributed.fsdp/checkpoint: only when someone asks.
     if name == "FSDPStrategy":
         from phalanx.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ModelParallelStrategy":
+        from phalanx.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     if name == "DeepSpeedStrategy":
         from phalanx.strategies.deepspeed import DeepSpeedStrategy
 
@@ -84,6 +88,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",

@@ -17,6 +17,15 @@ def _fsdp() -> Any:
 FACTORIES["fsdp"] = _fsdp
 
 
+def _model_parallel() -> Any:
+    from phalanx.strategies.model_parallel import ModelParallelStrategy
+
+    return ModelParallelStrategy()
+
+
+FACTORIES["model_parallel"] = _model_parallel
+
+
 def _deepspeed(stage: int | None = None) -> Callable[[], Any]:
     def make() -> Any:
         from phalanx.strategies.deepspeed import DeepSpeedStrategy  # imports no DeepSpeed until setup

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ from phalanx.checkpoint.state import plain_shapes
 from phalanx.errors import MisconfigurationError
 from phalanx.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
+from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
 
 T = TypeVar("T")
 
@@ -45,6 +49,10 @@ class Strategy:
     #: they produce still synchronized by ``backward`` (manual optimization relies on it). Sharding
     #: backends need their forward to gather parameters, so they say False.
     supports_calls_outside_forward: ClassVar[bool] = True
+    #: Module classes whose activations are recomputed in backward (see ``strategies._transforms``).
+    activation_checkpointing_policy: tuple[type[nn.Module], ...] = ()
+    #: ``torch.compile`` keyword arguments, applied in place after wrapping; None: no compile.
+    compile_options: dict[str, Any] | None = None
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -130,7 +138,10 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/convert/wrap ``module``; returns the module that forward runs through."""
         module = self.precision.convert_module(module)
-        return module.to(self.root_device)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        module = module.to(self.root_device)
+        compile_in_place(module, self.compile_options)
+        return module
 
     def unwrap(self, forward_module: nn.Module) -> nn.Module:
         return forward_module
@@ -250,8 +261,10 @@ class Strategy:
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         return type(module).__name__, plain_shapes(module)
 
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint | None:
+        """Write ``state``; returns None, or the handle of a write that continues in the background."""
         checkpoint.save(self, path, state)
+        return None
 
     def load_checkpoint(
         self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True

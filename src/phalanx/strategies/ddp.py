@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from phalanx.diagnostics import warn
 from phalanx.errors import GradientSyncError
+from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
 from phalanx.strategies.parallel import ParallelStrategy
 
 
@@ -49,6 +50,10 @@ class DDPStrategy(ParallelStrategy):
             bucket_cap_mb: passed to ``DistributedDataParallel``.
         verify_sync: after every synchronized backward, check that gradients agree across ranks and
             raise naming the first parameter that differs (costs one small all-gather per step).
+        activation_checkpointing_policy: set of module classes whose activations are recomputed in
+            backward instead of stored (applied before DDP wraps the module).
+        compile: ``True`` or a dict of ``torch.compile`` arguments: the DDP-wrapped module is compiled in
+            place, so torch's DDP-aware compiler splits the graph at gradient buckets.
         Other arguments: see :class:`~phalanx.strategies.parallel.ParallelStrategy`.
     """
 
@@ -64,9 +69,13 @@ class DDPStrategy(ParallelStrategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         verify_sync: bool = False,
+        activation_checkpointing_policy: set[type[nn.Module]] | None = None,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy)
+        self.compile_options = check_compile(compile)
         self.ddp_kwargs: dict[str, Any] = {
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -82,13 +91,16 @@ class DDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ modules
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self.precision.convert_module(module).to(self.root_device)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not trainable:
             # Nothing to average (a frozen teacher): DDP would refuse to wrap it anyway.
+            compile_in_place(module, self.compile_options)
             return module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         with self.guard.guarded("setup_module (DDP broadcasts rank 0's parameters)"):
             ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        compile_in_place(ddp, self.compile_options)
         self._sync[id(ddp)] = _SyncState(
             name=type(module).__name__, params=trainable, param_ids=frozenset(id(p) for _, p in trainable)
         )

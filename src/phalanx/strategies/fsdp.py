@@ -47,12 +47,15 @@ from torch.optim import Optimizer
 
 from phalanx._compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from phalanx.checkpoint import dcp
+from phalanx.checkpoint.async_sharded import AsyncCheckpoint, AsyncSaves
 from phalanx.checkpoint.dcp import class_name
 from phalanx.checkpoint.protocol import Shapes, ShardIO
+from phalanx.collectives import to_timedelta
 from phalanx.errors import GradientSyncError, MisconfigurationError
 from phalanx.launch import ClusterEnvironment
 from phalanx.module_state import is_metric
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
+from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
 from phalanx.strategies.parallel import ParallelStrategy
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -82,14 +85,12 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
 
 
-class FSDPMixedPrecision(MixedPrecision):
-    """``bf16-mixed``/``16-mixed`` done by FSDP2 itself: parameters are all-gathered and used in
-    ``dtype``, gradients are reduced and kept in float32, and the optimizer updates float32 shards.
-    There is no autocast: FSDP casts parameters and floating-point inputs.
-
-    Loss scaling is :class:`~phalanx.precision.MixedPrecision`'s ``torch.amp.GradScaler``: on DTensor
-    gradients torch all-reduces its found-inf flag over the mesh, so an overflow in one rank's shard
-    skips the step on every rank (shards would diverge otherwise)."""
+class ShardedMixedPrecision(MixedPrecision):
+    """:class:`~phalanx.precision.MixedPrecision` (autocast) on sharded (DTensor) gradients. Loss scaling
+    is its ``torch.amp.GradScaler``: on DTensor gradients torch all-reduces the found-inf flag over the
+    mesh, so an overflow in one rank's shard skips the step on every rank (shards would diverge
+    otherwise). That all-reduce is a collective: the ranks meet first, so a rank that never steps
+    makes the others raise (naming this op) instead of waiting for the process-group timeout."""
 
     def __init__(
         self, dtype: torch.dtype, device_type: str, guarded: Callable[[str], contextlib.AbstractContextManager[None]]
@@ -97,17 +98,21 @@ class FSDPMixedPrecision(MixedPrecision):
         super().__init__(dtype, device_type)
         self._guarded = guarded
 
+    def _unscale(self, optimizer: Optimizer) -> None:
+        with self._guarded("loss scaler (inf/nan in any gradient shard)"):
+            super()._unscale(optimizer)
+
+
+class FSDPMixedPrecision(ShardedMixedPrecision):
+    """``bf16-mixed``/``16-mixed`` done by FSDP2 itself: parameters are all-gathered and used in
+    ``dtype``, gradients are reduced and kept in float32, and the optimizer updates float32 shards.
+    There is no autocast: FSDP casts parameters and floating-point inputs."""
+
     def policy(self) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
-
-    def _unscale(self, optimizer: Optimizer) -> None:
-        # The found-inf all-reduce is a collective: meet the other ranks first, so a rank that never
-        # steps makes them raise (naming this op) instead of waiting for the process-group timeout.
-        with self._guarded("loss scaler (inf/nan in any gradient shard)"):
-            super()._unscale(optimizer)
 
 
 def _decide_root_now(module: FSDPModule) -> bool:
@@ -138,13 +143,32 @@ def _clip_grad_norm(
     params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
     """Scale the gradients so that their norm over every shard of every rank is at most ``max_norm``;
-    returns that norm (a plain tensor, the same on every rank)."""
+    returns that norm (a plain tensor, the same on every rank).
+
+    Gradients may live on different meshes (tensor parallel x FSDP: a parameter sharded by FSDP alone
+    is on the 1-D data-parallel mesh, a tensor-parallel one on the 2-D mesh), and torch cannot stack
+    DTensors of different meshes into one norm. So each mesh's gradients get torch's norm (reduced
+    over that mesh), and the total is the norm of those norms, which is the same number."""
     utils = torch.nn.utils
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     if hasattr(utils, "get_total_norm"):  # torch >= 2.6
-        total = utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type, error_if_nonfinite)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-        utils.clip_grads_with_norm_(params, max_norm, total)
+        norms = []
+        for group in by_mesh.values() or [[]]:
+            norm = utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type, error_if_nonfinite)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = norms[0] if len(norms) == 1 else utils.get_total_norm(norms, norm_type, error_if_nonfinite)
+        for group in by_mesh.values():
+            utils.clip_grads_with_norm_(group, max_norm, total)
     else:  # clip_grad_norm_ reduces the DTensor norms itself
+        if len(by_mesh) > 1:
+            raise MisconfigurationError(
+                f"Clipping gradients that live on {len(by_mesh)} different device meshes (tensor parallel with FSDP) "
+                f"needs torch >= 2.6 (torch.nn.utils.get_total_norm); torch {torch.__version__} has not got it. "
+                "Upgrade torch."
+            )
         total = utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         total = total.full_tensor() if isinstance(total, DTensor) else total
     return total
@@ -180,6 +204,11 @@ class FSDPStrategy(ParallelStrategy):
             backward instead of stored (parameter names are unchanged).
         state_dict_type: ``"sharded"`` (a directory, every rank writes its shards) or ``"full"`` (one
             file gathered to rank 0). ``load`` reads either.
+        compile: ``True`` or a dict of ``torch.compile`` arguments: the sharded root is compiled in place
+            after sharding.
+        async_save: ``fabric.save`` copies this rank's shards into memory, writes them in the background
+            and returns an :class:`~phalanx.checkpoint.async_sharded.AsyncCheckpoint` at once; the
+            checkpoint is published when every rank has written (sharded checkpoints only).
         Other arguments: see :class:`~phalanx.strategies.parallel.ParallelStrategy`.
     """
 
@@ -198,29 +227,32 @@ class FSDPStrategy(ParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
+        compile: bool | dict[str, Any] = False,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        for arg, value in (("auto_wrap_policy", auto_wrap_policy), ("activation_checkpointing_policy",
-                                                                    activation_checkpointing_policy)):
-            if value is not None and not (
-                isinstance(value, (set, frozenset, list, tuple))
-                and all(isinstance(c, type) and issubclass(c, nn.Module) for c in value)
-            ):
-                raise MisconfigurationError(
-                    f"{arg} must be a set of nn.Module classes, got {value!r}. For custom logic pass "
-                    "parallelize_fn=fn(module, mesh) and call fully_shard yourself."
-                )
+        self.compile_options = check_compile(compile)
+        hint = " For custom logic pass parallelize_fn=fn(module, mesh) and call fully_shard yourself."
+        wrap_classes = check_policy(auto_wrap_policy, "auto_wrap_policy", hint)
+        self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, hint=hint)
         if auto_wrap_policy is not None and parallelize_fn is not None:
             raise MisconfigurationError("Pass auto_wrap_policy or parallelize_fn, not both.")
         if state_dict_type not in STATE_DICT_TYPES:
             raise MisconfigurationError(f"state_dict_type={state_dict_type!r}; choose one of {STATE_DICT_TYPES}.")
-        self.auto_wrap_policy = tuple(auto_wrap_policy) if auto_wrap_policy is not None else None
+        if async_save and state_dict_type != "sharded":
+            raise MisconfigurationError(
+                f"async_save=True writes sharded checkpoints; it cannot be combined with state_dict_type="
+                f"{state_dict_type!r}. Drop one of the two (`phalanx consolidate` turns a sharded checkpoint into "
+                "one file)."
+            )
+        self.auto_wrap_policy = wrap_classes if auto_wrap_policy is not None else None
         self.parallelize_fn = parallelize_fn
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
-        self.activation_checkpointing_policy = tuple(activation_checkpointing_policy or ())
         self.state_dict_type = state_dict_type
+        self.async_save = async_save
+        self._saves = AsyncSaves(lambda name: self.guard.unguarded(name), self._new_checkpoint_group)
         self._mesh: DeviceMesh | None = None
         self._roots: dict[int, _Root] = {}
         self._active: dict[int, int] = {}  # unit id -> forward depth
@@ -276,7 +308,7 @@ class FSDPStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if id(module) in self._roots:
-            raise MisconfigurationError("This module was already set up with FSDP; set it up once.")
+            raise MisconfigurationError(f"This module was already set up with {type(self).__name__}; set it up once.")
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = [t.is_meta for t in tensors]
         if any(on_meta) and not all(on_meta):
@@ -286,20 +318,17 @@ class FSDPStrategy(ParallelStrategy):
             )
         originals = {id(p): weakref.ref(p) for p in module.parameters()}
         module = self.precision.convert_module(module)
-        if self.activation_checkpointing_policy:
-            from torch.distributed._composable.checkpoint_activation import checkpoint
-
-            for sub in list(module.modules()):
-                if isinstance(sub, self.activation_checkpointing_policy):
-                    checkpoint(sub)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         tied = _tied_weights_hint(module)  # before sharding: fully_shard replaces (and so unties) parameters
-        with self.guard.guarded("setup_module (FSDP sharding)"):
+        with self.guard.guarded(f"setup_module ({type(self).__name__} sharding)"):
             self._shard(module)
             if any(on_meta):
                 self._materialize(module)
+            self._after_sharding(module)
+            # The model, or a bare container's children (none: tensor parallelism alone, no FSDP root).
             units = _outermost_units(module)
             try:
-                # Every outermost unit (the model, or a bare container's children) becomes its own root.
+                # Every outermost unit becomes its own root.
                 root_ready = all([_decide_root_now(unit) for unit in units])
             except (RuntimeError, ValueError) as err:
                 raise MisconfigurationError(
@@ -312,6 +341,7 @@ class FSDPStrategy(ParallelStrategy):
                 sub.to(self.root_device)
         self._stale.update(originals)
         self._install_hooks(module, units, root_ready)
+        compile_in_place(module, self.compile_options)
         return module
 
     def _shard(self, module: nn.Module) -> None:
@@ -353,6 +383,9 @@ class FSDPStrategy(ParallelStrategy):
                 self._shard_children(child, kwargs)
             else:
                 fully_shard(child, **kwargs)
+
+    def _after_sharding(self, module: nn.Module) -> None:
+        """Hook for subclasses: the module is sharded (and materialized), FSDP's root not yet decided."""
 
     def _materialize(self, module: nn.Module) -> None:
         owners = [
@@ -627,15 +660,48 @@ class FSDPStrategy(ParallelStrategy):
         with self.internal_state_dict():  # DTensor shapes are the full shapes: no gather needed
             return class_name(module), super().module_layout(module)[1]
 
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint | None:
         with self.internal_state_dict():
+            if self.async_save:
+                return self._saves.save(self, path, state)
+            self._saves.finish(self)  # async_save was switched off while a write ran
             super().save_checkpoint(path, state)
+        return None
 
+    # A save still being written must be published (or have failed, on every rank) before anything
+    # reads or removes checkpoints: the next save waits for it too (AsyncSaves.save).
     def load_checkpoint(
         self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
     ) -> dict[str, Any]:
+        self._saves.finish(self)
         with self.internal_state_dict():
             return super().load_checkpoint(path, state, strict, weights_only)
+
+    def load_raw_checkpoint(self, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
+        self._saves.finish(self)
+        super().load_raw_checkpoint(path, obj, strict, weights_only)
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        self._saves.finish(self)
+        super().remove_checkpoint(path)
+
+    def _new_checkpoint_group(self) -> Any:
+        # The background write's collectives must not interleave with training's on the default group
+        # (they would, in a different order on each rank); gloo, because the staged shards are on the CPU.
+        with self.guard.guarded("save: create the process group of asynchronous checkpoints"):
+            return dist.new_group(backend="gloo", timeout=to_timedelta(self.timeout))
+
+    def teardown(self, error: BaseException | None = None) -> None:
+        ending = error
+        try:
+            if error is None and self._guard is not None:
+                self._saves.finish(self)  # a failed background write is raised here, on every rank
+        except BaseException as err:
+            ending = err
+            raise
+        finally:
+            self._saves.close()  # never destroy the process groups under a write still running
+            super().teardown(ending)
 
 
 def _is_bare_container(module: nn.Module) -> bool:
@@ -693,4 +759,4 @@ def _tied_weights_hint(module: nn.Module) -> str:
     return "; ".join(hints[:3]) + "."
 
 
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy"]
+__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision"]

@@ -129,6 +129,15 @@ def _custom_sampler_error(loader: DataLoader[Any], what: str) -> Misconfiguratio
     )
 
 
+def data_split(fabric: Fabric) -> tuple[int, int]:
+    """How many distinct data shards there are and which one this rank reads. Not always the world:
+    the tensor-parallel ranks of one model replica must read the same batch (the strategy says so)."""
+    kwargs = fabric.strategy.distributed_sampler_kwargs()
+    if kwargs is None:
+        return 1, 0
+    return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
 def prepare_train_loader(
     loader: DataLoader[Any], fabric: Fabric, use_distributed_sampler: bool
 ) -> tuple[Any, TrainSampler | None]:
@@ -143,8 +152,7 @@ def prepare_train_loader(
         if use_distributed_sampler and fabric.world_size > 1:
             raise _custom_sampler_error(loader, "training")
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False), None
-    world = fabric.world_size if use_distributed_sampler else 1
-    rank = fabric.global_rank if use_distributed_sampler else 0
+    world, rank = data_split(fabric) if use_distributed_sampler else (1, 0)
     seed = shared_seed(fabric.broadcast)
     sampler = TrainSampler(len(loader.dataset), world, rank, isinstance(loader.sampler, RandomSampler), seed)  # type: ignore[arg-type]
     rebuilt = _rebuild(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
@@ -161,8 +169,8 @@ def prepare_eval_loader(loader: DataLoader[Any], fabric: Fabric, use_distributed
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     if not _standard(loader):
         raise _custom_sampler_error(loader, "evaluation")
-    batch_sampler = EvalBatchSampler(len(loader.dataset), fabric.world_size, fabric.global_rank,  # type: ignore[arg-type]
-                                     loader.batch_size or 1)
+    replicas, rank = data_split(fabric)
+    batch_sampler = EvalBatchSampler(len(loader.dataset), replicas, rank, loader.batch_size or 1)  # type: ignore[arg-type]
     return fabric.setup_dataloaders(_rebuild(loader, batch_sampler=batch_sampler), use_distributed_sampler=False)
 
 

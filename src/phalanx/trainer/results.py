@@ -331,7 +331,11 @@ class Results:
         # The last column carries a checksum of the names, so ranks that logged different metrics are
         # told so instead of silently mixing values of different names.
         tag = float(zlib.crc32("\0".join(names).encode()))
-        packed = torch.cat([rows.reshape(-1), _f(tag, rows.device).reshape(1)])
+        # Ranks that read the same data (the tensor-parallel ranks of one model replica) log the same
+        # values: each data shard is counted once, or a "sum" would count it once per such rank.
+        split = fabric.strategy.distributed_sampler_kwargs()
+        shard = float(split["rank"]) if split is not None else 0.0
+        packed = torch.cat([rows.reshape(-1), _f(shard, rows.device).reshape(1), _f(tag, rows.device).reshape(1)])
         gathered: torch.Tensor = fabric.all_gather(packed)
         if gathered.dim() == 1:  # single process
             gathered = gathered.unsqueeze(0)
@@ -342,7 +346,9 @@ class Results:
                 "must call self.log with the same names at the same points; log a placeholder where a rank has "
                 "nothing to report."
             )
-        return gathered[:, :-1].reshape(gathered.shape[0], rows.shape[0], 2)
+        shards = gathered[:, -2].tolist()
+        first = [i for i, s in enumerate(shards) if s not in shards[:i]]
+        return gathered[first, :-2].reshape(len(first), rows.shape[0], 2)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
