@@ -26,6 +26,7 @@ from torch import nn
 
 import phalanx
 from phalanx import CheckpointError, Fabric
+from phalanx.anomaly import NonFiniteError
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 from phalanx.checkpoint import MARKER, storage
 from phalanx.strategies import available_strategies
@@ -519,7 +520,9 @@ def test_a_diverged_run_never_replaces_the_last_good_checkpoint(tmp_path: Path, 
     trainer = phalanx.Trainer(max_epochs=1, callbacks=[Diverge(at_step=4), ckpt], **quiet(enable_checkpointing=True))
     with pytest.warns(phalanx.PhalanxWarning, match=r"ModelCheckpoint: the model's weights hold inf/nan at epoch 0, "
                       r"step 4; no checkpoint is written and the existing ones .* are kept"):
-        trainer.fit(Regressor(lr=0.05, scheduler=False), loader(24, 4))
+        # The next batch's loss is nan: the run stops there, before stepping (phalanx.trainer.loops).
+        with pytest.raises(NonFiniteError, match=r"The training loss is nan at epoch 0, global step 4, batch 4"):
+            trainer.fit(Regressor(lr=0.05, scheduler=False), loader(24, 4))
     files = sorted(p.name for p in tmp_path.glob("*.ckpt"))
     # The newest (no monitor) or best (lowest loss) checkpoint from before the weights went bad, never rotated out.
     assert len(files) == 1 and files[0].startswith("epoch=0-step=3" if monitor is None else "epoch=0-step="), files

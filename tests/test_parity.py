@@ -139,7 +139,13 @@ def test_fabric_ddp_equals_raw_torch_ddp_and_one_process(tmp_path: Path) -> None
     raw_dir.mkdir()
     fabric_dir.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run_job(RAW_DDP, raw_dir, command=torchrun).check()
+    raw_job = run_job(RAW_DDP, raw_dir, command=torchrun)
+    if raw_job.returncode != 0:
+        # The reference script is plain torch: its interpreter exit can abort in gloo's worker threads
+        # ("terminate called without an active exception", see phalanx.strategies.parallel.teardown,
+        # which avoids it). Only that, after both ranks wrote their weights, is not a failure here.
+        assert "terminate called without an active exception" in raw_job.output, raw_job.output[-3000:]
+        assert all((raw_dir / "reports" / f"raw{r}.json").is_file() for r in (0, 1)), raw_job.output[-3000:]
     job = run_job(FABRIC_DDP, fabric_dir).check()
     raw = [torch.tensor(json.loads((raw_dir / "reports" / f"raw{r}.json").read_text())) for r in (0, 1)]
     fab = [torch.tensor(job.reports[r]["params"]).float() for r in (0, 1)]

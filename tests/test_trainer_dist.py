@@ -206,3 +206,43 @@ def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) ->
         assert reps[rank]["fabric_order"] == permutation[rank::2]
         assert reps[rank]["trainer_order"] == list(TrainSampler(16, 2, rank, shuffle=True, seed=100))
     assert sorted(reps[0]["trainer_order"] + reps[1]["trainer_order"]) == list(range(16))
+
+
+SECOND_FABRIC_JOB = """
+import torch, phalanx
+from mp import report
+from phalanx.errors import MisconfigurationError
+
+first = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+first.launch()
+one = first.all_reduce(torch.tensor(float(first.global_rank)), reduce_op="sum")
+second = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+second.launch()  # takes the process group (and its guard) over from `first`
+two = second.all_reduce(torch.tensor(float(second.global_rank + 1)), reduce_op="sum")
+try:
+    first.barrier()
+    stale = ""
+except MisconfigurationError as err:
+    stale = str(err)
+try:
+    phalanx.Fabric(accelerator="cpu", devices=2, strategy=phalanx.strategies.DDPStrategy(guard_timeout=3)).launch()
+    differs = ""
+except MisconfigurationError as err:
+    differs = str(err)
+third = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+third.launch()  # a refused take-over left `second` holding the group: a correct one still works
+three = third.all_reduce(torch.tensor(1.0), reduce_op="sum")
+report(third, one=float(one), two=float(two), three=float(three), stale=stale, differs=differs)
+"""
+
+
+def test_a_second_fabric_in_the_same_processes_takes_the_group_over(tmp_path: Path) -> None:
+    """A script that builds a second Trainer or Fabric after the first (fit, then a new Trainer that
+    resumes or tests) reuses the process group instead of failing with "already initialized"; the
+    first one then refuses collectives, saying which Fabric to use; different settings are refused."""
+    job = run_job(SECOND_FABRIC_JOB, tmp_path).check()
+    for rank in (0, 1):
+        got = job.reports[rank]
+        assert (got["one"], got["two"], got["three"]) == (1.0, 3.0, 2.0)
+        assert got["stale"].startswith("This Fabric's process group was taken over by a Fabric (or Trainer) created")
+        assert "guard_timeout: 15.0 then 3.0" in got["differs"], got["differs"]

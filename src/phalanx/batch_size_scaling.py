@@ -196,6 +196,7 @@ def scale_batch_size(
 ) -> int:
     """``Tuner(trainer).scale_batch_size``: see the module docstring."""
     from phalanx.module_state import TrainerSnapshot
+    from phalanx.tuner import refuse_without_separate_optimizers
 
     if train_dataloaders is not None or val_dataloaders is not None or dataloaders is not None:
         raise MisconfigurationError(
@@ -203,6 +204,7 @@ def scale_batch_size(
             "(or datamodule's) *_dataloader() methods from self.batch_size, and pass no dataloaders."
         )
     t = trainer
+    refuse_without_separate_optimizers(t, "scale_batch_size")
     inside_fit = t.stage == "fit" and t.model is not None and t._module is model
 
     def run() -> int:

@@ -35,6 +35,11 @@ class LRFinderResult:
     losses: list[float] = field(default_factory=list)
     mode: str = "exponential"
 
+    @property
+    def results(self) -> dict[str, list[float]]:
+        """Lightning's name for the same data: ``{"lr": [...], "loss": [...]}``."""
+        return {"lr": list(self.lrs), "loss": list(self.losses)}
+
     def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
         """The learning rate where the loss falls fastest (None if too few finite points)."""
         end = len(self.losses) - skip_end if skip_end > 0 else len(self.losses)
@@ -122,6 +127,7 @@ class Tuner:
         if num_training < 2:
             raise MisconfigurationError(f"lr_find needs num_training >= 2, got {num_training}.")
         t = self.trainer
+        refuse_without_separate_optimizers(t, "lr_find")
         if update_attr:
             attr_name = _lr_attr(model, attr_name)
         inside_fit = t.stage == "fit" and t.model is not None and t._module is model
@@ -203,6 +209,19 @@ class Tuner:
                 raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
             epoch += 1
         return result
+
+
+def refuse_without_separate_optimizers(trainer: Trainer, tuner: str) -> None:
+    """The tuners search with an optimizer of their own and the fit then builds the real one: a
+    strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot."""
+    strategy = trainer.fabric.strategy
+    if not strategy.sets_up_optimizers_separately:
+        raise MisconfigurationError(
+            f"Tuner.{tuner} is not supported on {type(strategy).__name__}: it builds one engine from the model and "
+            f"its optimizer, and the search needs an optimizer of its own before the fit builds the real one. Run "
+            f"{tuner} in a separate job with strategy='ddp' (same module, same data, same devices), then pass the "
+            "value it finds to this run."
+        )
 
 
 def _lr_attr(model: Any, attr_name: str) -> str:

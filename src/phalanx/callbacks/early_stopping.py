@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class EarlyStopping(Callback):
-    """Checked at the end of every training epoch (after that epoch's validation).
+    """Checked after each validation of a fit, or at the end of each training epoch (Lightning's rule).
 
     Args:
         monitor: metric name in ``trainer.callback_metrics``.
@@ -30,11 +30,16 @@ class EarlyStopping(Callback):
         check_finite: stop when the metric becomes NaN or infinite.
         stopping_threshold: stop as soon as the metric is better than this.
         divergence_threshold: stop as soon as the metric is worse than this.
+        check_on_train_epoch_end: check at the end of each training epoch (True) or after each validation
+            of the fit (False). None, as in Lightning: at epoch end when validation runs once per epoch
+            (``val_check_interval=1.0``, ``check_val_every_n_epoch=1``), else after each validation, so
+            ``patience`` counts validations when the fit validates mid-epoch.
     """
 
     def __init__(
         self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min", strict: bool = True,
         check_finite: bool = True, stopping_threshold: float | None = None, divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool | None = None,
     ) -> None:
         if mode not in ("min", "max"):
             raise MisconfigurationError(f"EarlyStopping mode={mode!r}; use 'min' or 'max'.")
@@ -48,6 +53,12 @@ class EarlyStopping(Callback):
         self.stopped_epoch = 0
         self.reason = ""
         self._warned = False
+        self._check_on_train_epoch_end = check_on_train_epoch_end
+        self._at_epoch_end = check_on_train_epoch_end is not False
+
+    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+        if self._check_on_train_epoch_end is None:
+            self._at_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
 
     @property
     def state_key(self) -> str:
@@ -57,6 +68,14 @@ class EarlyStopping(Callback):
         return a < b if self.mode == "min" else a > b
 
     def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+        if self._at_epoch_end:
+            self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        if not self._at_epoch_end and trainer.stage == "fit" and not trainer.sanity_checking:
+            self._check(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:
@@ -92,7 +111,7 @@ class EarlyStopping(Callback):
             return False, ""
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return True, (f"{name} did not improve by more than {self.min_delta} for {self.wait_count} epochs "
+            return True, (f"{name} did not improve by more than {self.min_delta} for {self.wait_count} checks "
                           f"(best {self.best_score:.6g}).")
         return False, ""
 

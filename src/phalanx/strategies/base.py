@@ -49,6 +49,9 @@ class Strategy:
     #: they produce still synchronized by ``backward`` (manual optimization relies on it). Sharding
     #: backends need their forward to gather parameters, so they say False.
     supports_calls_outside_forward: ClassVar[bool] = True
+    #: Whether optimizers can be set up after (and apart from) their module. The tuners need it: they
+    #: build a throwaway optimizer for their search, then the fit builds the real one.
+    sets_up_optimizers_separately: ClassVar[bool] = True
     #: Module classes whose activations are recomputed in backward (see ``strategies._transforms``).
     activation_checkpointing_policy: tuple[type[nn.Module], ...] = ()
     #: ``torch.compile`` keyword arguments, applied in place after wrapping; None: no compile.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -17,6 +18,21 @@ from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 
 # How long teardown lets the backend's worker threads release finished work (see teardown).
 _WORKER_DRAIN_SECONDS = 0.05
+
+
+class _GroupHolder:
+    """Which strategy holds the process group phalanx created in this process.
+
+    torch's default process group is process-wide, and a script may build a second Trainer or Fabric
+    after the first (fit, then a new Trainer that resumes or tests). That one takes the group, its
+    guard and its watchdog over from the holder instead of failing or creating a second group that
+    the peers would have to meet at the same moment. A weak reference: it keeps no strategy alive.
+    """
+
+    strategy: weakref.ref[ParallelStrategy] | None = None
+
+
+_holder = _GroupHolder()
 
 
 def _default_guard_timeout() -> float:
@@ -62,6 +78,7 @@ class ParallelStrategy(Strategy):
         self._guard: Lockstep | None = None
         self._collectives: Collectives | None = None
         self._owns_group = False
+        self._successor: weakref.ref[ParallelStrategy] | None = None
 
     def set_lockstep(self, mode: str) -> None:
         super().set_lockstep(mode)
@@ -92,10 +109,8 @@ class ParallelStrategy(Strategy):
             torch.cuda.set_device(self._root_device)
         backend = self.backend or ("nccl" if self.device_type == "cuda" else "gloo")
         if dist.is_initialized():
-            raise MisconfigurationError(
-                "torch.distributed is already initialized in this process. Let phalanx create the process "
-                "group (remove your init_process_group call), or create one Fabric per process."
-            )
+            self._take_over(env, backend)
+            return
         is_master = env.rank == 0 and not env.agent_hosts_store
         store = TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master, to_timedelta(self.timeout),
@@ -127,6 +142,38 @@ class ParallelStrategy(Strategy):
             on_fatal=record_failure,
         )
         self._collectives = Collectives(self._guard, self.root_device)
+        _holder.strategy = weakref.ref(self)
+
+    def _take_over(self, env: ClusterEnvironment, backend: str) -> None:
+        """Take the process group (and its guard) over from the Fabric that created it in this process.
+        Every rank builds its new Fabric at the same point of the script, so the guard's sequence of
+        operations stays in step; nothing is exchanged here."""
+        previous = _holder.strategy() if _holder.strategy is not None else None
+        if previous is None or previous._guard is None:
+            raise MisconfigurationError(
+                "torch.distributed is already initialized in this process, but not by a phalanx Fabric that is "
+                "still running. Let phalanx create the process group (remove your init_process_group call)."
+            )
+        differs = [
+            f"{name}: {old!r} then {new!r}"
+            for name, old, new in (
+                ("world size", previous.world_size, env.world_size), ("rank", previous.global_rank, env.rank),
+                ("backend", dist.get_backend(), backend), ("timeout", previous.timeout, self.timeout),
+                ("guard_timeout", previous.guard_timeout, self.guard_timeout),
+                ("lockstep", previous.lockstep, self.lockstep),
+            )
+            if old != new
+        ]
+        if differs:
+            raise MisconfigurationError(
+                f"A second Fabric (or Trainer) in this process shares the first one's process group, so it must "
+                f"use the same settings; they differ ({'; '.join(differs)}). Give both the same, or run the "
+                "second in its own job."
+            )
+        self._guard, self._collectives, self._owns_group = previous._guard, previous._collectives, True
+        previous._guard, previous._collectives, previous._owns_group = None, None, False
+        previous._successor = weakref.ref(self)
+        _holder.strategy = weakref.ref(self)
 
     @staticmethod
     def _abort_group() -> None:
@@ -158,14 +205,22 @@ class ParallelStrategy(Strategy):
     @property
     def guard(self) -> Lockstep:
         if self._guard is None:
-            raise MisconfigurationError("The process group is not set up yet: call fabric.launch() first.")
+            raise self._no_group()
         return self._guard
 
     @property
     def collectives(self) -> Collectives:
         if self._collectives is None:
-            raise MisconfigurationError("The process group is not set up yet: call fabric.launch() first.")
+            raise self._no_group()
         return self._collectives
+
+    def _no_group(self) -> MisconfigurationError:
+        if self._successor is not None:
+            return MisconfigurationError(
+                "This Fabric's process group was taken over by a Fabric (or Trainer) created after it in this "
+                "process; run collectives, saves and training through the newer one."
+            )
+        return MisconfigurationError("The process group is not set up yet: call fabric.launch() first.")
 
     @property
     def global_rank(self) -> int:
