@@ -75,6 +75,13 @@ class Profiler:
 class PassThroughProfiler(Profiler):
     """Measures nothing (the default)."""
 
+    _nothing = contextlib.nullcontext()
+
+    def profile(self, action_name: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        # The Trainer brackets every hook and step with profile(): without a profiler that must cost
+        # nothing (no generator-based context per call), so one reusable no-op context serves them all.
+        return self._nothing
+
 
 class SimpleProfiler(Profiler):
     """Wall time of every action: calls, mean and total seconds, share of the profiled run."""

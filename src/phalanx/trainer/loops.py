@@ -24,43 +24,21 @@ before any hook of the user's callbacks or Module that could read them, and at e
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterator, Mapping
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.anomaly import NonFiniteError
-from phalanx.errors import MisconfigurationError
 from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
-from phalanx.trainer.stepping import train_batch
+from phalanx.trainer.stepping import loss_of, train_batch
 from phalanx.utils import move_to_device
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The tensor to backpropagate from what ``training_step`` returned."""
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        loss = output["loss"]
-    else:
-        raise MisconfigurationError(
-            f"training_step returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor. "
-            "(Skipping a batch by returning None is not supported: on several ranks it would leave the others "
-            "waiting in backward.)"
-        )
-    if loss.numel() != 1:
-        raise MisconfigurationError(
-            f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
-        )
-    return loss
 
 
 def detached(output: Any) -> Any:
@@ -161,30 +139,6 @@ def optimizer_step(trainer: Trainer, optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]) -> None:
-    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read)."""
-    if len(losses) == 1:
-        values = [losses[0][1].item()]
-    else:
-        values = torch.stack([loss.detach() for _, loss in losses]).tolist()
-    bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
-    if not bad:
-        return
-    t = trainer
-    batch_idx, value = bad[0]
-    where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
-    more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
-    raise NonFiniteError(
-        f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
-        f"{where}{more}. The run stops here, before the optimizer steps on it (the weights are those after "
-        f"step {t.global_step}). Typical causes: a learning rate that is too high (look at the losses before this "
-        "batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
-        "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
-        "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
-        "torch.autograd.detect_anomaly() names the operation."
-    )
-
-
 def _takes_dataloader_idx(method: Any) -> bool:
     """With several loaders, steps that declare ``dataloader_idx`` (or ``**kwargs``) receive it."""
     params = inspect.signature(method).parameters.values()
@@ -240,7 +194,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
     batch_end = overrides(t.module, "on_train_batch_end")
-    cb_end = any(callable(getattr(cb, "on_train_batch_end", None)) for cb in t.callbacks)
+    cb_end = bool(t._callback_methods("on_train_batch_end"))
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):

@@ -575,6 +575,21 @@ def _fabric_of(module: Module, what: str) -> Fabric:
     return fabric
 
 
+def no_op_hooks() -> frozenset[str]:
+    """Module's hooks whose default does nothing (a body of ``...`` or a docstring): the Trainer skips
+    calling them unless overridden. Read from the bytecode, so a default given a body leaves the set."""
+    import dis
+
+    nothing = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+    out = set()
+    for name, fn in vars(Module).items():
+        if name.startswith("on_") and callable(fn) and hasattr(fn, "__code__"):
+            ops = [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname not in ("RESUME", "NOP")]
+            if ops in nothing:
+                out.add(name)
+    return frozenset(out)
+
+
 def overrides(module: Any, name: str) -> bool:
     """Whether ``module``'s class defines its own ``name`` (rather than Module's / DataModule's default)."""
     base = DataModule if isinstance(module, DataModule) else Module

@@ -22,12 +22,15 @@ averaged across ranks (see ``train_batch``); validated on the single-device and 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.anomaly import NonFiniteError
 from phalanx.errors import MisconfigurationError
+from phalanx.trainer.optim import step_schedulers
 from phalanx.wrappers import FabricOptimizer
 
 if TYPE_CHECKING:
@@ -164,18 +167,22 @@ def clip(trainer: Trainer, optimizer: Any, value: float | None, algorithm: str |
         trainer.fabric.clip_gradients(trainer.model, fabric_opt, clip_val=value)
 
 
-def _legacy_optimizer_step(module: Module) -> bool:
-    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument)."""
-    params = [p for p in inspect.signature(module.optimizer_step).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(params) == 1
+def _legacy_optimizer_step(module: Module, cache: dict[Any, bool]) -> bool:
+    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument). Asked every step,
+    so the answer is kept per function in ``cache`` (the Trainer's): inspect.signature costs ~40 us."""
+    method = module.optimizer_step
+    function = getattr(method, "__func__", method)
+    known = cache.get(function)
+    if known is None:
+        params = [p for p in inspect.signature(method).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        known = cache[function] = len(params) == 1
+    return known
 
 
 def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
     """Run one training batch (and the optimizer step it completes); returns training_step's output."""
-    from phalanx.trainer.loops import check_finite_losses, loss_of
-    from phalanx.trainer.module import overrides
-    from phalanx.trainer.optim import step_schedulers
+    from phalanx.trainer.module import overrides  # (module.py imports this file)
 
     t = trainer
     module = t.module
@@ -213,7 +220,7 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
     steps_before = t.global_step
     if overrides(module, "optimizer_step"):
         t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
-    if _legacy_optimizer_step(module):
+    if _legacy_optimizer_step(module, t.signature_cache):
         closure()
         module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
     else:
@@ -232,6 +239,49 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
     return as_outputs(ran["output"])
 
 
+def loss_of(output: Any) -> torch.Tensor:
+    """The tensor to backpropagate from what ``training_step`` returned."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    else:
+        raise MisconfigurationError(
+            f"training_step returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor. "
+            "(Skipping a batch by returning None is not supported: on several ranks it would leave the others "
+            "waiting in backward.)"
+        )
+    if loss.numel() != 1:
+        raise MisconfigurationError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
+        )
+    return loss
+
+
+def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]) -> None:
+    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read)."""
+    if len(losses) == 1:
+        values = [losses[0][1].item()]
+    else:
+        values = torch.stack([loss.detach() for _, loss in losses]).tolist()
+    bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
+    if not bad:
+        return
+    t = trainer
+    batch_idx, value = bad[0]
+    where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
+    more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
+    raise NonFiniteError(
+        f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
+        f"{where}{more}. The run stops here, before the optimizer steps on it (the weights are those after "
+        f"step {t.global_step}). Typical causes: a learning rate that is too high (look at the losses before this "
+        "batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
+        "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
+        "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
+        "torch.autograd.detect_anomaly() names the operation."
+    )
+
+
 def as_outputs(output: Any) -> Any:
     """What ``on_train_batch_end`` receives, as in Lightning: a dict (``{"loss": loss}`` for a returned
     tensor, ``{}`` for None)."""
@@ -246,16 +296,20 @@ def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
     """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
     ``backward``; gradient sync only on the window's last micro-batch. (The LR finder uses
     ``loops.micro_batch``, which calls no hooks.)"""
-    from phalanx.trainer.loops import loss_of
-
     t = trainer
-    with t.fabric.no_backward_sync(t.model, enabled=not boundary):
-        with t.profile(f"[LightningModule]{type(t.module).__name__}.training_step"):
-            output = t.model.training_step(batch, batch_idx)
-        loss = loss_of(output)
-        scaled = loss / window_size if window_size > 1 else loss
-        t.hook("on_before_backward", scaled)
-        with t.profile("backward"):
-            t.module.backward(scaled)
-        t.hook("on_after_backward")
+    if boundary:  # the common case (no accumulation): no sync-control context to enter
+        return _forward_backward(t, batch, batch_idx, window_size)
+    with t.fabric.no_backward_sync(t.model, enabled=True):
+        return _forward_backward(t, batch, batch_idx, window_size)
+
+
+def _forward_backward(t: Trainer, batch: Any, batch_idx: int, window_size: int) -> Any:
+    with t.profile(f"[LightningModule]{type(t.module).__name__}.training_step"):
+        output = t.model.training_step(batch, batch_idx)
+    loss = loss_of(output)
+    scaled = loss / window_size if window_size > 1 else loss
+    t.hook("on_before_backward", scaled)
+    with t.profile("backward"):
+        t.module.backward(scaled)
+    t.hook("on_after_backward")
     return output

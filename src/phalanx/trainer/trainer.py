@@ -29,7 +29,7 @@ from phalanx.profilers import resolve_profiler
 from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
-from phalanx.trainer.module import DataModule, Module, overrides
+from phalanx.trainer.module import DataModule, Module, no_op_hooks, overrides
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import MetricBoard, Results, reads_metrics
 from phalanx.trainer.settings import (
@@ -221,6 +221,9 @@ class Trainer(TrainerViews):
         self._should_stop = False
         self.epoch_finished = False
         self.in_window = False
+        self._hook_methods: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self.signature_cache: dict[Any, bool] = {}  # see stepping._legacy_optimizer_step
+        self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
         self.epoch_start_rng: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
@@ -377,9 +380,8 @@ class Trainer(TrainerViews):
     # ------------------------------------------------------------------ hooks and metrics (used by loops)
     def call(self, hook: str, *args: Any) -> None:
         """Call ``hook(trainer, module, *args)`` on every callback that defines it."""
-        for cb in self.callbacks:
-            method = getattr(cb, hook, None)
-            if not callable(method) or (self.fast_dev_run and off_in_fast_dev_run(cb)):
+        for cb, method in self._callback_methods(hook):
+            if self.fast_dev_run and off_in_fast_dev_run(cb):
                 continue
             if reads_metrics(method):  # user code may read callback_metrics on one rank only
                 self.sync_step_metrics()
@@ -389,13 +391,34 @@ class Trainer(TrainerViews):
             if saved is not None and saved != checkpoint_marks(cb):
                 self._after_save_checkpoint(cb)
 
+    def _callback_methods(self, hook: str) -> list[tuple[Any, Any]]:
+        """The callbacks defining ``hook``, with the method: looked up once per hook and list of callbacks
+        (hooks run several times per step, and most callbacks define few of them)."""
+        callbacks = self.callbacks
+        key = (hook, id(callbacks), len(callbacks))  # a list replaced or grown gets a new entry
+        found = self._hook_methods.get(key)
+        if found is None:
+            from phalanx.callbacks import Callback
+
+            found = []
+            for cb in callbacks:
+                method = getattr(cb, hook, None)
+                # Callback's own no-op (a hook the subclass did not override) need not be called.
+                if callable(method) and getattr(method, "__func__", None) is not getattr(Callback, hook, None):
+                    found.append((cb, method))
+            self._hook_methods[key] = found
+        return found
+
     def hook(self, name: str, *args: Any) -> Any:
         """A Lightning hook: every callback's ``name(trainer, module, *args)``, then the module's
         ``name(*args)`` (whose return value is returned)."""
-        self.call(name, *args)
+        if self._callback_methods(name):
+            self.call(name, *args)
         module = self.module
         if overrides(module, name):
             self.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
+        elif name in self._no_op_hooks:
+            return None  # several per step: the default does nothing
         with self.profile(f"[LightningModule]{type(module).__name__}.{name}"):
             return getattr(module, name)(*args)
 
