@@ -2,8 +2,8 @@
 this module, which holds no tests itself.
 
 One job runs, on one strategy and precision, what a user combines in a real project: the LR finder
-before ``fit`` (refused on DeepSpeed, whose engine is built once from the model and its optimizer),
-a fit with accumulation, a scheduler, dropout, ``sync_dist`` logging, torchmetrics Metric objects
+before ``fit`` (on DeepSpeed it searches on a scratch copy with an engine of its own), a fit with
+accumulation, a scheduler, dropout, ``sync_dist`` logging, torchmetrics Metric objects
 logged on step and epoch, ModelCheckpoint (top-k by a monitored metric, plus last),
 EarlyStopping that actually stops the run, then validate/test/predict; the same fit interrupted
 mid-epoch and resumed from ``last`` by a new Trainer. Everything is float32, so ``bf16-mixed`` runs
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from mp import report
+from test_trainer_resume import Interrupt, StopAt
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanAbsoluteError, MeanSquaredError
 
 import phalanx
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
-from phalanx.errors import MisconfigurationError
 from phalanx.tuner import Tuner
 
 SAMPLES = 64  # 8 batches of 4 per rank on 2 ranks: 4 optimizer steps per epoch with accumulation 2
@@ -86,21 +86,6 @@ class ComboModule(phalanx.Module):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class Interrupt(Exception):
-    pass
-
-
-class InterruptAt:
-    """Raises on every rank right after optimizer step ``step`` (a preemption the script survives)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step and not trainer.in_window:
-            raise Interrupt
-
-
 def flat(module: nn.Module) -> list[float]:
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
     return torch.cat([p.detach().reshape(-1).float().cpu() for p in full]).tolist()
@@ -150,19 +135,13 @@ def main() -> None:
     trainer = make_trainer(strategy, precision, devices, Path("full"), [])
     module = ComboModule()
     before = (flat(module), metric_state(module), torch.get_rng_state())
-    try:
-        points = len(Tuner(trainer).lr_find(module, train, num_training=12, early_stop_threshold=None).results["lr"])
-    except MisconfigurationError as err:  # DeepSpeed: refused before anything runs (see phalanx.tuner)
-        points, refusal = 0, str(err)
-    else:
-        refusal = ""
+    points = len(Tuner(trainer).lr_find(module, train, num_training=12, early_stop_threshold=None).results["lr"])
     untouched = (flat(module) == before[0] and metric_state(module) == before[1]
                  and torch.equal(torch.get_rng_state(), before[2]))
     trainer.fit(module, train, val)
     full = summary(trainer, module)
     full["lr_find_untouched"] = untouched
     full["lr_find_points"] = points
-    full["lr_find_refusal"] = refusal
     full["validate"] = trainer.validate(module, val, verbose=False)
     full["test"] = trainer.test(module, loader(24, 2), verbose=False)
     preds = trainer.predict(module, loader(12, 3))
@@ -170,7 +149,7 @@ def main() -> None:
 
     # Interrupted mid-epoch on every rank, then resumed from `last` by a new Trainer.
     phalanx.seed_everything(3)
-    cut = make_trainer(strategy, precision, devices, Path("cut"), [InterruptAt(INTERRUPT_AT)])
+    cut = make_trainer(strategy, precision, devices, Path("cut"), [StopAt(INTERRUPT_AT)])
     try:
         cut.fit(ComboModule(), train, val)
         raise AssertionError("the fit was not interrupted")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,3 +74,52 @@ def test_lr_find_errors() -> None:
     del model.lr
     with pytest.raises(MisconfigurationError, match=r"has neither"):
         tuner.lr_find(model, train_dataloaders=data, update_attr=True)
+
+
+class OneSetupStrategy(phalanx.strategies.SingleDeviceStrategy):
+    """A single device that, like DeepSpeed, builds a model's optimizer with it, once (and records what
+    it set up and released)."""
+
+    sets_up_optimizers_separately = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_up: list[Any] = []
+        self.released: list[Any] = []
+
+    def setup_module_and_optimizers(self, module: Any, optimizers: list[Any]) -> Any:
+        self.set_up.append(module)
+        return self.setup_module(module), [super(OneSetupStrategy, self).setup_optimizer(o) for o in optimizers]
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        raise MisconfigurationError("set up with the model, once")
+
+    def release_module(self, forward_module: Any) -> None:
+        self.released.append(forward_module)
+
+
+def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -> None:
+    """DeepSpeed's case (its engine is built once from the model and the optimizer): the search runs on
+    a scratch copy that is set up and released; the module is never set up or touched, and the fit
+    after it builds its optimizer from configure_optimizers with the learning rate found."""
+    phalanx.seed_everything(4)
+    strategy = OneSetupStrategy()
+    trainer = phalanx.Trainer(max_epochs=1, strategy=strategy, **quiet())
+    model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
+    before_params, before_rng = flat(model), capture_rng_state()
+    result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=30,
+                                    min_lr=1e-5, max_lr=1.0, update_attr=True)
+    assert len(result.lrs) >= 10 and model.lr == result.suggestion()
+    assert torch.equal(flat(model), before_params) and model.counts["train_batches"] == 0
+    assert torch.equal(capture_rng_state()["torch"], before_rng["torch"])
+    scratch = strategy.set_up[0]
+    assert scratch is not model and isinstance(scratch, Regressor)
+    assert strategy.released == [scratch] and trainer.model is None and trainer.optimizers == []
+    trainer.fit(model, loader(64, 4, shuffle=True))
+    assert strategy.set_up[1] is model and trainer.optimizer.param_groups[0]["initial_lr"] == model.lr
+    # Once the model is set up with its optimizer, a search would need another: refused with the way out.
+    with pytest.raises(MisconfigurationError, match=r"Tuner.lr_find is not supported on OneSetupStrategy after this "
+                       r"Trainer set the model up: .* Call Tuner\(trainer\).lr_find\(model, ...\) before trainer.fit"):
+        Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4), num_training=5)
+    with pytest.raises(MisconfigurationError, match=r"Tuner.scale_batch_size is not supported on OneSetupStrategy"):
+        Tuner(trainer).scale_batch_size(model)

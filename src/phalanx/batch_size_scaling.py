@@ -204,7 +204,7 @@ def scale_batch_size(
             "(or datamodule's) *_dataloader() methods from self.batch_size, and pass no dataloaders."
         )
     t = trainer
-    refuse_without_separate_optimizers(t, "scale_batch_size")
+    refuse_without_separate_optimizers(t, "scale_batch_size", "(it re-creates the optimizer for every trial)")
     inside_fit = t.stage == "fit" and t.model is not None and t._module is model
 
     def run() -> int:

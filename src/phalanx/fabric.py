@@ -280,6 +280,15 @@ class Fabric:
             setattr(module, "_fabric", self)  # noqa: B010 - any module with these slots, not one class
             setattr(module, "_fabric_optimizers", list(optimizers))  # noqa: B010
 
+    def release(self, model: FabricModule) -> None:
+        """Forget a set-up model: the strategy frees what it built for it (DeepSpeed's engine, which it
+        holds one of), so another model can be set up. The tuners use it for the scratch copy they search
+        on where the optimizer cannot be set up apart from its model. Use ``model`` no more afterwards."""
+        if not any(m is model for m in self._modules):
+            raise MisconfigurationError("fabric.release(model): this model was not set up by this Fabric.")
+        self._modules = [m for m in self._modules if m is not model]
+        self._strategy.release_module(model.forward_module)
+
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         self._ensure_launched()
         opts = [self._wrap_optimizer(opt, None) for opt in optimizers]

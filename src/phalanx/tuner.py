@@ -10,6 +10,7 @@ on ``fabric.device`` (then drops them), so nothing it did can leak into the fit 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -127,12 +128,18 @@ class Tuner:
         if num_training < 2:
             raise MisconfigurationError(f"lr_find needs num_training >= 2, got {num_training}.")
         t = self.trainer
-        refuse_without_separate_optimizers(t, "lr_find")
         if update_attr:
             attr_name = _lr_attr(model, attr_name)
         inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+        separate = t.fabric.strategy.sets_up_optimizers_separately
         if inside_fit:
+            refuse_without_separate_optimizers(t, "lr_find", "inside a fit (the LearningRateFinder callback)")
             result = self._search(min_lr, max_lr, num_training, mode, early_stop_threshold)
+        elif not separate:
+            if t.model is not None:
+                refuse_without_separate_optimizers(t, "lr_find", "after this Trainer set the model up")
+            result = t._run("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
+                            num_training, mode, early_stop_threshold)
         else:
             result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
                             num_training, mode, early_stop_threshold)
@@ -151,6 +158,26 @@ class Tuner:
         self.trainer.prepare_fit(train_dataloaders, None)
         return self._search(*args)
 
+    def _on_scratch_copy(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+        """The search where the optimizer is built with its model, once (DeepSpeed's engine): on a copy of
+        the module with an engine of its own, released afterwards. The module itself is never set up or
+        touched, so the fit that follows builds its engine from ``configure_optimizers`` as usual (with
+        the learning rate found). Costs a second copy of the model while the search runs."""
+        t = self.trainer
+        original = t.module
+        scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
+        t._module = scratch
+        try:
+            with preserved(t):
+                t.prepare_fit(train_dataloaders, None)
+                min_lr, max_lr, num_training, mode, threshold = args
+                return self._run_search(min_lr, max_lr, num_training, mode, threshold, optimizer=t.optimizers[0])
+        finally:
+            if t.model is not None:
+                t.fabric.release(t.model)
+            t._module, t.model = original, None
+            t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
+
     def _search(
         self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
     ) -> LRFinderResult:
@@ -158,11 +185,13 @@ class Tuner:
             return self._run_search(min_lr, max_lr, num_training, mode, threshold)
 
     def _run_search(
-        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None,
+        optimizer: Any = None,
     ) -> LRFinderResult:
         t = self.trainer
-        raw, _ = parse_optimizers(t.module.configure_optimizers())  # its schedulers are ignored: we drive the LR
-        optimizer = t.fabric.setup_optimizers(raw)
+        if optimizer is None:  # a fresh one from configure_optimizers (its schedulers are ignored: we drive the LR)
+            raw, _ = parse_optimizers(t.module.configure_optimizers())
+            optimizer = t.fabric.setup_optimizers(raw)
         t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
         t.current_stage = "train"
         t.module.train()
@@ -211,15 +240,17 @@ class Tuner:
         return result
 
 
-def refuse_without_separate_optimizers(trainer: Trainer, tuner: str) -> None:
+def refuse_without_separate_optimizers(trainer: Trainer, tuner: str, where: str) -> None:
     """The tuners search with an optimizer of their own and the fit then builds the real one: a
-    strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot."""
+    strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot, once the
+    model is set up (a standalone ``lr_find`` before the fit searches on a scratch copy instead)."""
     strategy = trainer.fabric.strategy
     if not strategy.sets_up_optimizers_separately:
         raise MisconfigurationError(
-            f"Tuner.{tuner} is not supported on {type(strategy).__name__}: it builds one engine from the model and "
-            f"its optimizer, and the search needs an optimizer of its own before the fit builds the real one. Run "
-            f"{tuner} in a separate job with strategy='ddp' (same module, same data, same devices), then pass the "
+            f"Tuner.{tuner} is not supported on {type(strategy).__name__} {where}: it builds one engine from the "
+            f"model and its optimizer, and the search needs an optimizer of its own before the fit builds the real "
+            f"one. Call Tuner(trainer).lr_find(model, ...) before trainer.fit (it searches on a copy of the model), "
+            f"or run {tuner} in a separate job with strategy='ddp' (same module, data and devices) and pass the "
             "value it finds to this run."
         )
 

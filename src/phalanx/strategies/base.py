@@ -264,6 +264,9 @@ class Strategy:
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         return type(module).__name__, plain_shapes(module)
 
+    def release_module(self, forward_module: nn.Module) -> None:
+        """Free what setup built for a module the caller no longer uses (see ``Fabric.release``)."""
+
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint | None:
         """Write ``state``; returns None, or the handle of a write that continues in the background."""
         checkpoint.save(self, path, state)

@@ -439,10 +439,19 @@ class DeepSpeedStrategy(ParallelStrategy):
         # ZeRO-3 parameters are empty placeholders; this rank's values are in their ds_tensor partition.
         return [getattr(t, "ds_tensor", t) for t in super()._local_tensors(module)]
 
+    def release_module(self, forward_module: nn.Module) -> None:
+        if self._is_engine(forward_module):
+            self._destroy_engine()
+
+    def _destroy_engine(self) -> None:
+        destroy: Callable[[], None] | None = getattr(self._engine, "destroy", None)
+        # Its destroy asks the process group for this rank. A Fabric whose group a later one took over is
+        # torn down at exit after that one destroyed the group: the engine's hooks then go with the process.
+        if destroy is not None and torch.distributed.is_initialized():
+            destroy()
+        self._engine, self._client_optimizer = None, None
+
     def teardown(self, error: BaseException | None = None) -> None:
         if self._engine is not None:
-            destroy: Callable[[], None] | None = getattr(self._engine, "destroy", None)
-            if destroy is not None:
-                destroy()
-            self._engine = None
+            self._destroy_engine()
         super().teardown(error)

@@ -414,19 +414,24 @@ class MetricBoard:
             return (f"{entry.name}_{level}", entry.name)
         return (entry.name,)
 
-    def publish_step(self, values: dict[str, float], results: Results) -> dict[str, float]:
-        """Publish synced step values; returns those meant for the loggers (training ones are also kept
-        until the loop's next logger flush, see :meth:`flush_step_log`)."""
+    def _publish(self, values: dict[str, float], results: Results, level: str) -> dict[str, float]:
+        """Put synced values into callback_metrics and the bar; returns those meant for the loggers."""
         to_log: dict[str, float] = {}
         for name, value in values.items():
             entry = results.entries[name]
-            keys = self._keys(entry, "step")
+            keys = self._keys(entry, level)
             for key in keys:
                 self.callback[key] = torch.tensor(value, dtype=torch.float64)
             if entry.prog_bar:
                 self.progress_bar[keys[0]] = value
             if entry.logger:
                 to_log[keys[0]] = value
+        return to_log
+
+    def publish_step(self, values: dict[str, float], results: Results) -> dict[str, float]:
+        """Publish synced step values; returns those meant for the loggers (training ones are also kept
+        until the loop's next logger flush, see :meth:`flush_step_log`)."""
+        to_log = self._publish(values, results, "step")
         if results.stage == "train":
             self.unlogged.update(to_log)
         return to_log
@@ -446,16 +451,7 @@ class MetricBoard:
     def publish_epoch(
         self, values: dict[str, float], results: Results, fabric: Any, epoch: int, step: int, log: bool = True
     ) -> None:
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, "epoch")
-            for key in keys:
-                self.callback[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
+        to_log = self._publish(values, results, "epoch")
         if to_log and log:
             to_log["epoch"] = float(epoch)
             self.logged.update(to_log)
