@@ -221,7 +221,7 @@ class Trainer(TrainerViews):
         self._should_stop = False
         self.epoch_finished = False
         self.in_window = False
-        self._hook_methods: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self._hook_methods: dict[str, tuple[tuple[Any, ...], list[tuple[Any, Any]]]] = {}
         self.signature_cache: dict[Any, bool] = {}  # see stepping._legacy_optimizer_step
         self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
@@ -394,19 +394,19 @@ class Trainer(TrainerViews):
     def _callback_methods(self, hook: str) -> list[tuple[Any, Any]]:
         """The callbacks defining ``hook``, with the method: looked up once per hook and list of callbacks
         (hooks run several times per step, and most callbacks define few of them)."""
-        callbacks = self.callbacks
-        key = (hook, id(callbacks), len(callbacks))  # a list replaced or grown gets a new entry
-        found = self._hook_methods.get(key)
-        if found is None:
-            from phalanx.callbacks import Callback
+        callbacks = tuple(self.callbacks)
+        cached = self._hook_methods.get(hook)
+        if cached is not None and cached[0] == callbacks:  # the same callback objects (identity first)
+            return cached[1]
+        from phalanx.callbacks import Callback
 
-            found = []
-            for cb in callbacks:
-                method = getattr(cb, hook, None)
-                # Callback's own no-op (a hook the subclass did not override) need not be called.
-                if callable(method) and getattr(method, "__func__", None) is not getattr(Callback, hook, None):
-                    found.append((cb, method))
-            self._hook_methods[key] = found
+        found = []
+        for cb in callbacks:
+            method = getattr(cb, hook, None)
+            # Callback's own no-op (a hook the subclass did not override) need not be called.
+            if callable(method) and getattr(method, "__func__", None) is not getattr(Callback, hook, None):
+                found.append((cb, method))
+        self._hook_methods[hook] = (callbacks, found)
         return found
 
     def hook(self, name: str, *args: Any) -> Any:
