@@ -169,8 +169,10 @@ report(trainer.fabric, params=flat(model), **metric_report(trainer, model))
 """
 
 
-STRATEGIES = ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
-    "fsdp" not in available_strategies(), reason="strategy 'fsdp' is not available in this build"))]
+# FSDP is slow-marked here: tests/test_combinations.py runs Metric objects through the LR finder, a fit
+# and a resume on FSDP in CI; this job adds the comparison with the untuned run (two more jobs).
+STRATEGIES = ["ddp", pytest.param("fsdp", marks=[pytest.mark.slow, pytest.mark.skipif(
+    "fsdp" not in available_strategies(), reason="strategy 'fsdp' is not available in this build")])]
 
 
 @pytest.mark.timeout(300)
