@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import MisconfigurationError
+from phalanx.utils import optional_module
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 def _jsonargparse() -> Any:
-    try:
-        import jsonargparse
-    except ImportError as err:
-        raise MisconfigurationError("LightningCLI needs jsonargparse: pip install 'phalanx[cli]'.") from err
-    return jsonargparse
+    return optional_module("jsonargparse", "LightningCLI", "cli")
 
 
 class SaveConfigCallback:

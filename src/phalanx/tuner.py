@@ -22,6 +22,7 @@ from phalanx.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
+from phalanx.utils import optional_module
 
 if TYPE_CHECKING:
     from phalanx.trainer.module import Module
@@ -56,11 +57,8 @@ class LRFinderResult:
 
     def plot(self, suggest: bool = True, skip_begin: int = 10, skip_end: int = 1) -> Any:
         """A matplotlib Figure of loss against learning rate (``fig.savefig("lr.png")``)."""
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as err:
-            raise MisconfigurationError("LRFinderResult.plot() needs matplotlib: pip install 'phalanx[plot]'.") from err
-        fig = Figure(figsize=(6, 4))
+        figure = optional_module("matplotlib.figure", "LRFinderResult.plot()", "plot")
+        fig = figure.Figure(figsize=(6, 4))
         ax = fig.subplots()
         ax.plot(self.lrs, self.losses)
         if self.mode == "exponential":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from phalanx.errors import MisconfigurationError
 
 
 def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -38,3 +41,13 @@ def move_to_device(data: Any, device: torch.device) -> Any:
             v if isinstance(v, torch.Tensor) and v.device == device else move_to_device(v, device) for v in data
         ])
     return apply_to_tensors(data, lambda t: t if t.device == device else t.to(device, non_blocking=True))
+
+
+def optional_module(name: str, who: str, extra: str, package: str | None = None) -> Any:
+    """Import an optional dependency on first use, or say which extra installs it (``package``: what
+    is missing when it is not the module's top level, e.g. tensorboard behind torch.utils.tensorboard)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        package = package or name.split(".")[0]
+        raise MisconfigurationError(f"{who} needs {package}: pip install 'phalanx[{extra}]'.") from err

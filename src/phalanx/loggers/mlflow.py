@@ -22,16 +22,13 @@ from typing import Any
 
 from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams
+from phalanx.utils import optional_module
 
 _BAD_KEY = re.compile(r"[^A-Za-z0-9_\-. /:]")
 
 
 def _mlflow() -> Any:
-    try:
-        import mlflow
-    except ImportError as err:
-        raise MisconfigurationError("MLFlowLogger needs mlflow: pip install 'phalanx[mlflow]'.") from err
-    return mlflow
+    return optional_module("mlflow", "MLFlowLogger", "mlflow")
 
 
 class MLFlowLogger:

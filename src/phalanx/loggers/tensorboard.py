@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams, log_dir_of
+from phalanx.utils import optional_module
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -39,13 +39,8 @@ class TensorBoardLogger:
     def experiment(self) -> SummaryWriter:
         """The ``SummaryWriter`` (created on first use)."""
         if self._writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise MisconfigurationError(
-                    "TensorBoardLogger needs the tensorboard package: pip install 'phalanx[tensorboard]'."
-                ) from err
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            board = optional_module("torch.utils.tensorboard", "TensorBoardLogger", "tensorboard", "tensorboard")
+            self._writer = board.SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:

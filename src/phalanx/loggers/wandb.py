@@ -13,14 +13,11 @@ from typing import Any
 
 from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams
+from phalanx.utils import optional_module
 
 
 def _wandb() -> Any:
-    try:
-        import wandb
-    except ImportError as err:
-        raise MisconfigurationError("WandbLogger needs wandb: pip install 'phalanx[wandb]'.") from err
-    return wandb
+    return optional_module("wandb", "WandbLogger", "wandb")
 
 
 class WandbLogger:
