@@ -427,24 +427,19 @@ def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: P
 
 # ---------------------------------------------------------------------- Trainer: directories, rotation, resume
 TRAINER_JOB = """
-import os, sys, torch, phalanx
+import sys, torch, phalanx
 from mp import report
 from phalanx.callbacks import ModelCheckpoint
-from test_trainer_support import Regressor, flat, loader, quiet
+from test_trainer_support import KillAt, Regressor, flat, loader, quiet
 
 strategy, mode = sys.argv[1], sys.argv[2]
-
-
-class Kill:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if mode == "kill" and trainer.global_step == 7 and not trainer.in_window:
-            os._exit(17)  # no cleanup at all, like a preempted node
 
 
 phalanx.seed_everything(5)
 ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=2, save_top_k=1, save_last=True)
 trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=3, accumulate_grad_batches=2,
-                          callbacks=[Kill(), ckpt], deterministic=True, **quiet(enable_checkpointing=True))
+                          callbacks=[KillAt(7, active=mode == "kill"), ckpt], deterministic=True,
+                          **quiet(enable_checkpointing=True))
 # deterministic=True also fills every torch.empty with NaN; DeepSpeed allocates its 5e8-element gradient
 # buckets that way on every step (~10 s per batch here). The kernels stay deterministic without it.
 torch.utils.deterministic.fill_uninitialized_memory = False

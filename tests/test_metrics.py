@@ -254,24 +254,18 @@ def test_metric_state_survives_resume_mid_epoch(tmp_path: Path, style: str) -> N
 
 
 RESUME_JOB = """
-import os, sys, torch, phalanx
+import sys, torch, phalanx
 from mp import report
 from phalanx.callbacks import ModelCheckpoint
 from metric_models import Classifier, loader
-from test_trainer_support import flat, quiet
+from test_trainer_support import KillAt, flat, quiet
 
 mode = sys.argv[1]
 
 
-class Kill:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if mode == "kill" and trainer.global_step == 13 and not trainer.in_window:
-            os._exit(17)  # no cleanup at all, like a preempted node
-
-
 phalanx.seed_everything(5)
 ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=3, save_last=True, save_top_k=0)
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, callbacks=[Kill(), ckpt],
+trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, callbacks=[KillAt(13, active=mode == "kill"), ckpt],
                           **quiet(enable_checkpointing=True))
 model = Classifier("object", dropout=0.3)
 trainer.fit(model, loader(64, 4, shuffle=True), loader(21, 5), ckpt_path="last" if mode == "resume" else None)

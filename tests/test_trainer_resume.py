@@ -111,24 +111,19 @@ def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None
 
 
 DDP_JOB = """
-import os, sys, torch, phalanx
+import sys, torch, phalanx
 from mp import report
 from phalanx.callbacks import ModelCheckpoint
-from test_trainer_support import Regressor, flat, loader, quiet
+from test_trainer_support import KillAt, Regressor, flat, loader, quiet
 
 mode = sys.argv[1]
-
-
-class Kill:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if mode == "kill" and trainer.global_step == 7 and not trainer.in_window:
-            os._exit(17)  # no cleanup at all, like a preempted node
 
 
 phalanx.seed_everything(5)
 ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=2, save_last=True, save_top_k=0)
 trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=3, accumulate_grad_batches=2,
-                          callbacks=[Kill(), ckpt], deterministic=True, **quiet(enable_checkpointing=True))
+                          callbacks=[KillAt(7, active=mode == "kill"), ckpt], deterministic=True,
+                          **quiet(enable_checkpointing=True))
 model = Regressor(optimizer="adam", lr=0.01, dropout=0.3)  # dropout: each rank's RNG stream matters
 trainer.fit(model, loader(48, 3, shuffle=True), ckpt_path="last" if mode == "resume" else None)
 report(trainer.fabric, params=flat(model), step=trainer.global_step,

@@ -3,6 +3,7 @@ scripts import this module; it holds no tests itself)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -80,6 +81,18 @@ class Regressor(phalanx.Module):
     def optimizer_step(self, optimizer: Any) -> None:
         self.counts["optimizer_step"] += 1
         optimizer.step()
+
+
+class KillAt:
+    """Ends this process at once right after optimizer step ``step`` when ``active`` (exit code 17, no
+    cleanup at all, like a preempted node): the kill-and-resume jobs' callback."""
+
+    def __init__(self, step: int, active: bool = True) -> None:
+        self.step, self.active = step, active
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.active and trainer.global_step == self.step and not trainer.in_window:
+            os._exit(17)
 
 
 def dataset(n: int, seed: int = 0) -> TensorDataset:
