@@ -6,6 +6,14 @@ Fabric, Lightning Trainer and Accelerate.
     bench/.venv/bin/python bench/overhead.py [--reps 7 --steps 200 --threads 1]
     bench/.venv/bin/python bench/overhead.py --marginal --config tiny [--short 2000 --long 8000]
 
+``--instructions`` counts instead of timing (needs ``valgrind``): each contender runs in a child process
+under ``valgrind --tool=cachegrind --cache-sim=no``, once for ``--short`` and once for ``--long`` steps, and
+the difference of the instruction counts divided by the difference of the steps is what one more step
+executes. Unlike time on a shared machine (±10 us per step between runs of the same code on the 2-CPU
+development box), the count repeats to a few hundred instructions, so a framework cost of 1 % is seen
+directly. Instructions are not time (Python's interpreter runs fewer per cycle than torch's kernels do),
+so the table gives both views.
+
 ``--marginal`` measures what one more step costs with start-up cancelled: the process CPU time of a
 whole run of ``--long`` steps minus that of ``--short`` steps, divided by the difference (each
 contender's setup, first-step allocations and teardown drop out). It needs only torch and phalanx;
@@ -21,8 +29,10 @@ machine); wall time per step (median step) is shown next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -195,16 +205,7 @@ def marginal(args: argparse.Namespace, config: dict[str, int]) -> None:
     """Marginal CPU time per step: (t(long) - t(short)) / (long - short), interleaved and paired."""
     import time
 
-    contenders: dict[str, Contender] = {
-        "raw PyTorch": raw_torch,
-        "phalanx Fabric": phalanx_fabric,
-        "phalanx Trainer": phalanx_trainer,
-        "phalanx Trainer + self.log": phalanx_trainer_logging,
-    }
-    if _importable("lightning"):
-        contenders.update({"Lightning Fabric": lightning_fabric, "Lightning Trainer": lightning_trainer})
-    if _importable("accelerate"):
-        contenders["Accelerate"] = accelerate_loop
+    contenders = _marginal_contenders()
     short, long = make_dataset(config, args.short * args.batch), make_dataset(config, args.long * args.batch)
     per_step: dict[str, list[float]] = {name: [] for name in contenders}
     losses: dict[str, float] = {}
@@ -243,6 +244,66 @@ def marginal(args: argparse.Namespace, config: dict[str, int]) -> None:
         args.json.write_text(json.dumps({"marginal_s_per_step": per_step, "losses": losses}, indent=1))
 
 
+def _child(name: str, steps: int, batch: int) -> None:
+    """One contender, one run (the process that ``--instructions`` puts under valgrind)."""
+    fn = _marginal_contenders()[name]
+    fn(make_dataset(CONFIG, steps * batch), batch)
+
+
+def _marginal_contenders() -> dict[str, Contender]:
+    contenders: dict[str, Contender] = {
+        "raw PyTorch": raw_torch,
+        "phalanx Fabric": phalanx_fabric,
+        "phalanx Trainer": phalanx_trainer,
+        "phalanx Trainer + self.log": phalanx_trainer_logging,
+    }
+    if _importable("lightning"):
+        contenders.update({"Lightning Fabric": lightning_fabric, "Lightning Trainer": lightning_trainer})
+    if _importable("accelerate"):
+        contenders["Accelerate"] = accelerate_loop
+    return contenders
+
+
+def instructions(args: argparse.Namespace) -> None:
+    """Instructions per step: (Ir(long) - Ir(short)) / (long - short) under cachegrind, two children at a time."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    if shutil.which("valgrind") is None:
+        sys.exit("--instructions needs valgrind (e.g. `apt-get install valgrind`).")
+    names = list(_marginal_contenders())
+
+    def count(name: str, steps: int) -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
+                   sys.executable, __file__, "--child", name, "--steps", str(steps), "--batch", str(args.batch),
+                   "--config", args.config, "--threads", str(args.threads)]
+            # A fixed hash seed: start-up work (imports, dict layouts) then repeats exactly, so it cancels.
+            env = {**os.environ, "PYTHONHASHSEED": "0"}
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"{name} ({steps} steps) failed under valgrind:\n{done.stderr[-3000:]}")
+        return int(found.group(1).replace(",", ""))
+
+    jobs = [(name, steps) for name in names for steps in (args.short, args.long)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs)))
+    per_step = {n: (counts[(n, args.long)] - counts[(n, args.short)]) / (args.long - args.short) for n in names}
+    raw = per_step["raw PyTorch"]
+    rows = [[n, f"{v / 1e3:.1f}", f"{(v - raw) / 1e3:+.1f}", f"{v / raw:.4f}"] for n, v in per_step.items()]
+    print(f"## Instructions per step, 1 CPU process ({machine_line()})")
+    print(f"MLP {CONFIG}, batch {args.batch}, AdamW, {args.threads} thread(s); (Ir({args.long} steps) - "
+          f"Ir({args.short} steps)) / {args.long - args.short}, valgrind cachegrind.")
+    print(f"versions: {framework_versions()}")
+    print(table(["contender", "k instr/step", "k instr/step over raw", "x raw"], rows))
+    if args.json:
+        args.json.write_text(json.dumps({"instructions_per_step": per_step}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7, help="repetitions of the whole interleaved round")
@@ -252,14 +313,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--marginal", action="store_true", help="marginal cost per step (see the docstring)")
-    parser.add_argument("--short", type=int, default=2000, help="--marginal: steps of the short run")
-    parser.add_argument("--long", type=int, default=8000, help="--marginal: steps of the long run")
+    parser.add_argument("--short", type=int, help="--marginal/--instructions: steps of the short run (2000/200)")
+    parser.add_argument("--long", type=int, help="--marginal/--instructions: steps of the long run (8000/1200)")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default",
                         help="model size: 'tiny' (a ~0.5 ms step) makes per-step framework cost visible")
+    parser.add_argument("--instructions", action="store_true",
+                        help="instructions per step under valgrind (see the docstring); --short/--long default 200/600")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = CONFIGS[args.config]
     CONFIG.update(config)  # the contenders build CONFIG's model
+    if args.child:
+        quiet_frameworks()
+        torch.set_num_threads(args.threads)
+        with contextlib.redirect_stdout(sys.stderr):
+            _child(args.child, args.steps, args.batch)
+        return
+    if args.instructions:
+        require_bench_venv(["phalanx"])
+        args.short, args.long = args.short or 200, args.long or 1200  # valgrind runs ~50x slower
+        instructions(args)
+        return
     if args.marginal:
+        args.short, args.long = args.short or 2000, args.long or 8000
         require_bench_venv(["phalanx"])
         quiet_frameworks()
         torch.set_num_threads(args.threads)

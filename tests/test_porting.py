@@ -393,6 +393,45 @@ def test_configure_gradient_clipping_override_receives_trainer_settings() -> Non
     assert float((flat(model) - before).abs().max()) <= 0.1 * 0.01 + 1e-7  # lr * clip value
 
 
+def test_overrides_of_backward_and_zero_grad_run_and_late_callbacks_join_at_the_next_epoch() -> None:
+    """What a step calls is decided once per epoch (stepping.StepPlan): an overridden ``backward`` and
+    ``optimizer_zero_grad`` run at every step instead of the defaults, and a callback added during an
+    epoch takes part from the next epoch on (docs/trainer.md)."""
+    zero_grads: list[int] = []
+    late: list[tuple[int, int]] = []
+
+    class Custom(Net):
+        def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            super().backward(loss * 2, *args, **kwargs)  # as if the learning rate were doubled
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            zero_grads.append(batch_idx)
+            optimizer.zero_grad()
+
+    class Late(L.Callback):
+        def on_before_backward(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
+            late.append((trainer.current_epoch, trainer.global_step))
+
+    class AddsLate(L.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.current_epoch == 0 and batch_idx == 0:
+                trainer.callbacks.append(Late())
+
+    model = Custom()
+    L.Trainer(max_epochs=2, callbacks=[AddsLate()], **quiet()).fit(model)
+    assert zero_grads == [0, 1, 2, 3] * 2
+    assert late == [(1, 4), (1, 5), (1, 6), (1, 7)]
+
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    for _ in range(2):
+        for x, y in DataLoader(data(32), batch_size=8):
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            opt.step()
+    assert torch.allclose(flat(model), flat(ref), atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- manual optimization
 class TwoOptimizers(L.LightningModule):
     """A GAN-shaped loop: two optimizers, toggled, stepped by hand."""
@@ -618,7 +657,8 @@ def test_profilers_report(name: str, tmp_path: Any) -> None:
     L.Trainer(max_epochs=1, limit_train_batches=2, profiler=profiler, **quiet()).fit(Net())
     report = (tmp_path / "fit-perf-rank0.txt").read_text()
     if name == "simple":
-        assert "run_training_batch" in report and "[LightningModule]Net.training_step" in report
+        for action in ("run_training_batch", "[LightningModule]Net.training_step", "backward", "optimizer_step"):
+            assert action in report, action
         assert "[Callback]" not in report or "calls" in report
     elif name == "advanced":
         assert "Profile stats for: run_training_batch" in report and "cumulative" in report

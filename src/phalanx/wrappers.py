@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any
@@ -43,10 +42,13 @@ class FabricModule(nn.Module):
         object.__setattr__(self, "_fwd", forward_module)
         object.__setattr__(self, "_orig", original_module)
         object.__setattr__(self, "_redirects", {})
-        # Full precision converts nothing in or out: skip both calls on every forward.
+        # Full precision converts nothing in or out and enters no context: skip those three calls on
+        # every forward.
         precision = strategy.precision
-        plain = (type(precision).convert_input is Precision.convert_input and precision.param_dtype is None
-                 and type(precision).convert_output is Precision.convert_output)
+        kind = type(precision)
+        plain = (kind.convert_input is Precision.convert_input and precision.param_dtype is None
+                 and kind.convert_output is Precision.convert_output
+                 and kind.forward_context is Precision.forward_context)
         object.__setattr__(self, "_plain_io", plain)
 
     @property
@@ -76,18 +78,14 @@ class FabricModule(nn.Module):
     def _run(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``target`` as the strategy's forward: inputs converted, inside the precision's context."""
         strategy = self._strategy
-        precision = strategy.precision
-        plain = self._plain_io
-        if not plain:
-            args, kwargs = precision.convert_input((args, kwargs))
-        context = precision.forward_context()
         # Strategies call what they are given (their wrapper, or the module itself): any callable.
-        if type(context) is contextlib.nullcontext:  # full precision: nothing to enter, every step
+        if self._plain_io:
+            return strategy.module_forward(target, *args, **kwargs)
+        precision = strategy.precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
             out = strategy.module_forward(target, *args, **kwargs)
-        else:
-            with context:
-                out = strategy.module_forward(target, *args, **kwargs)
-        return out if plain else precision.convert_output(out)
+        return precision.convert_output(out)
 
     def _redirect_method(self, name: str) -> Callable[..., Any]:
         """Call ``original.<name>`` *as* the forward, so the strategy sees it (DDP arms its reducer)."""

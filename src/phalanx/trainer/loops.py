@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Mapping
-from itertools import count
+from itertools import count, repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,7 @@ from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
-from phalanx.trainer.stepping import loss_of, train_batch
+from phalanx.trainer.stepping import StepPlan, loss_of, train_batch
 from phalanx.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -55,14 +55,14 @@ def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> I
     With a known length the window sizes are computed; without one, each window is read ahead so
     the size of the last (partial) window is known before its first backward.
     """
-    if total is not None and n == 1:  # no accumulation: every batch is its own window
-        for batch_idx in range(start, total):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch_idx, batch, 1, True
-        return
+    if total is not None and n == 1:
+        # No accumulation: every batch is its own window. Built from C iterators (no Python frame per
+        # batch); zip asks the range first, so no batch is read past ``total``.
+        return zip(range(start, total), iterator, repeat(1), repeat(True))
+    return _windows(iterator, start, total, n)
+
+
+def _windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> Iterator[tuple[int, Any, int, bool]]:
     if total is not None:
         for batch_idx in range(start, total):
             try:
@@ -100,9 +100,7 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
         if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
             break
-    iterator = iter(raw)
-    device = fabric.device
-    return (move_to_device(batch, device) for batch in iterator)
+    return map(move_to_device, iter(raw), repeat(fabric.device))
 
 
 def micro_batch(
@@ -193,6 +191,8 @@ def run_train_epoch(trainer: Trainer) -> None:
     # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
+    plan = t.step_plan = StepPlan(t)
+    batch_start = "on_train_batch_start" in plan.live
     batch_end = overrides(t.module, "on_train_batch_end")
     cb_end = bool(t._callback_methods("on_train_batch_end"))
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
@@ -201,10 +201,10 @@ def run_train_epoch(trainer: Trainer) -> None:
         seen = True
         results.batch = batch
         t.in_window = not boundary
-        if not t.batch_start(batch, batch_idx):
+        if batch_start and not t.batch_start(batch, batch_idx):
             break
         steps_before = t.global_step
-        output = train_batch(t, batch, batch_idx, size, boundary)
+        output = train_batch(t, plan, batch, batch_idx, size, boundary)
         t.batches_done = batch_idx + 1
         log_due = has_loggers and t.global_step > steps_before and t.global_step % t.log_every_n_steps == 0
         if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
@@ -222,9 +222,10 @@ def run_train_epoch(trainer: Trainer) -> None:
                 t.module.on_train_batch_end(out, batch, batch_idx)
             t.call("on_train_batch_end", out, batch, batch_idx)
         t.in_window = False
-        if boundary and (t.should_stop or t.max_steps_reached):
+        if boundary and ((t._should_stop and t.should_stop) or t.max_steps_reached):  # (the property, if asked)
             break
     del iterator
+    t.step_plan = None
     if not seen and start == 0:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
                                  t.world_size)

@@ -223,12 +223,21 @@ class Module(HyperparametersMixin, nn.Module):
         torchmetrics reduces it across ranks itself, so ``sync_dist``/``reduce_fx`` do not apply.
         Logging never communicates; values are synced across ranks where they are read.
         """
-        _refuse_log_options(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute, rank_zero_only)
-        if self._trainer is None and self._fabric is not None:
-            if logger:  # in a Fabric loop the loggers are the only destination
-                self._fabric.log(name, value)
-            return
-        self.trainer.results_for_logging().log(
+        if enable_graph or sync_dist_group is not None or not add_dataloader_idx or metric_attribute is not None \
+                or rank_zero_only:
+            _refuse_log_options(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute,
+                                rank_zero_only)
+        trainer = self._trainer
+        if trainer is None:
+            if self._fabric is not None:
+                if logger:  # in a Fabric loop the loggers are the only destination
+                    self._fabric.log(name, value)
+                return
+            trainer = self.trainer  # raises, saying how to attach the module
+        results = trainer.results.get(trainer.current_stage)  # type: ignore[arg-type]
+        if results is None:
+            results = trainer.results_for_logging()  # raises, naming where self.log works
+        results.log(
             name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, logger=logger,
             sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, module=self,
         )

@@ -123,14 +123,15 @@ class Results:
         if entry is None or entry.given != given:
             entry = self._entry(key, name, given, value, module)
         if isinstance(value, torch.Tensor) and entry.metric is None:
-            if value.numel() != 1:
-                raise MisconfigurationError(
-                    f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it first)."
-                )
             # A step-only value is detached when it is synced (holding it until the next step keeps no
             # activations: backward has freed them); epoch values are kept in lists, so detach now.
             v: Any = value.detach() if value.requires_grad and entry.on_epoch else value
-            if v.dim():
+            if v.dim():  # (a 0-d tensor, the usual loss, is one value: no more checks)
+                if v.numel() != 1:
+                    raise MisconfigurationError(
+                        f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars (reduce it "
+                        "first)."
+                    )
                 v = v.reshape(())
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and entry.metric is None:
             v = float(value)

@@ -21,6 +21,7 @@ averaged across ranks (see ``train_batch``); validated on the single-device and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ import torch
 
 from phalanx.anomaly import NonFiniteError
 from phalanx.errors import MisconfigurationError
+from phalanx.profilers import PassThroughProfiler
 from phalanx.trainer.optim import step_schedulers
 from phalanx.wrappers import FabricOptimizer
 
@@ -57,11 +59,15 @@ class StepOptimizer:
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         trainer = self._trainer
         result = closure() if closure is not None else None
-        if not trainer.module.automatic_optimization:
+        plan = trainer.step_plan
+        if not (plan.automatic if plan is not None else trainer.module.automatic_optimization):
             # In automatic optimization the closure already ran this hook (before clipping).
             trainer.hook("on_before_optimizer_step", self)
-        with trainer.profile("optimizer_step"):
+        if type(trainer.profiler) is PassThroughProfiler:
             self._fabric_optimizer.step(**kwargs)
+        else:
+            with trainer.profile("optimizer_step"):
+                self._fabric_optimizer.step(**kwargs)
         trainer.global_step += 1
         return result
 
@@ -168,8 +174,8 @@ def clip(trainer: Trainer, optimizer: Any, value: float | None, algorithm: str |
 
 
 def _legacy_optimizer_step(module: Module, cache: dict[Any, bool]) -> bool:
-    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument). Asked every step,
-    so the answer is kept per function in ``cache`` (the Trainer's): inspect.signature costs ~40 us."""
+    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument). Kept per function in
+    ``cache`` (the Trainer's): inspect.signature costs ~40 us."""
     method = module.optimizer_step
     function = getattr(method, "__func__", method)
     known = cache.get(function)
@@ -180,13 +186,76 @@ def _legacy_optimizer_step(module: Module, cache: dict[Any, bool]) -> bool:
     return known
 
 
-def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
-    """Run one training batch (and the optimizer step it completes); returns training_step's output."""
-    from phalanx.trainer.module import overrides  # (module.py imports this file)
+# The hooks of one training batch (Lightning's order), each dispatched to the callbacks and the Module.
+STEP_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
+              "on_before_optimizer_step", "on_train_batch_end")
 
+
+class StepPlan:
+    """What one training batch has to call, decided once per epoch.
+
+    The step protocol is Lightning's (above): six hooks, each for every callback and the Module, a
+    closure through ``optimizer_step``, clipping through ``configure_gradient_clipping``, a profiler
+    bracket around each part. Asking at every batch which of these does anything cost more than the
+    rest of the Trainer's step together (``bench/overhead.py --marginal``: +40 us on a 0.65 ms step),
+    so the questions are answered here, at the start of each epoch, and the step calls only what
+    does something: a hook some callback defines or the Module overrides (or whose Module default
+    has a body); clipping where a value is set or the Module customises it; where the Module keeps
+    a default whose whole body is one call (``backward``, ``optimizer_zero_grad``, ``optimizer_step``),
+    that call; profiler brackets with a profiler. Consequence, documented in docs/trainer.md:
+    callbacks added, or Module methods replaced, in the middle of an epoch take part from the next
+    epoch on.
+    """
+
+    __slots__ = ("automatic", "backward", "clip", "custom_step", "custom_zero_grad", "legacy", "live", "module",
+                 "run_accumulating", "run_boundary", "training_step")
+    run_boundary: Callable[..., tuple[Any, torch.Tensor]]  # (training_step's output, its loss)
+    run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
+
+    def __init__(self, trainer: Trainer) -> None:
+        from phalanx.trainer.module import overrides  # (module.py imports this file)
+
+        t, module = trainer, trainer.module
+        self.module = module
+        self.automatic = module.automatic_optimization
+        self.live = frozenset(name for name in STEP_HOOKS if t.hook_does_something(name))
+        self.clip = bool(t.gradient_clip_val) or overrides(module, "configure_gradient_clipping") \
+            or overrides(module, "clip_gradients")
+        self.custom_zero_grad = overrides(module, "optimizer_zero_grad")
+        self.custom_step = overrides(module, "optimizer_step")
+        self.legacy = _legacy_optimizer_step(module, t.signature_cache)
+        # The set-up model's redirect runs the method as the strategy's forward (DDP arms its reducer);
+        # it finds the method at each call, so only the attribute lookup is saved.
+        self.training_step = timed(t, f"[LightningModule]{type(module).__name__}.training_step",
+                                   t.model.training_step)
+        fabric, model = t.fabric, t.model
+        self.backward = timed(t, "backward", module.backward if overrides(module, "backward")
+                              else functools.partial(fabric.backward, model=model))
+        self.run_boundary = timed(t, "run_training_batch", _forward_backward)
+        self.run_accumulating = timed(t, "run_training_batch", _forward_backward_no_sync)
+
+
+def timed(trainer: Trainer, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` measured as ``action`` by the Trainer's profiler; without one, ``fn`` itself (no bracket
+    to enter and leave, several times per step)."""
+    profiler = trainer.profiler
+    if type(profiler) is PassThroughProfiler:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with profiler.profile(action):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def train_batch(
+    trainer: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool
+) -> Any:
+    """Run one training batch (and the optimizer step it completes); returns training_step's output."""
     t = trainer
-    module = t.module
-    if not module.automatic_optimization:
+    module = plan.module
+    if not plan.automatic:
         # Not through the set-up model's forward: manual_backward runs INSIDE training_step, i.e. inside
         # that forward, before DDP's reducer is prepared for it, so DDP would not reduce those gradients
         # (and would then wait for a backward that never comes). Called directly, every manual_backward
@@ -195,48 +264,56 @@ def train_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, 
         with t.profile("run_training_batch"), t.fabric.autocast():
             return as_outputs(module.training_step(batch, batch_idx))
     optimizer = t.step_optimizers[0]
+    live = plan.live
     window = t.window_losses
     if batch_idx % t.accumulate_grad_batches == 0:
         window.clear()
-        t.hook("on_before_zero_grad", optimizer)
-        module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+        if "on_before_zero_grad" in live:
+            t.hook("on_before_zero_grad", optimizer)
+        if plan.custom_zero_grad:
+            module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+        else:
+            optimizer._fabric_optimizer.zero_grad()
     if not boundary:
-        with t.profile("run_training_batch"):
-            output = micro_batch(t, batch, batch_idx, window_size, boundary)
-        window.append((batch_idx, loss_of(output).detach()))
+        output, loss = plan.run_accumulating(t, plan, batch, batch_idx, window_size)
+        window.append((batch_idx, loss.detach()))
         return as_outputs(output)
-    ran: dict[str, Any] = {}
+    ran: list[Any] = []
 
     def closure() -> torch.Tensor:
-        with t.profile("run_training_batch"):
-            ran["output"] = micro_batch(t, batch, batch_idx, window_size, True)
-        window.append((batch_idx, loss_of(ran["output"]).detach()))
-        check_finite_losses(t, window)  # before any step on these gradients (one read per window)
+        output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
+        ran.append(output)
+        if window or not math.isfinite(loss.item()):  # before any step on these gradients (one read per window)
+            check_finite_losses(t, window, batch_idx, loss)
         window.clear()
-        t.hook("on_before_optimizer_step", optimizer)
-        module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
-        return loss_of(ran["output"])
+        if "on_before_optimizer_step" in live:
+            t.hook("on_before_optimizer_step", optimizer)
+        if plan.clip:
+            module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+        return loss
 
     steps_before = t.global_step
-    if overrides(module, "optimizer_step"):
-        t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
-    if _legacy_optimizer_step(module, t.signature_cache):
-        closure()
-        module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
+    if not plan.custom_step:
+        optimizer.step(closure=closure)
     else:
-        module.optimizer_step(t.current_epoch, batch_idx, optimizer, closure)
-    if "output" not in ran:
-        raise MisconfigurationError(
-            f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "
-            "training_step and backward never happened. Call optimizer.step(closure=optimizer_closure), or "
-            "optimizer_closure() before stepping."
-        )
+        t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
+        if plan.legacy:
+            closure()
+            module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
+        else:
+            module.optimizer_step(t.current_epoch, batch_idx, optimizer, closure)
+        if not ran:
+            raise MisconfigurationError(
+                f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "
+                "training_step and backward never happened. Call optimizer.step(closure=optimizer_closure), or "
+                "optimizer_closure() before stepping."
+            )
     configs = t.lr_scheduler_configs
-    if t.global_step > steps_before and configs:
+    if configs and t.global_step > steps_before:
         # Reading callback_metrics syncs pending step values across ranks: only for a monitored scheduler.
         monitored = any(c.interval == "step" and c.monitor is not None for c in configs)
         step_schedulers(module, configs, "step", t.global_step, t.callback_metrics if monitored else {})
-    return as_outputs(ran["output"])
+    return as_outputs(ran[0])
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -258,12 +335,19 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def check_finite_losses(trainer: Trainer, losses: list[tuple[int, torch.Tensor]]) -> None:
-    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read)."""
-    if len(losses) == 1:
-        values = [losses[0][1].item()]
+def check_finite_losses(
+    trainer: Trainer, earlier: list[tuple[int, torch.Tensor]], batch_idx: int, loss: torch.Tensor
+) -> None:
+    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read): the
+    ``earlier`` micro-batches' losses and the window's last, ``loss`` of ``batch_idx``."""
+    if not earlier:
+        value = loss.item()
+        if math.isfinite(value):  # the common case: one loss, finite
+            return
+        losses, values = [(batch_idx, loss)], [value]
     else:
-        values = torch.stack([loss.detach() for _, loss in losses]).tolist()
+        losses = [*earlier, (batch_idx, loss.detach())]
+        values = torch.stack([v.reshape(()) for _, v in losses]).tolist()
     bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
     if not bad:
         return
@@ -292,24 +376,27 @@ def as_outputs(output: Any) -> Any:
     return output
 
 
-def micro_batch(trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
+def _forward_backward(
+    t: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
+) -> tuple[Any, torch.Tensor]:
     """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
-    ``backward``; gradient sync only on the window's last micro-batch. (The LR finder uses
+    ``backward``; returns training_step's output and its loss. (The LR finder uses
     ``loops.micro_batch``, which calls no hooks.)"""
-    t = trainer
-    if boundary:  # the common case (no accumulation): no sync-control context to enter
-        return _forward_backward(t, batch, batch_idx, window_size)
-    with t.fabric.no_backward_sync(t.model, enabled=True):
-        return _forward_backward(t, batch, batch_idx, window_size)
-
-
-def _forward_backward(t: Trainer, batch: Any, batch_idx: int, window_size: int) -> Any:
-    with t.profile(f"[LightningModule]{type(t.module).__name__}.training_step"):
-        output = t.model.training_step(batch, batch_idx)
+    output = plan.training_step(batch, batch_idx)
     loss = loss_of(output)
     scaled = loss / window_size if window_size > 1 else loss
-    t.hook("on_before_backward", scaled)
-    with t.profile("backward"):
-        t.module.backward(scaled)
-    t.hook("on_after_backward")
-    return output
+    live = plan.live
+    if "on_before_backward" in live:
+        t.hook("on_before_backward", scaled)
+    plan.backward(scaled)
+    if "on_after_backward" in live:
+        t.hook("on_after_backward")
+    return output, loss
+
+
+def _forward_backward_no_sync(
+    t: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
+) -> tuple[Any, torch.Tensor]:
+    """A micro-batch before the window's last: its gradients stay local (synced with the last one's)."""
+    with t.fabric.no_backward_sync(t.model, enabled=True):
+        return _forward_backward(t, plan, batch, batch_idx, window_size)

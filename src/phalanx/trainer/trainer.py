@@ -29,19 +29,18 @@ from phalanx.profilers import resolve_profiler
 from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
+from phalanx.trainer.hooks import TrainerHooks
 from phalanx.trainer.module import DataModule, Module, no_op_hooks, overrides
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
-from phalanx.trainer.results import MetricBoard, Results, reads_metrics
+from phalanx.trainer.results import MetricBoard, Results
 from phalanx.trainer.settings import (
     check_weights_only,
-    checkpoint_marks,
-    off_in_fast_dev_run,
     refuse_plugins,
     resolve,
     sequential,
     split_datamodule,
 )
-from phalanx.trainer.stepping import StepOptimizer
+from phalanx.trainer.stepping import StepOptimizer, StepPlan
 from phalanx.trainer.views import TrainerViews
 
 _STAGES = ("train", "validate", "test")
@@ -70,7 +69,7 @@ def _deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-class Trainer(TrainerViews):
+class Trainer(TrainerViews, TrainerHooks):
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
     The arguments are Lightning's, with its defaults and meaning (docs/trainer.md; deliberate
@@ -225,6 +224,7 @@ class Trainer(TrainerViews):
         self.signature_cache: dict[Any, bool] = {}  # see stepping._legacy_optimizer_step
         self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
+        self.step_plan: StepPlan | None = None  # what a training batch calls, decided per epoch (loops.py)
         self.epoch_start_rng: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
         self.ckpt_path: str | None = None
@@ -377,64 +377,7 @@ class Trainer(TrainerViews):
         total = per_epoch * self.max_epochs
         return min(total, self.max_steps) if self.max_steps >= 0 else total
 
-    # ------------------------------------------------------------------ hooks and metrics (used by loops)
-    def call(self, hook: str, *args: Any) -> None:
-        """Call ``hook(trainer, module, *args)`` on every callback that defines it."""
-        for cb, method in self._callback_methods(hook):
-            if self.fast_dev_run and off_in_fast_dev_run(cb):
-                continue
-            if reads_metrics(method):  # user code may read callback_metrics on one rank only
-                self.sync_step_metrics()
-            saved = checkpoint_marks(cb)
-            with self.profile(f"[Callback]{type(cb).__qualname__}.{hook}"):
-                method(self, self.module, *args)
-            if saved is not None and saved != checkpoint_marks(cb):
-                self._after_save_checkpoint(cb)
-
-    def _callback_methods(self, hook: str) -> list[tuple[Any, Any]]:
-        """The callbacks defining ``hook``, with the method: looked up once per hook and list of callbacks
-        (hooks run several times per step, and most callbacks define few of them)."""
-        callbacks = tuple(self.callbacks)
-        cached = self._hook_methods.get(hook)
-        if cached is not None and cached[0] == callbacks:  # the same callback objects (identity first)
-            return cached[1]
-        from phalanx.callbacks import Callback
-
-        found = []
-        for cb in callbacks:
-            method = getattr(cb, hook, None)
-            # Callback's own no-op (a hook the subclass did not override) need not be called.
-            if callable(method) and getattr(method, "__func__", None) is not getattr(Callback, hook, None):
-                found.append((cb, method))
-        self._hook_methods[hook] = (callbacks, found)
-        return found
-
-    def hook(self, name: str, *args: Any) -> Any:
-        """A Lightning hook: every callback's ``name(trainer, module, *args)``, then the module's
-        ``name(*args)`` (whose return value is returned)."""
-        if self._callback_methods(name):
-            self.call(name, *args)
-        module = self.module
-        if overrides(module, name):
-            self.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
-        elif name in self._no_op_hooks:
-            return None  # several per step: the default does nothing
-        with self.profile(f"[LightningModule]{type(module).__name__}.{name}"):
-            return getattr(module, name)(*args)
-
-    def profile(self, action: str) -> contextlib.AbstractContextManager[Any]:
-        """Measure ``action`` with the Trainer's profiler (a no-op without one)."""
-        return self.profiler.profile(action)
-
-    def _after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        """Loggers that track checkpoints (MLflow, W&B) hear about each one ModelCheckpoint wrote."""
-        if not self.is_global_zero:
-            return
-        for lg in self.loggers:
-            after = getattr(lg, "after_save_checkpoint", None)
-            if callable(after):
-                after(checkpoint_callback)
-
+    # ------------------------------------------------------------------ metrics (used by loops)
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """The latest step and epoch values, identical on every rank. Step values are synced across ranks
@@ -493,6 +436,7 @@ class Trainer(TrainerViews):
                 "created can be shared by only one), or pass the same model again."
             )
         self._module = model
+        self.step_plan = None  # (a failed epoch of an earlier run may have left one behind)
         model._trainer = self
         if datamodule is not None:
             if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
@@ -697,22 +641,6 @@ class Trainer(TrainerViews):
         n = self.reload_dataloaders_every_n_epochs
         if n and self.current_epoch > 0 and self.current_epoch % n == 0 and self.batches_done == 0:
             self._prepare_train_data()
-
-    def batch_start(self, batch: Any, batch_idx: int) -> bool:
-        """``on_train_batch_start``; returns False when the module asked (by returning -1) to end the
-        epoch here. Several ranks must agree, or they would fall out of step: they are asked together."""
-        answer = self.hook("on_train_batch_start", batch, batch_idx)
-        if not overrides(self.module, "on_train_batch_start"):
-            return True
-        stop = answer == -1
-        if self.world_size > 1:
-            votes = self.fabric.all_gather(torch.tensor(int(stop)))
-            if int(votes.min()) != int(votes.max()):
-                raise MisconfigurationError(
-                    f"on_train_batch_start returned -1 on some ranks but not others at batch {batch_idx}; every rank "
-                    "must end the epoch at the same batch. Base the decision on values that agree across ranks."
-                )
-        return not stop
 
     def _val_check_batches(self) -> int | None:
         interval = self.val_check_interval
