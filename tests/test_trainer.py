@@ -299,6 +299,28 @@ def test_train_sampler_resumes_and_shards_like_one_process() -> None:
     assert list(skipping) == order[1::2]  # the skip applies to one pass only
 
 
+@pytest.mark.parametrize("length", [0, 1, 7, 12])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("skip", [0, 5])
+def test_train_sampler_in_data_order_equals_the_padded_list(length: int, world: int, skip: int) -> None:
+    """Unshuffled, the sampler iterates a range where nothing is padded or skipped: the indices must be
+    those of the general rule (pad to a multiple of the ranks, skip, pad again, take every world-th)."""
+    def rule(rank: int, skip: int) -> list[int]:
+        padded = list(range(length))
+        while padded and len(padded) % world:
+            padded += padded[: world - len(padded) % world]
+        rest = padded[skip:]
+        while rest and len(rest) % world:
+            rest += rest[: world - len(rest) % world]
+        return rest[rank::world]
+
+    for rank in range(world):
+        sampler = TrainSampler(length, world, rank, shuffle=False, seed=0)
+        sampler.skip = skip
+        assert list(sampler) == rule(rank, skip)
+        assert list(sampler) == rule(rank, 0)  # the skip applies to one pass only
+
+
 @pytest.mark.parametrize(("n", "world", "batch"), [(37, 2, 8), (10, 3, 4), (16, 2, 8), (9, 2, 4), (5, 4, 2)])
 def test_eval_sampler_scores_each_sample_once_with_equal_batch_counts(n: int, world: int, batch: int) -> None:
     samplers = [EvalBatchSampler(n, world, r, batch) for r in range(world)]

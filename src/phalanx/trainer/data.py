@@ -58,12 +58,19 @@ class TrainSampler(Sampler[int]):
         else:
             order = list(range(self.length))
         # Pad before skipping, then again after: every rank gets the same count in both cases.
-        return _pad(_pad(order, self.num_replicas)[self.skip:], self.num_replicas)
+        padded = _pad(order, self.num_replicas)
+        return _pad(padded[self.skip:], self.num_replicas) if self.skip else padded
 
     def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        if not self.shuffle and not skip and self.length % self.num_replicas == 0:
+            # The dataset's own order, nothing to pad or skip: a range (what torch's SequentialSampler
+            # iterates), not a list of every index built each epoch (one int object per sample).
+            return iter(range(self.rank, self.length, self.num_replicas))
+        self.skip = skip
         order = self._order()
         self.skip = 0
-        return iter(order[self.rank :: self.num_replicas])
+        return iter(order if self.num_replicas == 1 else order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
         # What _order() yields per rank, without drawing the permutation: pad, skip, pad again.
