@@ -282,7 +282,8 @@ def instructions(args: argparse.Namespace) -> None:
                    sys.executable, __file__, "--child", name, "--steps", str(steps), "--batch", str(args.batch),
                    "--config", args.config, "--threads", str(args.threads)]
             # A fixed hash seed: start-up work (imports, dict layouts) then repeats exactly, so it cancels.
-            env = {**os.environ, "PYTHONHASHSEED": "0"}
+            # One BLAS thread: an idle OpenBLAS pool thread spins, and valgrind would count its spinning.
+            env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
             done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
         if done.returncode != 0 or found is None:
