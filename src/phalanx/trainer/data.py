@@ -62,12 +62,10 @@ class TrainSampler(Sampler[int]):
         return _pad(padded[self.skip:], self.num_replicas) if self.skip else padded
 
     def __iter__(self) -> Iterator[int]:
-        skip, self.skip = self.skip, 0
-        if not self.shuffle and not skip and self.length % self.num_replicas == 0:
+        if not self.shuffle and not self.skip and self.length % self.num_replicas == 0:
             # The dataset's own order, nothing to pad or skip: a range (what torch's SequentialSampler
             # iterates), not a list of every index built each epoch (one int object per sample).
             return iter(range(self.rank, self.length, self.num_replicas))
-        self.skip = skip
         order = self._order()
         self.skip = 0
         return iter(order if self.num_replicas == 1 else order[self.rank :: self.num_replicas])

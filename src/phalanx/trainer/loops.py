@@ -222,7 +222,7 @@ def run_train_epoch(trainer: Trainer) -> None:
                 t.module.on_train_batch_end(out, batch, batch_idx)
             t.call("on_train_batch_end", out, batch, batch_idx)
         t.in_window = False
-        if boundary and ((t._should_stop and t.should_stop) or t.max_steps_reached):  # (the property, if asked)
+        if boundary and (t.should_stop or t.max_steps_reached):
             break
     del iterator
     t.step_plan = None

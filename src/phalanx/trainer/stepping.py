@@ -63,11 +63,7 @@ class StepOptimizer:
         if not (plan.automatic if plan is not None else trainer.module.automatic_optimization):
             # In automatic optimization the closure already ran this hook (before clipping).
             trainer.hook("on_before_optimizer_step", self)
-        if type(trainer.profiler) is PassThroughProfiler:
-            self._fabric_optimizer.step(**kwargs)
-        else:
-            with trainer.profile("optimizer_step"):
-                self._fabric_optimizer.step(**kwargs)
+        timed(trainer, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
         trainer.global_step += 1
         return result
 
@@ -283,8 +279,7 @@ def train_batch(
     def closure() -> torch.Tensor:
         output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
         ran.append(output)
-        if window or not math.isfinite(loss.item()):  # before any step on these gradients (one read per window)
-            check_finite_losses(t, window, batch_idx, loss)
+        check_finite_losses(t, window, batch_idx, loss)  # before any step on these gradients (one read per window)
         window.clear()
         if "on_before_optimizer_step" in live:
             t.hook("on_before_optimizer_step", optimizer)
