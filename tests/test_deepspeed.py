@@ -186,6 +186,19 @@ if mode == "save":
         fabric.load("broken", state)
     except Exception as err:
         out["broken"] = f"{type(err).__name__}: {err}"
+    if stage == 3:
+        # ZeRO-3 pads each partition to ceil(numel / ranks) with never-written memory: rank 1's partition
+        # of the 1-element last bias is all padding. Garbage there is not the model's weights...
+        out["params"] = flat(fabric.strategy.module_state_dict(model.module))
+        weight, *_, bias = model.module.parameters()
+        with torch.no_grad():
+            if fabric.global_rank == 1:
+                bias.ds_tensor.fill_(float("nan"))
+            out["finite_despite_padding"] = fabric.strategy.weights_finite(model)
+            # ...but a nan this rank really holds is, and every rank hears of it.
+            if fabric.global_rank == 1:
+                weight.ds_tensor[0] = float("nan")
+            out["nan_on_rank1"] = fabric.strategy.weights_finite(model)
 else:
     source = "ckpt" if mode == "load_sharded" else "full.pt"
     try:
@@ -195,8 +208,8 @@ else:
     else:
         assert state["step"] == 2
         train(fabric, model, opt, X, Y, range(2, 4), world)
-report(fabric, params=flat(fabric.strategy.module_state_dict(model.module)), calls=CountingSGD.calls,
-       reference=flat(reference(4, X, Y).state_dict()), **out)
+out.setdefault("params", flat(fabric.strategy.module_state_dict(model.module)))
+report(fabric, calls=CountingSGD.calls, reference=flat(reference(4, X, Y).state_dict()), **out)
 """
 
 
@@ -232,6 +245,7 @@ def test_zero3_save_refuses_incomplete_dirs_and_full_file_loads_into_plain_torch
     for rank in (0, 1):
         torch.testing.assert_close(_params(job, rank), _params(job, rank, "reference"), rtol=0, atol=1e-6)
         assert "is not a complete sharded checkpoint: phalanx_meta.pt is missing" in job.reports[rank]["broken"]
+        assert job.reports[rank]["finite_despite_padding"] is True and job.reports[rank]["nan_on_rank1"] is False
     assert not list(tmp_path.glob(".ckpt.*"))
     # Both files phalanx wrote open with torch's safe loader: the marker of the sharded form and the full file.
     assert torch.load(tmp_path / "ckpt" / "phalanx_meta.pt", weights_only=True)["extras"] == {"step": 2}

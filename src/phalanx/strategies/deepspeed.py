@@ -113,6 +113,22 @@ def _without_shm_comm(deepspeed: Any) -> Iterator[None]:
         setattr(module, "build_shm_op", original)  # noqa: B010
 
 
+def _owned_values(param: torch.Tensor) -> torch.Tensor:
+    """The elements of a ZeRO-3 parameter that this rank's partition really holds.
+
+    DeepSpeed splits a parameter into equal partitions of ``ceil(numel / ranks)`` and allocates them
+    with ``torch.empty``: the tail past ``numel`` (all of rank 1's partition of a 1-element bias on two
+    ranks) is never written and holds whatever the allocator left there. Read whole, that garbage
+    made ``weights_finite`` report nan/inf now and then, and ModelCheckpoint skip every save of a run.
+    """
+    part: torch.Tensor = param.ds_tensor  # type: ignore[attr-defined]
+    group = getattr(param, "ds_process_group", None)
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+    size = part.numel()
+    owned = min(size, max(0, int(param.ds_numel) - rank * size))  # type: ignore[attr-defined]
+    return part.narrow(0, 0, owned)
+
+
 class DeepSpeedStrategy(ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed (optimizer states, gradients and, with stage 3,
     parameters are partitioned across ranks).
@@ -437,7 +453,7 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     def _local_tensors(self, module: nn.Module) -> list[torch.Tensor]:
         # ZeRO-3 parameters are empty placeholders; this rank's values are in their ds_tensor partition.
-        return [getattr(t, "ds_tensor", t) for t in super()._local_tensors(module)]
+        return [_owned_values(t) if hasattr(t, "ds_tensor") else t for t in super()._local_tensors(module)]
 
     def release_module(self, forward_module: nn.Module) -> None:
         if self._is_engine(forward_module):
