@@ -211,8 +211,10 @@ class FabricOptimizer:
         return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
 
     def step(self, closure: Callable[[], Any] | None = None) -> float | None:
-        kwargs = {} if closure is None else {"closure": closure}
-        loss: float | None = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        strategy = self._strategy
+        # (Without a closure, every step of the usual loop, no keyword dict is built and unpacked.)
+        loss: float | None = strategy.optimizer_step(self._optimizer) if closure is None else \
+            strategy.optimizer_step(self._optimizer, closure=closure)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -34,7 +34,7 @@ from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
-from phalanx.trainer.stepping import StepPlan, loss_of, train_batch
+from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import move_to_device
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def run_train_epoch(trainer: Trainer) -> None:
         if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
             run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
         if batch_end or cb_end:
-            out = detached(output)
+            out = detached(as_outputs(output))
             if batch_end:  # the default is a no-op
                 t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
                 t.module.on_train_batch_end(out, batch, batch_idx)

@@ -237,10 +237,7 @@ class Module(HyperparametersMixin, nn.Module):
         results = trainer.results.get(trainer.current_stage)  # type: ignore[arg-type]
         if results is None:
             results = trainer.results_for_logging()  # raises, naming where self.log works
-        results.log(
-            name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, logger=logger,
-            sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, module=self,
-        )
+        results.log(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, self)
 
     def log_dict(self, metrics: Mapping[str, Any] | Any, **kwargs: Any) -> None:
         """``self.log`` for each item of a dict or a torchmetrics ``MetricCollection`` (its prefixed names)."""

@@ -114,9 +114,10 @@ class Results:
 
     # ------------------------------------------------------------------ recording
     def log(
-        self, name: str, value: Any, *, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
+        self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
         logger: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, module: Any = None,
     ) -> None:
+        """``Module.log``'s recording (positional: it runs for every logged value of every step)."""
         given = (on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, self.in_epoch_end)
         key = name + self.suffix if self.suffix else name
         entry = self.entries.get(key)

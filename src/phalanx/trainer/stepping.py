@@ -46,6 +46,7 @@ class StepOptimizer:
     def __init__(self, optimizer: FabricOptimizer, trainer: Trainer) -> None:
         object.__setattr__(self, "_fabric_optimizer", optimizer)
         object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_timed_step", timed(trainer, "optimizer_step", optimizer.step))
         raw = optimizer.optimizer
         # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
         object.__setattr__(self, "__class__", type("Step" + type(raw).__name__, (StepOptimizer, type(raw)), {}))
@@ -63,9 +64,13 @@ class StepOptimizer:
         if not (plan.automatic if plan is not None else trainer.module.automatic_optimization):
             # In automatic optimization the closure already ran this hook (before clipping).
             trainer.hook("on_before_optimizer_step", self)
-        timed(trainer, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
-        trainer.global_step += 1
+        self.step_and_count(**kwargs)
         return result
+
+    def step_and_count(self, **kwargs: Any) -> None:
+        """The strategy's step (profiled as ``optimizer_step``), counted as one ``global_step``."""
+        self._timed_step(**kwargs)
+        self._trainer.global_step += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fabric_optimizer.zero_grad(set_to_none=set_to_none)
@@ -248,7 +253,8 @@ def timed(trainer: Trainer, action: str, fn: Callable[..., Any]) -> Callable[...
 def train_batch(
     trainer: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool
 ) -> Any:
-    """Run one training batch (and the optimizer step it completes); returns training_step's output."""
+    """Run one training batch (and the optimizer step it completes); returns training_step's output
+    (``as_outputs`` makes it what ``on_train_batch_end`` receives, where some hook does)."""
     t = trainer
     module = plan.module
     if not plan.automatic:
@@ -258,7 +264,7 @@ def train_batch(
         # takes the strategy's other path: the gradients it produced are averaged across ranks right
         # after it, however many backward passes and toggled optimizers the step has.
         with t.profile("run_training_batch"), t.fabric.autocast():
-            return as_outputs(module.training_step(batch, batch_idx))
+            return module.training_step(batch, batch_idx)
     optimizer = t.step_optimizers[0]
     live = plan.live
     window = t.window_losses
@@ -273,24 +279,20 @@ def train_batch(
     if not boundary:
         output, loss = plan.run_accumulating(t, plan, batch, batch_idx, window_size)
         window.append((batch_idx, loss.detach()))
-        return as_outputs(output)
-    ran: list[Any] = []
-
-    def closure() -> torch.Tensor:
-        output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
-        ran.append(output)
-        check_finite_losses(t, window, batch_idx, loss)  # before any step on these gradients (one read per window)
-        window.clear()
-        if "on_before_optimizer_step" in live:
-            t.hook("on_before_optimizer_step", optimizer)
-        if plan.clip:
-            module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
-        return loss
-
+        return output
     steps_before = t.global_step
     if not plan.custom_step:
-        optimizer.step(closure=closure)
+        # The default optimizer_step is optimizer.step(closure=closure): run the closure's body, then step.
+        output = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)[0]
+        optimizer.step_and_count()
     else:
+        ran: list[Any] = []
+
+        def closure() -> torch.Tensor:
+            output, loss = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)
+            ran.append(output)
+            return loss
+
         t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
         if plan.legacy:
             closure()
@@ -303,12 +305,29 @@ def train_batch(
                 "training_step and backward never happened. Call optimizer.step(closure=optimizer_closure), or "
                 "optimizer_closure() before stepping."
             )
+        output = ran[0]
     configs = t.lr_scheduler_configs
     if configs and t.global_step > steps_before:
         # Reading callback_metrics syncs pending step values across ranks: only for a monitored scheduler.
         monitored = any(c.interval == "step" and c.monitor is not None for c in configs)
         step_schedulers(module, configs, "step", t.global_step, t.callback_metrics if monitored else {})
-    return as_outputs(ran[0])
+    return output
+
+
+def _last_micro_batch(
+    t: Trainer, plan: StepPlan, optimizer: StepOptimizer, batch: Any, batch_idx: int, window_size: int
+) -> tuple[Any, torch.Tensor]:
+    """The optimizer closure's body: the window's last forward and backward (gradients synced), then
+    the checks and hooks before the step. Returns training_step's output and its loss."""
+    output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
+    window = t.window_losses
+    check_finite_losses(t, window, batch_idx, loss)  # before any step on these gradients (one read per window)
+    window.clear()
+    if "on_before_optimizer_step" in plan.live:
+        t.hook("on_before_optimizer_step", optimizer)
+    if plan.clip:
+        plan.module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+    return output, loss
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -378,7 +397,8 @@ def _forward_backward(
     ``backward``; returns training_step's output and its loss. (The LR finder uses
     ``loops.micro_batch``, which calls no hooks.)"""
     output = plan.training_step(batch, batch_idx)
-    loss = loss_of(output)
+    # (The usual return, a scalar loss tensor, without a call: this runs for every micro-batch.)
+    loss = output if type(output) is torch.Tensor and output.numel() == 1 else loss_of(output)
     scaled = loss / window_size if window_size > 1 else loss
     live = plan.live
     if "on_before_backward" in live:
