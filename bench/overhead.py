@@ -9,10 +9,12 @@ Fabric, Lightning Trainer and Accelerate.
 ``--instructions`` counts instead of timing (needs ``valgrind``): each contender runs in a child process
 under ``valgrind --tool=cachegrind --cache-sim=no``, once for ``--short`` and once for ``--long`` steps, and
 the difference of the instruction counts divided by the difference of the steps is what one more step
-executes. Unlike time on a shared machine (±10 us per step between runs of the same code on the 2-CPU
-development box), the count repeats to a few hundred instructions, so a framework cost of 1 % is seen
-directly. Instructions are not time (Python's interpreter runs fewer per cycle than torch's kernels do),
-so the table gives both views.
+executes. Children run with address-space randomisation off (``setarch -R``, where util-linux has it) and
+a fixed hash seed: with random addresses, ``id()``-keyed dicts and sets probe differently each run and the
+count wandered by ~8 k instructions per step; without, it repeats to a few instructions. Unlike time on a
+shared machine (±10 us per step between runs of the same code on the 2-CPU development box), a framework
+cost of 0.1 % is then seen directly. Instructions are not time (Python's interpreter runs fewer per
+cycle than torch's kernels do), so the table gives both views.
 
 ``--marginal`` measures what one more step costs with start-up cancelled: the process CPU time of a
 whole run of ``--long`` steps minus that of ``--short`` steps, divided by the difference (each
@@ -275,12 +277,15 @@ def instructions(args: argparse.Namespace) -> None:
     if shutil.which("valgrind") is None:
         sys.exit("--instructions needs valgrind (e.g. `apt-get install valgrind`).")
     names = list(_marginal_contenders())
+    fixed_addresses = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
+    if not fixed_addresses:
+        print("(setarch not found: addresses are randomised, counts vary by several k per step between runs)")
 
     def count(name: str, steps: int) -> int:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
-                   sys.executable, __file__, "--child", name, "--steps", str(steps), "--batch", str(args.batch),
-                   "--config", args.config, "--threads", str(args.threads)]
+            cmd = [*fixed_addresses, "valgrind", "--tool=cachegrind", "--cache-sim=no",
+                   f"--cachegrind-out-file={tmp}/out", sys.executable, __file__, "--child", name, "--steps",
+                   str(steps), "--batch", str(args.batch), "--config", args.config, "--threads", str(args.threads)]
             # A fixed hash seed: start-up work (imports, dict layouts) then repeats exactly, so it cancels.
             # One BLAS thread: an idle OpenBLAS pool thread spins, and valgrind would count its spinning.
             env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -298,7 +303,8 @@ def instructions(args: argparse.Namespace) -> None:
     rows = [[n, f"{v / 1e3:.1f}", f"{(v - raw) / 1e3:+.1f}", f"{v / raw:.4f}"] for n, v in per_step.items()]
     print(f"## Instructions per step, 1 CPU process ({machine_line()})")
     print(f"MLP {CONFIG}, batch {args.batch}, AdamW, {args.threads} thread(s); (Ir({args.long} steps) - "
-          f"Ir({args.short} steps)) / {args.long - args.short}, valgrind cachegrind.")
+          f"Ir({args.short} steps)) / {args.long - args.short}, valgrind cachegrind"
+          f"{', fixed addresses' if fixed_addresses else ''}.")
     print(f"versions: {framework_versions()}")
     print(table(["contender", "k instr/step", "k instr/step over raw", "x raw"], rows))
     if args.json:
