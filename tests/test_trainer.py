@@ -4,6 +4,7 @@ data sharding helpers and every misconfiguration error."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -391,3 +392,26 @@ def test_resuming_from_last_without_a_checkpoint_says_so(tmp_path: Any) -> None:
                                                     r"save_last=True"):
         trainer.fit(Regressor(), loader(8, 4), ckpt_path="last")
     assert trainer.global_step == 2
+
+
+def test_a_scheduler_built_on_the_set_up_optimizer_during_fit_sees_every_step() -> None:
+    """torch's LR schedulers wrap ``optimizer.step`` of the optimizer they are given, to know it ran before
+    their own step. One built mid-fit on ``trainer.optimizers[0]`` (e.g. by a callback that needs the
+    run's length) must see the Trainer's steps: no "scheduler.step() before optimizer.step()" warning,
+    and its learning rate decays once per optimizer step."""
+
+    class LateScheduler(phalanx.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.sched = torch.optim.lr_scheduler.StepLR(trainer.optimizers[0], step_size=1, gamma=0.5)
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            self.sched.step()
+
+    late = LateScheduler()
+    trainer = phalanx.Trainer(max_epochs=1, callbacks=[late], **quiet())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torch warns on the order with a UserWarning
+        trainer.fit(Regressor(lr=0.1, scheduler=False), loader(16, 4))
+    assert trainer.global_step == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+    assert late.sched.optimizer._opt_called is True  # type: ignore[attr-defined]

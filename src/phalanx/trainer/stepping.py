@@ -46,7 +46,7 @@ class StepOptimizer:
     def __init__(self, optimizer: FabricOptimizer, trainer: Trainer) -> None:
         object.__setattr__(self, "_fabric_optimizer", optimizer)
         object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_timed_step", timed(trainer, "optimizer_step", optimizer.step))
+        object.__setattr__(self, "_profiled", profiling(trainer))
         raw = optimizer.optimizer
         # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
         object.__setattr__(self, "__class__", type("Step" + type(raw).__name__, (StepOptimizer, type(raw)), {}))
@@ -69,8 +69,13 @@ class StepOptimizer:
 
     def step_and_count(self, **kwargs: Any) -> None:
         """The strategy's step (profiled as ``optimizer_step``), counted as one ``global_step``."""
-        self._timed_step(**kwargs)
-        self._trainer.global_step += 1
+        trainer = self._trainer
+        # Looked up at each call: a scheduler created on the set-up optimizer wraps its step.
+        if self._profiled:
+            timed(trainer, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
+        else:
+            self._fabric_optimizer.step(**kwargs)
+        trainer.global_step += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fabric_optimizer.zero_grad(set_to_none=set_to_none)
@@ -236,12 +241,17 @@ class StepPlan:
         self.run_accumulating = timed(t, "run_training_batch", _forward_backward_no_sync)
 
 
+def profiling(trainer: Trainer) -> bool:
+    """Whether the Trainer has a profiler that records anything."""
+    return type(trainer.profiler) is not PassThroughProfiler
+
+
 def timed(trainer: Trainer, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` measured as ``action`` by the Trainer's profiler; without one, ``fn`` itself (no bracket
     to enter and leave, several times per step)."""
-    profiler = trainer.profiler
-    if type(profiler) is PassThroughProfiler:
+    if not profiling(trainer):
         return fn
+    profiler = trainer.profiler
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with profiler.profile(action):
