@@ -252,7 +252,7 @@ class FSDPStrategy(ParallelStrategy):
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
         self.async_save = async_save
-        self._saves = AsyncSaves(lambda name: self.guard.unguarded(name), self._new_checkpoint_group)
+        self._saves = AsyncSaves(self.unguarded, self._new_checkpoint_group)
         self._mesh: DeviceMesh | None = None
         self._roots: dict[int, _Root] = {}
         self._active: dict[int, int] = {}  # unit id -> forward depth
@@ -284,7 +284,7 @@ class FSDPStrategy(ParallelStrategy):
     def select_precision(self, precision: str) -> Precision:
         plugin = super().select_precision(precision)
         if isinstance(plugin, MixedPrecision):  # FSDP2 casts itself (MixedPrecisionPolicy), no autocast
-            return FSDPMixedPrecision(plugin.dtype, self.device_type, lambda name: self.guard.guarded(name))
+            return FSDPMixedPrecision(plugin.dtype, self.device_type, self.guarded)
         return plugin
 
     # ------------------------------------------------------------------ mesh and modules

@@ -154,7 +154,7 @@ class ModelParallelStrategy(FSDPStrategy):
         # over the DTensor gradients' meshes). A MixedPrecisionPolicy passed to fully_shard still works.
         plugin = Strategy.select_precision(self, precision)
         if isinstance(plugin, MixedPrecision):
-            return ShardedMixedPrecision(plugin.dtype, self.device_type, lambda name: self.guard.guarded(name))
+            return ShardedMixedPrecision(plugin.dtype, self.device_type, self.guarded)
         return plugin
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -207,6 +208,17 @@ class ParallelStrategy(Strategy):
         if self._guard is None:
             raise self._no_group()
         return self._guard
+
+    # Bound methods, not lambdas, are handed to the precision plugin and the async saver: a strategy must
+    # pickle (``fabric.launch(fn)`` sends the Fabric's arguments to new processes), and a bound method
+    # pickles with its object where a lambda defined in ``__init__`` does not.
+    def guarded(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """``self.guard.guarded(name)``, resolved when called (the guard exists once the group does)."""
+        return self.guard.guarded(name)
+
+    def unguarded(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """``self.guard.unguarded(name)``, resolved when called."""
+        return self.guard.unguarded(name)
 
     @property
     def collectives(self) -> Collectives:
