@@ -1,7 +1,7 @@
 """How the lockstep guard scales: N simulated ranks running guarded ops against one TCPStore.
 
 Each simulated rank is a thread with its own two store clients (the rank's main client and its
-watchdog's) and a real :class:`phalanx.collectives.Lockstep` with its watchdog thread, exactly what a
+watchdog's) and a real :class:`phalanx.distributed.lockstep.Lockstep` with its watchdog thread, exactly what a
 rank of a job runs; the threads are spread over ``--processes`` processes. The store server runs in
 this process, as rank 0's (or the launcher's) would. Every store request of every rank is counted by
 a wrapper around its clients, heartbeats included.
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch.distributed as dist
 
-from phalanx.collectives import Lockstep, make_store_client
-from phalanx.watchdog import HEARTBEAT_STORE_TIMEOUT
+from phalanx.distributed.lockstep import Lockstep, make_store_client
+from phalanx.distributed.watchdog import HEARTBEAT_STORE_TIMEOUT
 
 
 class CountingStore:

@@ -158,7 +158,7 @@ def table_rows() -> list[tuple[str, ...]]:
     from phalanx import callbacks as pcb
     from phalanx import loggers as plog
     from phalanx import profilers as pprof
-    from phalanx.tuner import Tuner as PTuner
+    from phalanx.tuner.lr_find import Tuner as PTuner
 
     rows: list[tuple[str, ...]] = []
     for pkg, names in (("lightning", ["Callback", "Fabric", "LightningDataModule", "LightningModule", "Trainer",

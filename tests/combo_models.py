@@ -25,7 +25,7 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError
 
 import phalanx
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
-from phalanx.tuner import Tuner
+from phalanx.tuner.lr_find import Tuner
 
 SAMPLES = 64  # 8 batches of 4 per rank on 2 ranks: 4 optimizer steps per epoch with accumulation 2
 BATCH = 4

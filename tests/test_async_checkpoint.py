@@ -16,8 +16,8 @@ from test_fsdp_checkpoint import kill_trial
 from test_model_parallel import MODEL_CODE
 
 from phalanx.checkpoint import read_everything
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import FSDPStrategy
+from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +26,7 @@ import errno, sys
 import torch, phalanx
 from pathlib import Path
 from phalanx.checkpoint import storage
-from phalanx.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError
 from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 from mp import report
 from models import make_model, full_params, opt_state, one_more_step, parallelize

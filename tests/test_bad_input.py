@@ -16,9 +16,9 @@ from mp import run_job
 from torch import nn
 
 from phalanx import Fabric
-from phalanx._compat import FSDP_ON_CPU
-from phalanx.errors import CheckpointError, MisconfigurationError
 from phalanx.strategies import DDPStrategy, SingleDeviceStrategy, parallel
+from phalanx.utils.compat import FSDP_ON_CPU
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 pytestmark = pytest.mark.timeout(180)
 # FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
@@ -369,7 +369,7 @@ SUMMING_GLOO_JOB = """
 import os
 import torch.distributed as dist
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from mp import report
 
 real = dist.reduce_scatter_tensor

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from phalanx.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ProgressBar
-from phalanx.errors import MisconfigurationError, PhalanxWarning
 from phalanx.trainer.checkpointing import callback_keys
+from phalanx.utils.errors import MisconfigurationError, PhalanxWarning
 
 
 class FakeStrategy:

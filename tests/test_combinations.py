@@ -1,7 +1,7 @@
 """The combination tier: the Trainer's features together, on every strategy and precision.
 
 Each case is one real job (2 ranks; 1 for "single") running tests/combo_models.py: LR finder (on
-DeepSpeed on a scratch copy of the module, see phalanx.tuner), then a
+DeepSpeed on a scratch copy of the module, see phalanx.tuner.lr_find), then a
 fit with accumulation, a step scheduler, dropout, ``sync_dist`` logging, torchmetrics Metric objects,
 ModelCheckpoint (top-1 by val_loss + last, every 2 steps) and an EarlyStopping that stops the run
 after 8 of its 12 steps, then validate/test/predict; then the same fit interrupted on every rank at

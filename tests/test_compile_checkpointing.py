@@ -13,8 +13,8 @@ from mp import run_job
 from test_model_parallel import MODEL_CODE
 
 from phalanx import Fabric
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(600)
 

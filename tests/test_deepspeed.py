@@ -16,9 +16,9 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 from mp import REPO, run_job
 
 import phalanx
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import DeepSpeedStrategy, resolve_strategy
-from phalanx.strategies.deepspeed import build_zero_config, import_deepspeed
+from phalanx.strategies.deepspeed.strategy import build_zero_config, import_deepspeed
+from phalanx.utils.errors import MisconfigurationError
 
 TIMEOUT = 180
 
@@ -108,7 +108,7 @@ def test_accumulated_training_equals_ddp_and_single_process(tmp_path: Path, stag
 
 
 MISUSE_JOB = COMMON + """
-from phalanx.errors import GradientSyncError, MisconfigurationError
+from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 fabric = phalanx.Fabric(accelerator="cpu", devices=W, strategy=DeepSpeedStrategy(stage=2))
 fabric.launch()
 model = make_model()

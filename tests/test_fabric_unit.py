@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import phalanx
 from phalanx import CheckpointError, Fabric, MisconfigurationError
-from phalanx.data import distribute_dataloader
+from phalanx.fabric.data import distribute_dataloader
 from phalanx.precision import PRECISIONS
 
 
@@ -285,7 +285,7 @@ def test_seed_everything_is_reproducible(monkeypatch: pytest.MonkeyPatch) -> Non
     a = torch.rand(3)
     phalanx.seed_everything(123)
     assert torch.equal(a, torch.rand(3))
-    assert torch.initial_seed() == 123  # what the samplers read (phalanx.data.shared_seed)
+    assert torch.initial_seed() == 123  # what the samplers read (phalanx.fabric.data.shared_seed)
     assert dict(os.environ) == before  # no process-wide state beyond the generators themselves
     monkeypatch.setenv("PHALANX_SEED", "77")  # seed=None: the environment configures it, as PL_GLOBAL_SEED does
     assert phalanx.seed_everything() == 77
@@ -294,8 +294,8 @@ def test_seed_everything_is_reproducible(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_warnings_are_phalanx_warnings_on_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils.data import IterableDataset
 
-    from phalanx.data import warn_iterable
-    from phalanx.errors import PhalanxWarning
+    from phalanx.fabric.data import warn_iterable
+    from phalanx.utils.errors import PhalanxWarning
 
     class Stream(IterableDataset[int]):
         def __iter__(self) -> Any:

@@ -26,9 +26,9 @@ import torch
 from mp import HERE, REPO, run_job
 
 import phalanx
-from phalanx._compat import FSDP_ON_CPU
-from phalanx.anomaly import NonFiniteError
-from phalanx.errors import CheckpointError
+from phalanx.fabric.anomaly import NonFiniteError
+from phalanx.utils.compat import FSDP_ON_CPU
+from phalanx.utils.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -264,7 +264,7 @@ def test_detect_anomaly_stops_every_rank_at_the_same_backward(tmp_path: Path, fa
         """
         import torch, phalanx
         from mp import report
-        from phalanx.anomaly import NonFiniteError
+        from phalanx.fabric.anomaly import NonFiniteError
 
         fabric = phalanx.Fabric(accelerator="cpu", devices=2, detect_anomaly=True)
         fabric.launch()
@@ -388,7 +388,7 @@ def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
         f"""
         import torch, phalanx
         from mp import report
-        from phalanx.errors import CheckpointError
+        from phalanx.utils.errors import CheckpointError
         fabric = phalanx.Fabric(accelerator="cpu", devices={devices}, strategy={strategy!r})
         fabric.launch()
         model = fabric.setup(torch.nn.Linear(1024, 2048))

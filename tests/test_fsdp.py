@@ -13,9 +13,9 @@ import torch
 from mp import run_job
 
 from phalanx import Fabric
-from phalanx._compat import FSDP_ON_CPU
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import FSDPStrategy, resolve_strategy
+from phalanx.utils.compat import FSDP_ON_CPU
+from phalanx.utils.errors import MisconfigurationError
 
 # FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(
@@ -150,7 +150,7 @@ def test_strategy_arguments_are_validated() -> None:
 EQUIVALENCE_JOB = """
 import torch
 import phalanx
-from phalanx.errors import GradientSyncError
+from phalanx.utils.errors import GradientSyncError
 from phalanx.strategies import FSDPStrategy
 from mp import report
 from models import Block, make_model, make_data, full_params
@@ -250,7 +250,7 @@ CALL_PATHS_JOB = """
 import warnings
 import torch
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from phalanx.strategies import FSDPStrategy
 from mp import report
 from models import Block, Distill, Net, Teacher, make_model, make_data, full_grads, full_params
@@ -364,7 +364,7 @@ PRECISION_JOB = """
 import torch
 from torch import nn
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from mp import report
 from models import Net, make_model, make_data, full_params
 
@@ -508,9 +508,9 @@ def test_sixteen_mixed_overflow_in_one_shard_skips_every_rank(tmp_path: Path, mo
 CLIP_JOB = """
 import torch
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from phalanx.strategies import FSDPStrategy
-import phalanx.strategies.fsdp as fsdp_module
+import phalanx.strategies.fsdp.strategy as fsdp_module
 from mp import report
 from models import Block, Distill, Net, Teacher, make_model, make_data, full_grads, full_params
 
@@ -596,7 +596,7 @@ def test_clipping_by_any_norm_and_by_value_equals_single_process(tmp_path: Path,
 
 def test_root_hook_missing_from_torch_is_tolerated() -> None:
     """``_get_fsdp_state()._lazy_init`` is private to torch: a rename must not break strategy='fsdp'."""
-    from phalanx.strategies.fsdp import _decide_root_now
+    from phalanx.strategies.fsdp.strategy import _decide_root_now
 
     class RenamedState:
         pass

@@ -14,10 +14,10 @@ from mp import kill_mid_run, run_job
 from test_fsdp import MODEL_CODE
 
 from phalanx import Fabric
-from phalanx._compat import FSDP_ON_CPU
 from phalanx.checkpoint import MARKER, read_everything
-from phalanx.cli import main as phalanx_main
-from phalanx.errors import CheckpointError
+from phalanx.cli.commands import main as phalanx_main
+from phalanx.utils.compat import FSDP_ON_CPU
+from phalanx.utils.errors import CheckpointError
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
     not FSDP_ON_CPU, reason=f"FSDP2 on CPU needs torch >= 2.7 (this is {torch.__version__})")]
@@ -184,7 +184,7 @@ WORLD1_JOB = """
 import shutil
 import torch
 import phalanx
-from phalanx.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError
 from mp import report
 from models import make_model, full_params
 
@@ -274,7 +274,7 @@ def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
 RANK0_ONLY_JOB = """
 import time
 import phalanx
-from phalanx.errors import CollectiveError
+from phalanx.utils.errors import CollectiveError
 from mp import report
 from models import make_model
 

@@ -13,9 +13,9 @@ from mp import run_job
 from test_trainer_support import flat, quiet
 
 import phalanx
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import available_strategies
-from phalanx.tuner import Tuner
+from phalanx.tuner.lr_find import Tuner
+from phalanx.utils.errors import MisconfigurationError
 
 pytest.importorskip("torchmetrics")
 
@@ -51,7 +51,7 @@ def test_lr_find_leaves_metric_state_and_attributes_untouched(style: str) -> Non
 
 
 def test_snapshot_restores_every_kind_of_module_state() -> None:
-    from phalanx.module_state import ModuleSnapshot
+    from phalanx.core.module_state import ModuleSnapshot
 
     model = Classifier()
     model.generator = torch.Generator().manual_seed(5)  # type: ignore[assignment]
@@ -154,7 +154,7 @@ DDP_JOB = """
 import sys, torch, phalanx
 from mp import report
 from metric_models import Classifier, loader, metric_report
-from phalanx.tuner import Tuner
+from phalanx.tuner.lr_find import Tuner
 from test_trainer_support import flat, quiet
 
 strategy = sys.argv[1]

@@ -12,9 +12,9 @@ import torch
 from mp import run_job
 
 from phalanx import Fabric
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import ModelParallelStrategy, resolve_strategy
 from phalanx.strategies.model_parallel import resolve_mesh_shape
+from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -182,7 +182,7 @@ EQUIVALENCE_JOB = """
 import torch
 import phalanx
 from torch.utils.data import DataLoader, TensorDataset
-from phalanx.errors import GradientSyncError
+from phalanx.utils.errors import GradientSyncError
 from phalanx.strategies import ModelParallelStrategy
 from mp import report
 from models import make_model, make_data, full_params, opt_state, one_more_step, parallelize
@@ -250,7 +250,7 @@ except GradientSyncError as err:
 # Misuse, each refused at setup with the fix (the strategy's function is swapped per case).
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 cases = {
     "no_fn": None,
     "returns_other": lambda model, mesh: torch.compile(model),

@@ -12,8 +12,8 @@ from mp import run_job
 from torch import nn
 
 from phalanx import Fabric
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies import available_strategies
+from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +42,7 @@ JOB = """
 import sys, torch
 from torch import nn
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from mp import report
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=sys.argv[1])

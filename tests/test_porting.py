@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx as L
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 # Lightning 2.6.6's Trainer.__init__ parameters (from inspect.signature in the peer venv).
 LIGHTNING_TRAINER_ARGS = [
@@ -102,7 +102,7 @@ def test_lightning_names_exist_and_are_phalanx_classes() -> None:
     for name in ("SimpleProfiler", "AdvancedProfiler", "PyTorchProfiler", "PassThroughProfiler", "Profiler"):
         assert hasattr(L.profilers, name), name
     from phalanx.cli import LightningCLI
-    from phalanx.tuner import Tuner
+    from phalanx.tuner.lr_find import Tuner
     from phalanx.utilities import rank_zero_only
 
     assert LightningCLI is L.LightningCLI and callable(Tuner.scale_batch_size) and callable(rank_zero_only)
@@ -702,8 +702,8 @@ class OOMAbove(Net):
 
 
 def test_scale_batch_size_finds_the_limit_and_leaves_no_trace() -> None:
-    from phalanx.seed import capture_rng_state
-    from phalanx.tuner import Tuner
+    from phalanx.tuner.lr_find import Tuner
+    from phalanx.utils.seed import capture_rng_state
 
     L.seed_everything(1, verbose=False)
     model = OOMAbove(limit=20)
@@ -721,7 +721,7 @@ def test_scale_batch_size_finds_the_limit_and_leaves_no_trace() -> None:
 
 
 def test_lr_find_updates_the_attribute_by_default() -> None:
-    from phalanx.tuner import Tuner
+    from phalanx.tuner.lr_find import Tuner
 
     class WithLr(Net):
         def __init__(self) -> None:

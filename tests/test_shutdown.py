@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from mp import run_job
 
-from phalanx.collectives import HEARTBEAT_STORE_TIMEOUT, Lockstep
+from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Lockstep
 
 SCRIPT = """
 import torch, phalanx

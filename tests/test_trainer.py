@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
-from phalanx.errors import MisconfigurationError
 from phalanx.trainer.data import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
 from phalanx.trainer.results import Results
+from phalanx.utils.errors import MisconfigurationError
 
 
 class FakeLogger:

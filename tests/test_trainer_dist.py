@@ -13,7 +13,7 @@ from mp import run_job
 from test_trainer_support import Regressor, flat, loader, quiet
 
 import phalanx
-from phalanx._compat import FSDP_ON_CPU
+from phalanx.utils.compat import FSDP_ON_CPU
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,8 +113,8 @@ LR_FIND_JOB = """
 import torch, phalanx
 from mp import report
 from phalanx.callbacks import LearningRateFinder, ModelCheckpoint
-from phalanx.seed import capture_rng_state
-from phalanx.tuner import Tuner
+from phalanx.utils.seed import capture_rng_state
+from phalanx.tuner.lr_find import Tuner
 from test_trainer_support import Regressor, flat, loader, quiet
 
 
@@ -211,7 +211,7 @@ def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) ->
 SECOND_FABRIC_JOB = """
 import torch, phalanx
 from mp import report
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 first = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
 first.launch()

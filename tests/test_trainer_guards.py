@@ -14,7 +14,7 @@ from test_trainer_support import Regressor, dataset, flat, loader, quiet
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import phalanx
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,7 +32,7 @@ def _poisoned(n: int, index: int) -> TensorDataset:
     (2, "The training loss is nan at epoch 0, global step 1, batch 3 (1 of the window's 2 micro-batches)."),
 ])
 def test_non_finite_loss_stops_the_run_before_the_optimizer_step(accumulate: int, message: str) -> None:
-    from phalanx.anomaly import NonFiniteError
+    from phalanx.fabric.anomaly import NonFiniteError
 
     trainer = phalanx.Trainer(max_epochs=3, accumulate_grad_batches=accumulate, **quiet())
     model = Regressor()
@@ -72,7 +72,7 @@ def test_non_finite_loss_on_one_rank_ends_the_ddp_job(tmp_path: Path) -> None:
 def test_detect_anomaly_is_a_trainer_argument() -> None:
     """Trainer(detect_anomaly=True) runs Fabric's full check: a gradient goes non-finite while the loss
     stays finite (sqrt at 0 times 0), which only the gradient check sees."""
-    from phalanx.anomaly import NonFiniteError
+    from phalanx.fabric.anomaly import NonFiniteError
 
     class SqrtAtZero(Regressor):
         def __init__(self) -> None:

@@ -14,7 +14,7 @@ from test_trainer_support import Regressor, flat, loader, quiet
 
 import phalanx
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
-from phalanx.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -101,7 +101,7 @@ HINT_JOB = """
 import re, torch, phalanx
 from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2LMHeadModel
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 from phalanx.strategies import FSDPStrategy
 from mp import report
 from test_transformers import gpt2, tokens

@@ -12,9 +12,9 @@ import torch
 from test_trainer_support import Regressor, flat, loader, quiet
 
 import phalanx
-from phalanx.errors import MisconfigurationError
-from phalanx.seed import capture_rng_state
-from phalanx.tuner import LRFinderResult, Tuner
+from phalanx.tuner.lr_find import LRFinderResult, Tuner
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.seed import capture_rng_state
 
 
 def test_suggestion_is_the_steepest_descent_and_the_plot_saves(tmp_path: Path) -> None:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from mp import HERE, REPO, run_job
 from test_faults import assert_no_orphans, spawn_by_hand, wait_for
 
-from phalanx.collectives import Lockstep, make_store_client, to_timedelta
-from phalanx.errors import CollectiveMismatchError, MisconfigurationError, RankGoneError
-from phalanx.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes, failure_summary
-from phalanx.watchdog import Event, OpState, PeerState, Verdict, Watchdog
+from phalanx.distributed.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes, failure_summary
+from phalanx.distributed.lockstep import Lockstep, make_store_client, to_timedelta
+from phalanx.distributed.watchdog import Event, OpState, PeerState, Verdict, Watchdog
+from phalanx.utils.errors import CollectiveMismatchError, MisconfigurationError, RankGoneError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -386,7 +386,7 @@ def test_store_requests_per_guarded_op_grow_linearly_even_with_a_late_rank() -> 
 # ---------------------------------------------------------------- the watchdog's decisions, in-process
 def _watchdog(store: dist.HashStore, state: list[OpState], *, abort: object = None, exits: list[int] | None = None,
               world: int = 3) -> Watchdog:
-    from phalanx.watchdog import Keys
+    from phalanx.distributed.watchdog import Keys
 
     keys = Keys("t")
     store.set(keys.events, "")

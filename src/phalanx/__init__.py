@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from phalanx.errors import (
+from phalanx import _moved
+from phalanx.fabric.fabric import Fabric
+from phalanx.fabric.wrappers import is_wrapped
+from phalanx.utils.errors import (
     CheckpointError,
     CollectiveError,
     CollectiveMismatchError,
@@ -24,16 +27,17 @@ from phalanx.errors import (
     PhalanxWarning,
     RankGoneError,
 )
-from phalanx.fabric import Fabric
-from phalanx.seed import seed_everything
-from phalanx.wrappers import is_wrapped
+from phalanx.utils.seed import seed_everything
 
 __version__ = "0.1.0"
 
+_moved.install()
+
 if TYPE_CHECKING:
     from phalanx.callbacks import Callback
-    from phalanx.cli_config import LightningCLI
-    from phalanx.trainer import DataModule, Module, Trainer
+    from phalanx.cli.config import LightningCLI
+    from phalanx.core import DataModule, Module
+    from phalanx.trainer import Trainer
 
     LightningModule = Module
     LightningDataModule = DataModule
@@ -41,12 +45,12 @@ if TYPE_CHECKING:
 # name -> (module, attribute); imported on first use so `import phalanx` stays light.
 _LAZY = {
     "Trainer": ("phalanx.trainer", "Trainer"),
-    "Module": ("phalanx.trainer", "Module"),
-    "DataModule": ("phalanx.trainer", "DataModule"),
-    "LightningModule": ("phalanx.trainer", "Module"),
-    "LightningDataModule": ("phalanx.trainer", "DataModule"),
+    "Module": ("phalanx.core", "Module"),
+    "DataModule": ("phalanx.core", "DataModule"),
+    "LightningModule": ("phalanx.core", "Module"),
+    "LightningDataModule": ("phalanx.core", "DataModule"),
     "Callback": ("phalanx.callbacks", "Callback"),
-    "LightningCLI": ("phalanx.cli_config", "LightningCLI"),
+    "LightningCLI": ("phalanx.cli.config", "LightningCLI"),
 }
 _SUBMODULES = ("callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
                "data", "checkpoint")

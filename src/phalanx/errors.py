@@ -1,40 +1,25 @@
-"""Exceptions phalanx raises. Each one says what went wrong and how to fix it."""
+"""Exceptions phalanx raises (defined in :mod:`phalanx.utils.errors`; this is their public name)."""
 
-from __future__ import annotations
+from phalanx.utils.errors import (
+    CheckpointError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GradientSyncError,
+    MisconfigurationError,
+    PhalanxError,
+    PhalanxWarning,
+    RankGoneError,
+)
 
-
-class PhalanxError(RuntimeError):
-    """Base class of every error phalanx raises on purpose."""
-
-
-class MisconfigurationError(PhalanxError, ValueError):
-    """A bad argument or an inconsistent combination of arguments."""
-
-
-class CollectiveError(PhalanxError):
-    """Ranks fell out of step: a collective was called by a subset of ranks, or ranks called
-    different collectives, or a rank died while the others waited for it."""
-
-
-class CollectiveTimeoutError(CollectiveError, TimeoutError):
-    """A collective did not complete within its bound."""
-
-
-class CollectiveMismatchError(CollectiveError):
-    """Ranks entered different collectives (or the same one from different call sites in strict mode)."""
-
-
-class RankGoneError(CollectiveError):
-    """A rank exited or stopped responding while the others waited for it."""
-
-
-class GradientSyncError(PhalanxError):
-    """Gradients (or parameters) differ across ranks where they must be identical."""
-
-
-class CheckpointError(PhalanxError):
-    """A checkpoint could not be written, read or matched to the objects it is loaded into."""
-
-
-class PhalanxWarning(UserWarning):
-    """Every warning phalanx issues (filter them all with this category)."""
+__all__ = [
+    "CheckpointError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "GradientSyncError",
+    "MisconfigurationError",
+    "PhalanxError",
+    "PhalanxWarning",
+    "RankGoneError",
+]

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.errors import MisconfigurationError
-from phalanx.utils import apply_to_tensors
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.tensors import apply_to_tensors
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 # Lightning-compatible short forms, so a port is an import change.

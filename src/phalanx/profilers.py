@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from phalanx import diagnostics
-from phalanx.errors import MisconfigurationError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
 
 
 class Profiler:

@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from phalanx import diagnostics
-from phalanx.trainer.hparams import AttributeDict
+from phalanx.core.hparams import AttributeDict
+from phalanx.utils import diagnostics
 
 F = TypeVar("F", bound=Callable[..., Any])
 

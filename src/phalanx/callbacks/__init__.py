@@ -1,8 +1,15 @@
 """Callbacks for ``phalanx.Trainer``. Any object with methods of the hook names works as a callback;
-these ship with phalanx, under Lightning's names."""
+these ship with phalanx, under Lightning's names.
+
+``LearningRateFinder`` and ``BatchSizeFinder`` live with the tuner they run (:mod:`phalanx.tuner`, a
+layer above the Trainer); this package names them too, as Lightning does, resolved on first use so no
+code below the tuner depends on it."""
+
+from __future__ import annotations
+
+from typing import Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.checkpoint import ModelCheckpoint
 from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.extras import (
@@ -12,7 +19,6 @@ from phalanx.callbacks.extras import (
     RichProgressBar,
     TQDMProgressBar,
 )
-from phalanx.callbacks.lr_finder import LearningRateFinder
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
 from phalanx.callbacks.progress import ProgressBar
@@ -35,3 +41,13 @@ __all__ = [
     "TQDMProgressBar",
     "Timer",
 ]
+
+_TUNER_CALLBACKS = {"LearningRateFinder": "lr_finder_callback", "BatchSizeFinder": "batch_size_callback"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TUNER_CALLBACKS:
+        import importlib
+
+        return getattr(importlib.import_module(f"phalanx.tuner.{_TUNER_CALLBACKS[name]}"), name)
+    raise AttributeError(f"module 'phalanx.callbacks' has no attribute {name!r}")

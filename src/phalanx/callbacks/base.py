@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import Module
+    from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
 
 

@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from phalanx import diagnostics
 from phalanx.callbacks.base import Callback
-from phalanx.errors import MisconfigurationError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 

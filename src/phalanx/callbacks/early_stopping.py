@@ -10,11 +10,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.diagnostics import info, warn
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.diagnostics import info, warn
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import Module
+    from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from phalanx.callbacks.base import Callback
 from phalanx.callbacks.progress import ProgressBar
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 
 class TQDMProgressBar(ProgressBar):

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 
 from phalanx.callbacks.base import Callback
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import Module
+    from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx import diagnostics
 from phalanx.callbacks.base import Callback
-from phalanx.errors import MisconfigurationError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
 
 
 @dataclass

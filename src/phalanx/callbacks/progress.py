@@ -6,10 +6,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import Module
+    from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 _STAGES = ("train", "validate", "test", "predict")
 

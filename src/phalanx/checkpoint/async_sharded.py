@@ -43,7 +43,7 @@ from phalanx.checkpoint.dcp import CollectiveScope, DCPShards, plain_failure
 from phalanx.checkpoint.layer import _together, begin_directory, write_marker
 from phalanx.checkpoint.protocol import Host
 from phalanx.checkpoint.state import sort_state
-from phalanx.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 
 class AsyncCheckpoint:

@@ -45,10 +45,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
-from phalanx._compat import FSDPModule
 from phalanx.checkpoint.protocol import Shapes
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry
-from phalanx.errors import CheckpointError
+from phalanx.utils.compat import FSDPModule
+from phalanx.utils.errors import CheckpointError
 
 METADATA = ".metadata"
 CollectiveScope = Callable[[str], contextlib.AbstractContextManager[Any]]

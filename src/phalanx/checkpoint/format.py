@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError
 
 META_KEY = "__phalanx__"
 #: The file inside a directory checkpoint that holds phalanx's metadata and the non-sharded entries;

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from phalanx import diagnostics
 from phalanx.checkpoint import storage
 from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, make_meta, read_file, strip_meta
 from phalanx.checkpoint.protocol import Host, ShardIO
@@ -34,7 +33,8 @@ from phalanx.checkpoint.state import (
     of_kind,
     sort_state,
 )
-from phalanx.errors import CheckpointError, CollectiveError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError, CollectiveError
 
 FILE_LAYOUT = "file"
 DCP_LAYOUT = "torch.distributed.checkpoint"

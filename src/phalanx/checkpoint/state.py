@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx import diagnostics
 from phalanx.checkpoint.format import META_KEY
-from phalanx.errors import CheckpointError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError
 
 MODULE, OPTIMIZER, STATEFUL, PLAIN = "module", "optimizer", "stateful", "plain"
 _A = {MODULE: "a module", OPTIMIZER: "an optimizer", STATEFUL: "an object with state_dict()", PLAIN: "a plain value"}

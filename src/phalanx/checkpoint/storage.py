@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError
 
 _TMP = ".tmp-"
 _PARTIAL = ".partial-"

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams
-from phalanx.utils import optional_module
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.tensors import optional_module
 
 _BAD_KEY = re.compile(r"[^A-Za-z0-9_\-. /:]")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.loggers.base import flatten_hparams, log_dir_of
-from phalanx.utils import optional_module
+from phalanx.utils.tensors import optional_module
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

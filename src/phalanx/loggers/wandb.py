@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import MisconfigurationError
 from phalanx.loggers.base import flatten_hparams
-from phalanx.utils import optional_module
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.tensors import optional_module
 
 
 def _wandb() -> Any:

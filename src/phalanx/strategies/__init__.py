@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.errors import MisconfigurationError
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.single import SingleDeviceStrategy
+from phalanx.utils.errors import MisconfigurationError
 
 STRATEGY_NAMES = ("auto", "single", "single_device", "ddp", "ddp_find_unused_parameters_true")
 
@@ -70,7 +70,7 @@ def available_strategies() -> list[str]:
 def __getattr__(name: str) -> Any:
     # FSDPStrategy/ModelParallelStrategy import torch.distributed.fsdp/checkpoint: only when someone asks.
     if name == "FSDPStrategy":
-        from phalanx.strategies.fsdp import FSDPStrategy
+        from phalanx.strategies.fsdp.strategy import FSDPStrategy
 
         return FSDPStrategy
     if name == "ModelParallelStrategy":
@@ -78,7 +78,7 @@ def __getattr__(name: str) -> Any:
 
         return ModelParallelStrategy
     if name == "DeepSpeedStrategy":
-        from phalanx.strategies.deepspeed import DeepSpeedStrategy
+        from phalanx.strategies.deepspeed.strategy import DeepSpeedStrategy
 
         return DeepSpeedStrategy
     raise AttributeError(f"module 'phalanx.strategies' has no attribute {name!r}")

@@ -9,7 +9,7 @@ FACTORIES: dict[str, Callable[[], Any]] = {}
 
 
 def _fsdp() -> Any:
-    from phalanx.strategies.fsdp import FSDPStrategy
+    from phalanx.strategies.fsdp.strategy import FSDPStrategy
 
     return FSDPStrategy()
 
@@ -28,7 +28,7 @@ FACTORIES["model_parallel"] = _model_parallel
 
 def _deepspeed(stage: int | None = None) -> Callable[[], Any]:
     def make() -> Any:
-        from phalanx.strategies.deepspeed import DeepSpeedStrategy  # imports no DeepSpeed until setup
+        from phalanx.strategies.deepspeed.strategy import DeepSpeedStrategy  # imports no DeepSpeed until setup
 
         return DeepSpeedStrategy(stage=stage)
 

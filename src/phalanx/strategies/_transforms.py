@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 COMPILED_BEFORE_SETUP = (
     "fabric.setup received a module already compiled with torch.compile (an OptimizedModule). Compiling before "

@@ -19,10 +19,10 @@ from torch.optim import Optimizer
 from phalanx import checkpoint
 from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.checkpoint.state import plain_shapes
-from phalanx.errors import MisconfigurationError
-from phalanx.launch import ClusterEnvironment, check_environment
+from phalanx.distributed.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.async_sharded import AsyncCheckpoint

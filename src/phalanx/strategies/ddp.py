@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from phalanx.diagnostics import warn
-from phalanx.errors import GradientSyncError
 from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
 from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.utils.diagnostics import warn
+from phalanx.utils.errors import GradientSyncError
 
 
 @dataclass

@@ -33,13 +33,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from phalanx._compat import FSDPModule, fully_shard
-from phalanx.errors import MisconfigurationError
-from phalanx.launch import ClusterEnvironment
+from phalanx.distributed.launch import ClusterEnvironment
 from phalanx.precision import MixedPrecision, Precision
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.fsdp import FSDPStrategy, ShardedMixedPrecision, local_tensor
+from phalanx.strategies.fsdp.strategy import FSDPStrategy, ShardedMixedPrecision, local_tensor
 from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.utils.compat import FSDPModule, fully_shard
+from phalanx.utils.errors import MisconfigurationError
 
 MESH_DIMS = ("data_parallel", "tensor_parallel")
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from phalanx.collectives import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
-from phalanx.errors import GradientSyncError, MisconfigurationError
-from phalanx.launch import ClusterEnvironment, check_environment, record_failure
+from phalanx.distributed.launch import ClusterEnvironment, check_environment, record_failure
+from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
+from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 
 # How long teardown lets the backend's worker threads release finished work (see teardown).
 _WORKER_DRAIN_SECONDS = 0.05

@@ -1,6 +1,6 @@
 """The managed training loop: ``phalanx.Trainer``, ``phalanx.Module``, ``phalanx.DataModule``."""
 
-from phalanx.trainer.module import DataModule, Module
+from phalanx.core.module import DataModule, Module
 from phalanx.trainer.trainer import Trainer
 
 __all__ = ["DataModule", "Module", "Trainer"]

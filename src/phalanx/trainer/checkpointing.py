@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx import checkpoint, diagnostics
+from phalanx import checkpoint
 from phalanx.checkpoint.format import find_unsafe
-from phalanx.errors import CheckpointError, MisconfigurationError
-from phalanx.module_state import load_metric_states, metric_states
-from phalanx.seed import capture_rng_state
+from phalanx.core.module_state import load_metric_states, metric_states
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from phalanx.data import shared_seed, warn_iterable
-from phalanx.errors import MisconfigurationError
+from phalanx.fabric.data import shared_seed, warn_iterable
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.fabric import Fabric
+    from phalanx.fabric.fabric import Fabric
 
 # DataLoader settings carried over when the Trainer rebuilds a loader around its own sampler.
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",

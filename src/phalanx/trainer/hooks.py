@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.errors import MisconfigurationError
-from phalanx.trainer.module import overrides
+from phalanx.core.module import overrides
 from phalanx.trainer.results import reads_metrics
 from phalanx.trainer.settings import checkpoint_marks, off_in_fast_dev_run
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.fabric import Fabric
+    from phalanx.core.module import Module
+    from phalanx.fabric.fabric import Fabric
     from phalanx.profilers import Profiler
-    from phalanx.trainer.module import Module
 
 
 class TrainerHooks:

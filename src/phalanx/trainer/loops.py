@@ -14,7 +14,7 @@ job; its peers are stopped by the launcher with this rank's error as the cause. 
 (``16-mixed``) the check is the same: the scaler exists for *gradients* that overflow because of its
 scale, but the loss is computed before any scaling, so a non-finite loss is the forward pass or the
 data, and letting the scaler skip the step (and halve its scale, again at every recurrence) would
-hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.anomaly`.
+hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.fabric.anomaly`.
 
 Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
 at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.seed import capture_rng_state, restore_rng_state
+from phalanx.core.module import overrides
 from phalanx.trainer.data import empty_loader_error, num_batches
-from phalanx.trainer.module import overrides
 from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
-from phalanx.utils import move_to_device
+from phalanx.utils.seed import capture_rng_state, restore_rng_state
+from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer

@@ -9,7 +9,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from phalanx.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError
 
 _INTERVALS = ("step", "epoch")
 

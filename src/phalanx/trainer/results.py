@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import MisconfigurationError
-from phalanx.module_state import is_metric
-from phalanx.trainer.module import check_reduce_fx
+from phalanx.core.module import check_reduce_fx
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.tensors import is_metric
 
 _DTYPE = torch.float64  # exact enough to add millions of batch-weighted values
 _FOLD = 64  # epoch values kept as a list before being added to the float64 accumulator

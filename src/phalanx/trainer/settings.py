@@ -11,11 +11,11 @@ import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from phalanx import diagnostics
-from phalanx.errors import MisconfigurationError
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import DataModule
+    from phalanx.core.module import DataModule
 
 
 @dataclass
@@ -178,7 +178,7 @@ def check_weights_only(weights_only: bool | None) -> None:
 
 def split_datamodule(dataloaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
     """A datamodule passed where the dataloaders go (Lightning allows it)."""
-    from phalanx.trainer.module import DataModule
+    from phalanx.core.module import DataModule
 
     if isinstance(dataloaders, DataModule):
         if datamodule is not None:
@@ -206,7 +206,7 @@ def off_in_fast_dev_run(callback: Any) -> bool:
 
     skipped: tuple[type, ...] = (ModelCheckpoint, EarlyStopping, LearningRateFinder)
     try:
-        from phalanx.callbacks.batch_size_finder import BatchSizeFinder
+        from phalanx.tuner.batch_size_callback import BatchSizeFinder
 
         skipped += (BatchSizeFinder,)
     except ImportError:  # pragma: no cover - part of the package

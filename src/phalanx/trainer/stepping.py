@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.anomaly import NonFiniteError
-from phalanx.errors import MisconfigurationError
+from phalanx.fabric.anomaly import NonFiniteError
+from phalanx.fabric.wrappers import FabricOptimizer
 from phalanx.profilers import PassThroughProfiler
 from phalanx.trainer.optim import step_schedulers
-from phalanx.wrappers import FabricOptimizer
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.module import Module
+    from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
 
 class StepOptimizer:
@@ -219,7 +219,7 @@ class StepPlan:
     run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
 
     def __init__(self, trainer: Trainer) -> None:
-        from phalanx.trainer.module import overrides  # (module.py imports this file)
+        from phalanx.core.module import overrides  # (module.py imports this file)
 
         t, module = trainer, trainer.module
         self.module = module

@@ -22,15 +22,12 @@ from typing import Any
 
 import torch
 
-from phalanx import diagnostics
-from phalanx.errors import MisconfigurationError
-from phalanx.fabric import Fabric
+from phalanx.core.module import DataModule, Module, no_op_hooks, overrides
+from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
-from phalanx.seed import capture_rng_state, restore_rng_state
 from phalanx.trainer import checkpointing, loops
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.hooks import TrainerHooks
-from phalanx.trainer.module import DataModule, Module, no_op_hooks, overrides
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import MetricBoard, Results
 from phalanx.trainer.settings import (
@@ -42,6 +39,9 @@ from phalanx.trainer.settings import (
 )
 from phalanx.trainer.stepping import StepOptimizer, StepPlan
 from phalanx.trainer.views import TrainerViews
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.seed import capture_rng_state, restore_rng_state
 
 _STAGES = ("train", "validate", "test")
 
@@ -105,7 +105,7 @@ class Trainer(TrainerViews, TrainerHooks):
         enable_autolog_hparams: send ``module.hparams`` to the loggers when fit starts.
         model_registry: refused (phalanx uploads nothing).
         detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
-            (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.anomaly` for the cost). Without it, a
+            (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.fabric.anomaly` for the cost). Without it, a
             non-finite training loss still stops the run before the optimizer step (see
             :mod:`phalanx.trainer.loops`).
     """

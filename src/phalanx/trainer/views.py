@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.trainer.data import num_batches
 
 if TYPE_CHECKING:
-    from phalanx.fabric import Fabric
+    from phalanx.fabric.fabric import Fabric
 
 
 class TrainerViews:

@@ -1,0 +1,123 @@
+"""The ``phalanx`` command line.
+
+``phalanx run [options] script.py [args...]`` starts a job with ``torch.distributed.run`` (torchrun's
+engine: rendezvous, multi-node, failure handling) and passes ``--strategy``/``--precision``/... to the
+script's ``Fabric``/``Trainer`` through environment variables.
+
+``phalanx fit|validate|test|predict --config cfg.yaml [--trainer.x=...]`` trains from a config (see
+:mod:`phalanx.cli.config`, Lightning's LightningCLI). ``LightningCLI`` is importable from here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from phalanx.precision import PRECISIONS
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on N processes (one or many nodes)",
+        description="Run SCRIPT in --devices processes per node on --num-nodes nodes, on torch.distributed.run.",
+    )
+    p.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
+    p.add_argument("--devices", type=int, default=1, help="processes per node (default 1)")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--main-address", default="127.0.0.1", help="address of the node with rank 0")
+    p.add_argument("--main-port", type=int, default=None, help="port on the main node (default: free port)")
+    p.add_argument("--strategy", default=None, help="overrides the script's strategy")
+    p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="overrides the script's precision")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if args.devices < 1 or args.num_nodes < 1:
+        print("phalanx run: --devices and --num-nodes must be >= 1", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.script):
+        print(f"phalanx run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    env = {
+        "PHALANX_DEVICES": str(args.devices),
+        "PHALANX_NUM_NODES": str(args.num_nodes),
+        "PHALANX_ACCELERATOR": args.accelerator,
+        "PHALANX_STRATEGY": args.strategy,
+        "PHALANX_PRECISION": args.precision,
+    }
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.devices)))
+    torchrun = ["--nproc-per-node", str(args.devices), "--nnodes", str(args.num_nodes), "--max-restarts", "0"]
+    if args.num_nodes == 1 and args.main_port is None:
+        torchrun += ["--standalone"]
+    else:
+        torchrun += [
+            "--node-rank", str(args.node_rank),
+            "--master-addr", args.main_address,
+            "--master-port", str(args.main_port or 29500),
+        ]
+    script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
+    parsed = get_args_parser().parse_args([*torchrun, args.script, *script_args])
+    try:
+        run(parsed)
+    except ChildFailedError as err:
+        from phalanx.distributed.launch import failure_summary
+
+        summary, code = failure_summary(err)
+        print(f"[phalanx] job failed: {summary}. See the failing rank's output above.", file=sys.stderr)
+        return code
+    return 0
+
+
+def _add_config_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # Listed for `phalanx --help`; main() hands these commands to jsonargparse before argparse sees them.
+    for name in ("fit", "validate", "test", "predict"):
+        sub.add_parser(name, help=f"trainer.{name}() from a YAML config (phalanx {name} --help for its options)",
+                       add_help=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="phalanx: scale PyTorch training correctly.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_config_commands(sub)
+    for extra in _EXTRA_COMMANDS:
+        extra(sub)
+    return parser
+
+
+# Subcommands contributed by other modules (e.g. `consolidate` from phalanx.checkpoint).
+_EXTRA_COMMANDS: list = []  # type: ignore[type-arg]
+
+
+def _load_extras() -> None:
+    try:
+        from phalanx.cli import checkpoint as checkpoint_cli
+    except ImportError:
+        return
+    if checkpoint_cli.add_commands not in _EXTRA_COMMANDS:
+        _EXTRA_COMMANDS.append(checkpoint_cli.add_commands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("fit", "validate", "test", "predict"):
+        from phalanx.cli.config import main as config_main
+
+        return config_main(argv)
+    _load_extras()
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,621 @@
+"""``phalanx.Module`` and ``phalanx.DataModule``: the code the Trainer calls.
+
+A Module is an ``nn.Module`` with a few extra methods. The Trainer calls the ``*_step`` methods
+through the set-up model (so DDP/FSDP see them as a forward pass) and every other hook on the module
+itself. The hook set is deliberately small; anything else belongs in a callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from phalanx.core.hparams import HyperparametersMixin
+from phalanx.utils.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.fabric.fabric import Fabric
+    from phalanx.trainer.trainer import Trainer
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+class Module(HyperparametersMixin, nn.Module):
+    """Subclass this, implement ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
+
+    ``phalanx.LightningModule`` is this class: a LightningModule ports by changing its import.
+    """
+
+    # Checkpoint keys of the hyperparameters (Lightning's constants, the same keys).
+    CHECKPOINT_HYPER_PARAMS_KEY = "hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "hparams_type"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer: Trainer | None = None
+        self._fabric: Fabric | None = None  # set by fabric.setup() when the module runs in a Fabric loop
+        self._fabric_optimizers: list[Any] = []
+        self._automatic_optimization = True
+        self._strict_loading: bool | None = None
+        self._example_input_array: Any = None
+        self._toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]] = {}
+
+    # ------------------------------------------------------------------ links to the trainer
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise MisconfigurationError(
+                f"{type(self).__name__} is not attached to a Trainer. Pass it to trainer.fit/validate/test/"
+                "predict first (self.log, self.trainer and self.fabric only work inside those calls)."
+            )
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        self._trainer = trainer
+
+    @property
+    def fabric(self) -> Fabric | None:
+        """The Fabric running this module: the one that set it up in a Fabric loop, or the Trainer's."""
+        if self._fabric is not None:
+            return self._fabric
+        return self._trainer.fabric if self._trainer is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        fabric = self.fabric
+        return fabric.global_rank if fabric is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        fabric = self.fabric
+        return fabric.local_rank if fabric is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The first logger of the Trainer, or of the Fabric that set this module up (None if none)."""
+        fabric = self.fabric
+        return fabric.logger if fabric is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        fabric = self.fabric
+        return fabric.loggers if fabric is not None else []
+
+    @property
+    def automatic_optimization(self) -> bool:
+        """False: ``training_step`` steps the optimizers itself (``self.optimizers()``, ``self.manual_backward``)."""
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = bool(value)
+
+    @property
+    def strict_loading(self) -> bool:
+        """Whether checkpoints must match the module's keys exactly (default True)."""
+        return True if self._strict_loading is None else self._strict_loading
+
+    @strict_loading.setter
+    def strict_loading(self, value: bool) -> None:
+        self._strict_loading = bool(value)
+
+    @property
+    def example_input_array(self) -> Any:
+        """An example input; ModelSummary then shows each layer's input and output sizes."""
+        return self._example_input_array
+
+    @example_input_array.setter
+    def example_input_array(self, value: Any) -> None:
+        self._example_input_array = value
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    def freeze(self) -> Module:
+        """``requires_grad=False`` for every parameter, and eval mode."""
+        for p in self.parameters():
+            p.requires_grad = False
+        self.eval()
+        return self
+
+    def unfreeze(self) -> Module:
+        for p in self.parameters():
+            p.requires_grad = True
+        self.train()
+        return self
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """``fabric.all_gather`` (every tensor gains a leading world dimension)."""
+        if group is not None:
+            raise MisconfigurationError("all_gather(group=...) is not supported: phalanx gathers over all ranks.")
+        return _fabric_of(self, "all_gather").all_gather(data, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ steps (override these)
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Return the loss tensor (or a dict with a ``"loss"`` key)."""
+        raise MisconfigurationError(f"{type(self).__name__} must implement training_step(batch, batch_idx).")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise MisconfigurationError(
+            f"Validation data was given but {type(self).__name__} does not implement validation_step(batch, "
+            "batch_idx). Implement it, or do not pass validation dataloaders."
+        )
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise MisconfigurationError(f"trainer.test() needs {type(self).__name__}.test_step(batch, batch_idx).")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Default: ``self(batch)`` (or ``self(batch[0])`` for ``(inputs, targets)`` batches)."""
+        if isinstance(batch, (list, tuple)) and batch:
+            return self(batch[0])
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, or ``{"optimizer": opt, "lr_scheduler": sched_or_config}``, or
+        ``([opt], [sched])``. A scheduler config is a dict with ``scheduler``, ``interval`` ("step" or
+        "epoch"), ``frequency`` and, for ReduceLROnPlateau, ``monitor``."""
+        raise MisconfigurationError(f"{type(self).__name__} must implement configure_optimizers() for fit().")
+
+    # ------------------------------------------------------------------ logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        sync_dist: bool = False,
+        reduce_fx: str | Any = "mean",
+        batch_size: int | None = None,
+        enable_graph: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Record a scalar metric: a number, a one-element tensor, or a torchmetrics ``Metric``.
+
+        Defaults: in training, ``on_step=True, on_epoch=False``; in validation/test, ``on_step=False,
+        on_epoch=True``. Epoch values are exact: means are weighted by batch size (inferred from the
+        batch, or ``batch_size=``). ``sync_dist=True`` reduces across ranks; without it, the value of
+        rank 0 is used on every rank, so ``trainer.callback_metrics`` is always identical everywhere.
+        ``reduce_fx``: "mean", "sum", "max" or "min" (or torch.mean/sum/max/min).
+
+        A ``Metric`` (an attribute of this module, e.g. ``self.acc(preds, y); self.log("acc", self.acc)``)
+        logs its forward value on steps and ``compute()`` at epoch end, after which it is ``reset()``;
+        torchmetrics reduces it across ranks itself, so ``sync_dist``/``reduce_fx`` do not apply.
+        Logging never communicates; values are synced across ranks where they are read.
+        """
+        if enable_graph or sync_dist_group is not None or not add_dataloader_idx or metric_attribute is not None \
+                or rank_zero_only:
+            _refuse_log_options(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute,
+                                rank_zero_only)
+        trainer = self._trainer
+        if trainer is None:
+            if self._fabric is not None:
+                if logger:  # in a Fabric loop the loggers are the only destination
+                    self._fabric.log(name, value)
+                return
+            trainer = self.trainer  # raises, saying how to attach the module
+        results = trainer.results.get(trainer.current_stage)  # type: ignore[arg-type]
+        if results is None:
+            results = trainer.results_for_logging()  # raises, naming where self.log works
+        results.log(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, self)
+
+    def log_dict(self, metrics: Mapping[str, Any] | Any, **kwargs: Any) -> None:
+        """``self.log`` for each item of a dict or a torchmetrics ``MetricCollection`` (its prefixed names)."""
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    # ------------------------------------------------------------------ optimization (manual and automatic)
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The set-up optimizer(s): one object, or a list when ``configure_optimizers`` returned several.
+
+        Their ``step()`` is the real step (through the strategy's sync checks) and counts as a
+        ``global_step``; with manual optimization call it yourself in ``training_step``."""
+        if self._trainer is None and self._fabric is not None:
+            opts: list[Any] = list(self._fabric_optimizers)
+        else:
+            opts = list(self.trainer.step_optimizers if use_pl_optimizer else self.trainer.optimizers)
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler(s) from ``configure_optimizers``: None, one, or a list. With manual optimization,
+        step them yourself."""
+        schedulers = [c.scheduler for c in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward with loss scaling and gradient sync (use it instead of ``loss.backward()``)."""
+        if self._trainer is None and self._fabric is not None:
+            self._fabric.backward(loss, *args, **kwargs)
+            return
+        _stepping().run_backward(self.trainer, loss, *args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The backward of automatic optimization (override to customise; the default is
+        ``fabric.backward`` through the set-up model)."""
+        if self._trainer is None and self._fabric is not None:
+            self._fabric.backward(loss, *args, **kwargs)
+            return
+        self.trainer.fabric.backward(loss, *args, model=self.trainer.model, **kwargs)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer`` (multi-optimizer loops)."""
+        _stepping().toggle(self, optimizer)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        _stepping().untoggle(self)
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def clip_gradients(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip the gradients of ``optimizer``'s parameters by total norm ("norm") or by value ("value")."""
+        if self._trainer is None and self._fabric is not None:
+            algorithm = gradient_clip_algorithm or "norm"
+            if gradient_clip_val:
+                if algorithm == "value":
+                    self._fabric.clip_gradients(self, optimizer, clip_val=gradient_clip_val)
+                else:
+                    self._fabric.clip_gradients(self, optimizer, max_norm=gradient_clip_val)
+            return
+        _stepping().clip(self.trainer, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Called once per optimizer step (automatic optimization) with the Trainer's clipping settings."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step the optimizer once per accumulation window. ``optimizer_closure`` runs the window's last
+        training_step and backward (and ``on_before_optimizer_step`` and clipping): pass it on as
+        ``optimizer.step(closure=optimizer_closure)``, or call it yourself before stepping.
+
+        (A one-argument override ``optimizer_step(self, optimizer)`` is also accepted: phalanx then runs
+        the closure before calling it.)"""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Called at the start of each accumulation window (automatic optimization)."""
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    # ------------------------------------------------------------------ data (optional, as in a DataModule)
+    def prepare_data(self) -> None:
+        """Download or write files. Runs on local rank 0 of each node, before the others call setup."""
+
+    def train_dataloader(self) -> Any:
+        """The training data when ``trainer.fit(model)`` is given none (and no datamodule)."""
+        raise MisconfigurationError(
+            f"trainer.fit() needs training data: pass train_dataloaders= or datamodule=, or implement "
+            f"{type(self).__name__}.train_dataloader()."
+        )
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        raise MisconfigurationError(
+            f"trainer.test() needs data: pass dataloaders= or datamodule=, or implement {type(self).__name__}."
+            "test_dataloader()."
+        )
+
+    def predict_dataloader(self) -> Any:
+        raise MisconfigurationError(
+            f"trainer.predict() needs data: pass dataloaders= or datamodule=, or implement {type(self).__name__}."
+            "predict_dataloader()."
+        )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        from phalanx.utils.tensors import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    # ------------------------------------------------------------------ hooks (all optional)
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module needs; they are added to the Trainer's (replacing ones of the same type)."""
+        return []
+
+    def configure_model(self) -> None:
+        """Create layers here to build them directly on the device / sharded (called before setup)."""
+
+    def setup(self, stage: str) -> None:
+        """Called on every rank at the start of fit/validate/test/predict, before the model is set up."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of fit/validate/test/predict."""
+
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+
+    def on_train_epoch_start(self) -> None: ...
+
+    def on_train_epoch_end(self) -> None:
+        """May call ``self.log``; those values count as epoch-level."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+
+    def on_validation_epoch_end(self) -> None:
+        """May call ``self.log``; those values count as epoch-level."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        self.eval()
+
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per real optimizer step, after the last micro-batch's backward, before clipping."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add entries to ``checkpoint`` (plain picklable values)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read the entries ``on_save_checkpoint`` added."""
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | Path,
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A new ``cls(**saved hyperparameters, **kwargs)`` with the checkpoint's weights.
+
+        Reads a file written by ``trainer.save_checkpoint`` / ModelCheckpoint (or any file with a
+        ``state_dict``/``model`` entry). ``kwargs`` override saved hyperparameters; ``hparams_file`` (YAML)
+        replaces them. Call it on the class: ``MyModel.load_from_checkpoint(path)``.
+        """
+        from phalanx.core.loading import load_module
+
+        return load_module(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, kwargs)
+
+
+class DataModule(HyperparametersMixin):
+    """Optional: the data of a task in one object. Override the loaders you need.
+
+    ``phalanx.LightningDataModule`` is this class."""
+
+    name: str | None = None
+    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "datamodule_hparams_type"
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.prepare_data_per_node = True
+
+    def prepare_data(self) -> None:
+        """Download or write files. Runs on local rank 0 of each node (or global rank 0 with
+        ``prepare_data_per_node = False``), before the others call setup."""
+
+    def setup(self, stage: str) -> None:
+        """Build datasets; runs on every rank."""
+
+    def teardown(self, stage: str) -> None: ...
+
+    def train_dataloader(self) -> Any:
+        raise MisconfigurationError(f"{type(self).__name__} does not implement train_dataloader().")
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        raise MisconfigurationError(f"{type(self).__name__} does not implement test_dataloader().")
+
+    def predict_dataloader(self) -> Any:
+        raise MisconfigurationError(f"{type(self).__name__} does not implement predict_dataloader().")
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        from phalanx.utils.tensors import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def on_exception(self, exception: BaseException) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    @classmethod
+    def from_datasets(
+        cls,
+        train_dataset: Any = None,
+        val_dataset: Any = None,
+        test_dataset: Any = None,
+        predict_dataset: Any = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> DataModule:
+        """A DataModule whose loaders wrap the given datasets (training shuffled, the others in order)."""
+        from phalanx.core.loading import datamodule_from_datasets
+
+        made: DataModule = datamodule_from_datasets(cls, train_dataset, val_dataset, test_dataset, predict_dataset,
+                                                    batch_size, num_workers, datamodule_kwargs)
+        return made
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str | Path, map_location: Any = None, hparams_file: str | Path | None = None,
+        weights_only: bool | None = None, **kwargs: Any,
+    ) -> Any:
+        """A new ``cls(**saved datamodule hyperparameters, **kwargs)`` from a Trainer checkpoint."""
+        from phalanx.core.loading import load_datamodule
+
+        return load_datamodule(cls, checkpoint_path, hparams_file, weights_only, kwargs)
+
+
+def _refuse_log_options(
+    name: str, enable_graph: bool, group: Any, add_dataloader_idx: bool, metric_attribute: str | None,
+    rank_zero_only: bool,
+) -> None:
+    """Lightning's other ``self.log`` options: each is refused with the reason (never ignored)."""
+    reasons = []
+    if enable_graph:
+        reasons.append("enable_graph=True (logged values are detached: log the tensor you need and keep it yourself)")
+    if group is not None:
+        reasons.append("sync_dist_group (sync_dist reduces over all ranks)")
+    if not add_dataloader_idx:
+        reasons.append("add_dataloader_idx=False (with several loaders the names get '/dataloader_idx_N' so "
+                       "they stay apart; log distinct names instead)")
+    if metric_attribute is not None:
+        reasons.append("metric_attribute (log the metric's computed value)")
+    if rank_zero_only:
+        reasons.append("rank_zero_only=True (every rank must log the same names: call self.log on every rank, "
+                       "the value of rank 0 is what unsynced metrics show)")
+    if reasons:
+        raise MisconfigurationError(f"self.log({name!r}): not supported: " + "; ".join(reasons) + ".")
+
+
+def _fabric_of(module: Module, what: str) -> Fabric:
+    fabric = module.fabric
+    if fabric is None:
+        raise MisconfigurationError(
+            f"self.{what}() needs the module to run under a Trainer (trainer.fit/...) or a Fabric (fabric.setup)."
+        )
+    return fabric
+
+
+def no_op_hooks() -> frozenset[str]:
+    """Module's hooks whose default does nothing (a body of ``...`` or a docstring): the Trainer skips
+    calling them unless overridden. Read from the bytecode, so a default given a body leaves the set."""
+    import dis
+
+    nothing = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+    out = set()
+    for name, fn in vars(Module).items():
+        if name.startswith("on_") and callable(fn) and hasattr(fn, "__code__"):
+            ops = [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname not in ("RESUME", "NOP")]
+            if ops in nothing:
+                out.add(name)
+    return frozenset(out)
+
+
+def overrides(module: Any, name: str) -> bool:
+    """Whether ``module``'s class defines its own ``name`` (rather than Module's / DataModule's default)."""
+    base = DataModule if isinstance(module, DataModule) else Module
+    return name in vars(module) or getattr(type(module), name, None) is not getattr(base, name, None)
+
+
+def check_reduce_fx(reduce_fx: Any) -> str:
+    """Normalize ``reduce_fx`` to one of REDUCE_FX."""
+    named = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min", max: "max", min: "min",
+             sum: "sum"}
+    if isinstance(reduce_fx, str) and reduce_fx in REDUCE_FX:
+        return reduce_fx
+    if callable(reduce_fx) and reduce_fx in named:
+        return named[reduce_fx]
+    raise MisconfigurationError(
+        f"reduce_fx={reduce_fx!r} is not supported; use one of {REDUCE_FX} (or torch.mean/sum/max/min)."
+    )
+
+
+def _stepping() -> Any:
+    # Transitional: the Module reaches the Trainer's step machinery until it goes through TrainerView.
+    from phalanx.trainer import stepping
+
+    return stepping

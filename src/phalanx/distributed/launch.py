@@ -1,0 +1,305 @@
+"""Starting and joining multi-process jobs, on torch's own launcher.
+
+* Under torchrun, ``phalanx run``, or SLURM, the processes already exist: :func:`detect_environment`
+  reads who we are and :func:`check_environment` compares it with what the code asked for.
+* Under plain ``python train.py`` with ``devices=N``, :func:`launch_script` re-runs the script in N
+  processes and :func:`launch_function` runs a function in N processes. Both use
+  ``torch.distributed.launcher.elastic_launch`` (the engine behind torchrun): the calling process
+  becomes the agent that supervises the ranks, kills the survivors when one fails, and returns the
+  failing rank's exit code. There is no home-made process management here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.utils.diagnostics import notice
+from phalanx.utils.errors import MisconfigurationError, PhalanxError
+
+# More CPU processes than this many per core are refused when phalanx starts them itself: each rank
+# imports torch (hundreds of MB) and they thrash (64 ranks on 2 cores took 10.9 GB and died at start-up).
+MAX_CPU_RANKS_PER_CORE = 4
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """Who this process is inside an already-launched job."""
+
+    source: str  # "torchelastic" (torchrun / phalanx run / phalanx launch) or "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    agent_hosts_store: bool
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise MisconfigurationError(f"Environment variable {name} is required but not set.")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise MisconfigurationError(f"Environment variable {name}={value!r} is not an integer.") from None
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as ``node[003-007,9],gpu1``."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return "127.0.0.1"
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_environment() -> ClusterEnvironment | None:
+    """The launched job this process belongs to, or None when it runs on its own."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        world = _env_int("WORLD_SIZE")
+        local_world = _env_int("LOCAL_WORLD_SIZE", world)
+        return ClusterEnvironment(
+            source="torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+            rank=_env_int("RANK"),
+            world_size=world,
+            local_rank=_env_int("LOCAL_RANK", 0),
+            local_world_size=local_world,
+            node_rank=_env_int("GROUP_RANK", _env_int("NODE_RANK", _env_int("RANK") // max(local_world, 1))),
+            master_addr=env["MASTER_ADDR"],
+            master_port=_env_int("MASTER_PORT"),
+            agent_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        world = _env_int("SLURM_NTASKS")
+        job_id = _env_int("SLURM_JOB_ID", 0)
+        return ClusterEnvironment(
+            source="slurm",
+            rank=_env_int("SLURM_PROCID"),
+            world_size=world,
+            local_rank=_env_int("SLURM_LOCALID", 0),
+            local_world_size=_env_int("SLURM_NTASKS_PER_NODE", world) if "SLURM_NTASKS_PER_NODE" in env
+            and env["SLURM_NTASKS_PER_NODE"].isdigit() else world // max(_env_int("SLURM_NNODES", 1), 1),
+            node_rank=_env_int("SLURM_NODEID", 0),
+            master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_NODELIST", "127.0.0.1")),
+            master_port=_env_int("MASTER_PORT", 20000 + job_id % 20000),
+            agent_hosts_store=False,
+        )
+    return None
+
+
+def check_environment(env: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    """Fail fast when the launched job does not match ``Fabric(devices=..., num_nodes=...)``."""
+    expected = devices * num_nodes
+    if env.world_size != expected or env.local_world_size != devices:
+        how = {
+            "slurm": f"submit with `--nodes={num_nodes} --ntasks-per-node={devices}`",
+            "torchelastic": f"launch with `--nproc-per-node={devices} --nnodes={num_nodes}`",
+            "env": f"set WORLD_SIZE={expected} and LOCAL_WORLD_SIZE={devices}",
+        }[env.source]
+        raise MisconfigurationError(
+            f"The code asks for devices={devices}, num_nodes={num_nodes} ({expected} processes), but "
+            f"{env.source} started {env.world_size} process(es) with {env.local_world_size} per node. "
+            f"Either change devices/num_nodes to match, or {how}."
+        )
+    if not 0 <= env.rank < env.world_size:
+        raise MisconfigurationError(f"RANK={env.rank} is outside [0, WORLD_SIZE={env.world_size}).")
+
+
+def check_cpu_processes(nprocs: int, device_type: str, cores: int | None = None) -> None:
+    """Refuse (or warn about) more CPU processes than this machine can run, before starting any."""
+    cores = cores or os.cpu_count() or 1
+    if device_type != "cpu" or nprocs <= cores:
+        return
+    if nprocs > MAX_CPU_RANKS_PER_CORE * cores:
+        raise MisconfigurationError(
+            f"devices={nprocs} CPU processes on a machine with {cores} core(s): each process imports torch and "
+            f"needs memory and CPU, so they would thrash and fail at start-up. Use at most "
+            f"{MAX_CPU_RANKS_PER_CORE * cores} here (devices <= {cores} runs at full speed), use GPUs "
+            "(accelerator='cuda'), or spread the job over nodes (num_nodes=...). If you really mean it, start the "
+            "processes yourself with torchrun or `phalanx run`."
+        )
+    notice(f"{nprocs} CPU processes on {cores} core(s): each gets one thread and they share the cores; "
+           "expect it to be slow (fine for testing a multi-process script).")
+
+
+def _threads_per_rank(nprocs: int) -> None:
+    # N ranks each using every core thrash the CPU; give each its share unless the user chose.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+
+
+def record_failure(error: BaseException) -> None:
+    """Write ``error`` where torch's elastic launcher (torchrun, ``phalanx run``, ``fabric.launch``) looks for
+    a failed rank's cause, so its summary names the cause instead of an exit code. Writes nothing outside
+    such a launcher, and never replaces what is already there: the first cause wins."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    # torchelastic's error-file format (what its @record decorator writes), with the exception's own
+    # traceback: this may run in a thread or at exit, where no exception is "being handled".
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "timestamp": str(int(time.time())),
+    }}}
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _launch_config(nprocs: int) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"phalanx-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def failure_summary(err: Any) -> tuple[str, int]:
+    """Words for a launcher's ChildFailedError, and the job's exit code. When one rank fails the launcher
+    stops the others with SIGTERM; those are reported as stopped, so the rank that failed first stands out
+    (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]"). A rank that recorded its
+    error (phalanx does, see :func:`record_failure`) is quoted: the first-failed rank's cause comes first."""
+    failures = getattr(err, "failures", {}) or {}
+    causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
+    stopped = sorted(set(failures) - set(causes))
+    parts, code = [], 0
+    order = sorted(causes.items(), key=lambda item: (_recorded(item[1]) is None, _when(item[1]), item[0]))
+    for rank, failure in order:
+        exitcode = getattr(failure, "exitcode", 1)
+        if exitcode < 0:
+            part = f"rank {rank} was killed by {_signal_name(-exitcode)}"
+        else:
+            part = f"rank {rank} exited with code {exitcode}"
+            code = code or exitcode
+        cause = _recorded(failure)
+        parts.append(f"{part}: {cause}" if cause else part)
+    if stopped:
+        parts.append(f"the launcher then stopped rank(s) {stopped}")
+    return "; ".join(parts) or str(err), code or 1
+
+
+def _recorded(failure: Any) -> str | None:
+    """The one-line cause a rank wrote to its error file, if it wrote one."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else message
+    if not text or text == "<NONE>":  # torch's placeholder when the rank wrote nothing
+        return None
+    return " ".join(str(text).split())[:2000]
+
+
+def _when(failure: Any) -> int:
+    try:
+        return int(getattr(failure, "timestamp", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def script_command() -> list[str]:
+    """How to re-run the current program: ``python script.py args`` or ``python -m pkg args``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return ["-m", name, *sys.argv[1:]]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise MisconfigurationError(
+            "fabric.launch() with devices>1 re-runs your script in N processes, but this program is not a "
+            "script file (python -c or an interactive session). Put the code in a file, or use "
+            "fabric.launch(fn) with a module-level function, or start it with `phalanx run`."
+        )
+    return [os.path.abspath(script), *sys.argv[1:]]
+
+
+_SEE_ABOVE = (
+    "The failing rank's traceback is above (a rank killed by a signal, e.g. by the kernel's out-of-memory "
+    "killer, leaves none)."
+)
+
+
+def launch_script(nprocs: int) -> int:
+    """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    command = script_command()
+    _threads_per_rank(nprocs)
+    try:
+        elastic_launch(_launch_config(nprocs), sys.executable)(*command)
+    except ChildFailedError as err:
+        summary, code = failure_summary(err)
+        print(f"[phalanx] job failed: {summary}. {_SEE_ABOVE}", file=sys.stderr)
+        return code
+    return 0
+
+
+def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    fabric = factory()
+    fabric.launch()
+    try:
+        result = fn(fabric, *args)
+    except BaseException as err:
+        fabric._leave_job(err)  # peers waiting on this rank learn why at once
+        raise
+    # This process stays alive until every rank has returned (the launcher collects return values), so
+    # it must leave the group now: a peer still inside a collective then fails at once, naming this rank,
+    # instead of waiting for the process-group timeout.
+    fabric._leave_job(None)
+    return result
+
+
+def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Run ``fn(fabric, *args)`` in ``nprocs`` processes; returns rank 0's return value."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    if getattr(fn, "__qualname__", "").count("<locals>") or getattr(fn, "__name__", "") == "<lambda>":
+        raise MisconfigurationError(
+            f"fabric.launch(fn) starts new processes that import `fn` by name, so it must be a module-level "
+            f"function; {fn!r} is a lambda or nested function."
+        )
+    _threads_per_rank(nprocs)
+    try:
+        results = elastic_launch(_launch_config(nprocs), _function_entry)(factory, fn, args)
+    except ChildFailedError as err:
+        summary, _ = failure_summary(err)
+        raise PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}.") from err
+    return results.get(0)

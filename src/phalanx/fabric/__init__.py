@@ -1,0 +1,8 @@
+"""``phalanx.Fabric`` and what it hands back: the facade over a strategy (``fabric``), the wrapped
+module and optimizer (``wrappers``), distributed dataloaders (``data``), the meaning of its collectives
+(``collectives``) and opt-in anomaly detection (``anomaly``)."""
+
+from phalanx.fabric.fabric import Fabric
+from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, is_wrapped
+
+__all__ = ["Fabric", "FabricModule", "FabricOptimizer", "is_wrapped"]

@@ -1,0 +1,174 @@
+"""Dataloaders for distributed runs: a DistributedSampler that keeps the user's choices, correct
+``set_epoch`` on every pass, batches moved to the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from phalanx.utils.diagnostics import warn
+from phalanx.utils.errors import CollectiveMismatchError, MisconfigurationError
+from phalanx.utils.tensors import move_to_device
+
+if TYPE_CHECKING:
+    from phalanx.strategies.base import Strategy
+
+_LOADER_ATTRS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+    "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device",
+)
+
+
+def _sampler_shuffle(loader: DataLoader[Any]) -> bool:
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise MisconfigurationError(
+            f"The dataloader uses a custom batch sampler ({type(batch_sampler).__name__}) that phalanx cannot "
+            "split across ranks. Make it rank-aware yourself and pass use_distributed_sampler=False to "
+            "setup_dataloaders, or use a plain sampler."
+        )
+    sampler = loader.sampler
+    if isinstance(sampler, SequentialSampler):
+        return False
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            raise MisconfigurationError(
+                "The dataloader uses RandomSampler(replacement=True or num_samples=...), which a "
+                "DistributedSampler cannot reproduce. Pass use_distributed_sampler=False and give each rank its "
+                "own sampler."
+            )
+        return True
+    raise MisconfigurationError(
+        f"The dataloader uses a custom sampler ({type(sampler).__name__}) that phalanx cannot split across "
+        "ranks without changing what it samples. Make it rank-aware (e.g. draw from "
+        "range(rank, len(dataset), world_size)) and pass use_distributed_sampler=False to setup_dataloaders."
+    )
+
+
+def shared_seed(broadcast: Callable[[int], int]) -> int:
+    """The seed of every rank's sampler: torch's seed on rank 0 (``torch.initial_seed()``, which
+    ``seed_everything`` sets), sent to all ranks with ``broadcast``. Ranks that seeded torch
+    differently still draw one permutation, so their shards never overlap. Seeds from
+    ``seed_everything`` (< 2**32) pass unchanged."""
+    return int(broadcast(torch.initial_seed() % 2**32))
+
+
+def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int, seed: int = 0) -> DataLoader[Any]:
+    """A copy of ``loader`` that reads this rank's shard (every sample once per epoch across ranks,
+    padded by DistributedSampler to equal length unless ``drop_last``). ``seed`` must be the same on
+    every rank (see :func:`shared_seed`), or the shards overlap."""
+    if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    shuffle = _sampler_shuffle(loader)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        drop_last=loader.drop_last,
+    )
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ATTRS if hasattr(loader, name)}
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs
+    )
+
+
+_BALANCE_HINT = (
+    "Every rank must run the same number of steps: with unequal shards the gradient all-reduces of "
+    "different steps pair up, and the rank with extra batches hangs in its last one. If you shard the data "
+    "yourself (use_distributed_sampler=False, or an IterableDataset), give every rank the same number of "
+    "batches (truncate to the shortest shard, or pad), or let phalanx shard it with its DistributedSampler."
+)
+
+
+def check_pass_length(strategy: Strategy, count: int) -> None:
+    """After a pass over a dataloader that communicated, make sure every rank ran ``count`` batches.
+
+    The rank that runs out first waits here while a rank with batches left enters its next gradient
+    all-reduce, which the guard reports at once as a different operation; ranks that both reach the end
+    compare their counts."""
+    rank = strategy.global_rank
+    try:
+        counts = strategy.all_gather_object(count, name="end of dataloader pass")
+    except CollectiveMismatchError as err:
+        raise CollectiveMismatchError(
+            f"Rank {rank}'s dataloader ran out after {count} batches while another rank still had batches "
+            f"and went on training. {_BALANCE_HINT} (What the lockstep guard saw: {err})"
+        ) from err
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise CollectiveMismatchError(
+            f"Ranks ran different numbers of batches in one pass over a dataloader ({per_rank}). {_BALANCE_HINT}"
+        )
+
+
+class FabricDataLoader:
+    """Iterates the (distributed) loader, calling ``set_epoch`` before each pass and moving batches.
+
+    With ``strategy`` (multi-process runs), a pass that issued collectives ends with a check that every
+    rank ran the same number of batches (see :func:`check_pass_length`); a pass without collectives (a
+    loader read on one rank only) is not checked."""
+
+    def __init__(
+        self, loader: DataLoader[Any], device: torch.device | None, strategy: Strategy | None = None
+    ) -> None:
+        self._loader = loader
+        self._device = device
+        self._epoch = 0
+        self._strategy = strategy
+
+    @property
+    def loader(self) -> DataLoader[Any]:
+        return self._loader
+
+    @property
+    def sampler(self) -> Sampler[Any] | Iterable[Any]:
+        return self._loader.sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch used by the next pass (it otherwise counts passes)."""
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for sampler in (getattr(self._loader, "sampler", None), getattr(self._loader.batch_sampler, "sampler", None)):
+            if sampler is not None and hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self._epoch)
+                break
+        self._epoch += 1
+        strategy = self._strategy
+        issued = strategy.collectives_issued() if strategy is not None else 0
+        count = 0
+        for batch in self._loader:
+            count += 1
+            yield batch if self._device is None else move_to_device(batch, self._device)
+        # Only a pass that ran to its end (a `break` never gets here) and that communicated is checked.
+        if strategy is not None and strategy.collectives_issued() != issued:
+            check_pass_length(strategy, count)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def warn_iterable(loader: DataLoader[Any], rank: int) -> None:
+    """Say (on rank 0) that phalanx cannot shard an IterableDataset: each rank must yield its own part."""
+    if isinstance(loader.dataset, IterableDataset):
+        warn(
+            "The dataloader wraps an IterableDataset, which no sampler can split: make sure each data-parallel "
+            "rank yields a different shard (see torch.utils.data.get_worker_info and "
+            "fabric.strategy.distributed_sampler_kwargs(), whose 'rank' is the global rank except under tensor "
+            "parallelism, where the ranks of one model replica must yield the same data).",
+            rank=rank,
+        )

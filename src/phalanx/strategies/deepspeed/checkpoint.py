@@ -1,0 +1,270 @@
+"""Checkpoints of a DeepSpeed engine: its shard layout, and its state consolidated for single files.
+
+Sharded (a directory, through the checkpoint layer): DeepSpeed's own engine checkpoint, every rank
+writing its optimizer partition; the layer adds the marker file (everything in the state that is
+not the engine's model or optimizer) and publishes the directory atomically. Resuming needs the same
+world size and ZeRO stage (DeepSpeed's partitions are laid out for them); anything else is refused
+with the way out: the full form.
+
+Full (one file): float32 master weights and the optimizer state consolidated into torch's own
+layout (the one ``optimizer.state_dict()`` gives under DDP), so it loads at any world size, into any
+ZeRO stage, and into the other strategies.
+
+This module is handed the engine by the strategy and never imports it back (no import cycle);
+DeepSpeed itself is imported only when a helper runs (an engine exists by then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx.checkpoint.protocol import Shapes
+from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError
+
+TAG = "checkpoint"
+Scope = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _utils() -> Any:
+    import deepspeed
+
+    return deepspeed.utils
+
+
+@contextlib.contextmanager
+def _gathered(params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    """Full (unpartitioned) values of ZeRO-3 parameters inside the block; no-op for stages 1 and 2."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+        yield
+
+
+class DeepSpeedCheckpointIO:
+    """The checkpoint side of one engine (``phalanx.checkpoint.protocol.ShardIO`` for the sharded form).
+
+    Args:
+        engine, optimizer: the engine and the user's torch optimizer it wraps.
+        param_groups: the optimizer's parameters per group, in their order before DeepSpeed
+            flattened them (the layout of a consolidated optimizer state).
+        stage, world_size: what a sharded checkpoint is laid out for.
+        guarded / unguarded: the strategy's lockstep scopes for phases that run DeepSpeed's collectives.
+    """
+
+    layout = "deepspeed"
+
+    def __init__(
+        self, engine: Any, optimizer: Optimizer, param_groups: list[list[nn.Parameter]], stage: int,
+        world_size: int, guarded: Scope, unguarded: Scope,
+    ) -> None:
+        self.engine, self.optimizer, self.param_groups = engine, optimizer, param_groups
+        self.stage, self.world_size = stage, world_size
+        self._guarded, self._unguarded = guarded, unguarded
+
+    # ------------------------------------------------------------------ sharded form (ShardIO)
+    def _own(self, entries: list[Entry]) -> tuple[Entry | None, Entry | None]:
+        model = next((e for e in entries if e.kind == MODULE and e.obj is self.engine.module), None)
+        opt = next((e for e in entries if e.kind == OPTIMIZER and e.obj is self.optimizer), None)
+        return model, opt
+
+    def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
+        model, opt = self._own(entries)
+        if model is None:
+            raise CheckpointError(
+                "fabric.save with DeepSpeed (state_dict_type='sharded') needs the model returned by fabric.setup in "
+                "the state; it is missing. Add it, e.g. fabric.save(path, {'model': model, 'optimizer': optimizer})."
+            )
+        with self._unguarded("save (DeepSpeed engine checkpoint)"):
+            self.engine.save_checkpoint(str(directory), tag=TAG, client_state={}, save_latest=False)
+        sharded = [model.key] + ([opt.key] if opt is not None else [])
+        return {"sharded": sharded, "stage": self.stage, "world_size": self.world_size}
+
+    def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
+        how = (
+            "Resume with the configuration it was saved with, or save it in the portable form: in the original "
+            "setup, use DeepSpeedStrategy(state_dict_type='full'), which loads at any world size and stage."
+        )
+        if info.get("world_size") != self.world_size:
+            raise CheckpointError(
+                f"The sharded DeepSpeed checkpoint {directory} was written by {info.get('world_size')} ranks, but this "
+                f"job has {self.world_size}; ZeRO's partitions cannot be re-cut on load. {how}"
+            )
+        if info.get("stage") != self.stage:
+            raise CheckpointError(
+                f"The sharded DeepSpeed checkpoint {directory} was written with ZeRO stage {info.get('stage')}, but "
+                f"this strategy runs stage {self.stage}. {how}"
+            )
+        model, opt = self._own(entries)
+        for e in entries:
+            if e is not model and e is not opt:
+                raise CheckpointError(
+                    f"Entry {e.key!r} of {directory} is DeepSpeed's engine checkpoint, but the object under that key "
+                    "is not the model (or optimizer) set up with this strategy. Pass the objects fabric.setup returned."
+                )
+        if opt is not None and model is None:
+            raise CheckpointError(f"Loading DeepSpeed's optimizer state from {directory} needs its model in the state.")
+
+    def saved_shapes(self, directory: Path, info: dict[str, Any], key: str) -> Shapes | None:
+        return None  # DeepSpeed checks its own module state on load
+
+    def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
+        _, opt = self._own(entries)
+        with self._unguarded("load (DeepSpeed engine checkpoint)"):
+            loaded, _ = self.engine.load_checkpoint(
+                str(directory), tag=TAG, load_module_strict=strict, load_optimizer_states=opt is not None,
+                load_lr_scheduler_states=False,
+            )
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed could not load the engine checkpoint in {directory} (see its log above).")
+
+    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
+        diagnostics.warn(
+            f"{directory} is a sharded DeepSpeed checkpoint: reading it without state returns its other entries "
+            f"only, not the engine's {info.get('sharded')}. Load those into the set-up objects "
+            "(fabric.load(path, {'model': model, ...})), or save with state_dict_type='full' for one portable file."
+        )
+        return {}
+
+    # ------------------------------------------------------------------ full form
+    def _module_entries(self) -> dict[str, Any]:
+        """state_dict keys of the engine's module mapped to their parameter or buffer objects."""
+        return dict(self.engine.module.state_dict(keep_vars=True))
+
+    def module_layout(self) -> Shapes:
+        def shape(value: Any) -> tuple[int, ...] | None:
+            if hasattr(value, "ds_shape"):
+                return tuple(value.ds_shape)
+            return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+        return {k: shape(v) for k, v in self._module_entries().items()}
+
+    def full_module_state(self) -> dict[str, Any]:
+        """The module's state dict with float32 master weights (what DDP's module would hold)."""
+        utils = _utils()
+        out: dict[str, Any] = {}
+        with self._guarded("consolidate DeepSpeed weights"):
+            for key, value in self._module_entries().items():
+                if isinstance(value, nn.Parameter):
+                    full = utils.safe_get_full_fp32_param(value)
+                    if full is None:  # frozen: not in the optimizer, so no fp32 master copy
+                        with _gathered([value], None):
+                            full = value.detach().clone()
+                    out[key] = full.detach().cpu().clone()
+                else:
+                    out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+        return out
+
+    def load_full_module_state(self, state: dict[str, Any]) -> None:
+        """Write a full state dict (checked by the checkpoint layer) into the engine: the working (possibly
+        bf16, possibly partitioned) parameters and the float32 master copies both, so the next step starts
+        from exactly these values."""
+        utils = _utils()
+        with self._guarded("load consolidated DeepSpeed weights"), torch.no_grad():
+            for key, target in self._module_entries().items():
+                if key not in state:
+                    continue
+                value = state[key]
+                if isinstance(target, nn.Parameter):
+                    with _gathered([target], 0):
+                        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+                    utils.safe_set_full_fp32_param(target, value.to(device=target.device, dtype=torch.float32))
+                elif isinstance(target, torch.Tensor):
+                    target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    def _flat_tensors(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 partitions, which the wrapped torch optimizer keys its state by. (ZeRO-3
+        puts them into the optimizer's param_groups only while it steps, so ask ZeRO, not the groups.)"""
+        zero = self.engine.optimizer
+        for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+            flats = getattr(zero, attr, None)
+            if flats is not None:
+                return list(flats)
+        raise CheckpointError(
+            f"Cannot find the fp32 partitions of {type(zero).__name__}: this DeepSpeed version is not supported by "
+            "phalanx's consolidated ('full') checkpoints. Use state_dict_type='sharded'."
+        )
+
+    def _flat_states(self) -> list[dict[str, Any]]:
+        """The wrapped torch optimizer's per-partition states."""
+        return [self.optimizer.state[t] for t in self._flat_tensors() if t in self.optimizer.state]
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state in torch's layout, as ``optimizer.state_dict()`` would give it under DDP."""
+        utils = _utils()
+        flat = self._flat_states()
+        tensor_keys = sorted({k for s in flat for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+        scalars = {k: v for s in flat for k, v in s.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        with self._guarded("consolidate DeepSpeed optimizer state"):
+            for group, params in zip(self.optimizer.param_groups, self.param_groups):
+                ids = []
+                for p in params:
+                    if tensor_keys and p.requires_grad:
+                        entry = {k: utils.safe_get_full_optimizer_state(p, k).detach().cpu().clone()
+                                 for k in tensor_keys}
+                        entry.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+                        state[index] = entry
+                    ids.append(index)
+                    index += 1
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, saved: dict[str, Any]) -> None:
+        groups = saved.get("param_groups", [])
+        sizes = [len(g) for g in self.param_groups]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise CheckpointError(
+                f"The checkpoint's optimizer has parameter groups of sizes {[len(g['params']) for g in groups]}, but "
+                f"this optimizer has {sizes}. Is it a checkpoint of another model or optimizer?"
+            )
+        for group, saved_group in zip(self.optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        per_param = saved.get("state", {})
+        if not per_param:
+            return
+        first = next(iter(per_param.values()))
+        tensor_keys = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        scalars = {k: v for k, v in first.items() if k not in tensor_keys}
+        self._ensure_flat_state(tensor_keys)
+        for s in self._flat_states():
+            s.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
+        utils = _utils()
+        params = [p for g in self.param_groups for p in g]
+        with self._guarded("load consolidated DeepSpeed optimizer state"), torch.no_grad():
+            for index, p in enumerate(params):
+                entry = per_param.get(index)
+                if entry is None or not p.requires_grad:
+                    continue
+                for key in tensor_keys:
+                    utils.safe_set_full_optimizer_state(p, entry[key].to(torch.float32), key)
+
+    def _ensure_flat_state(self, keys: list[str]) -> None:
+        """Torch optimizers create their state at the first step. Before it (a fresh job resuming), create
+        zero tensors for each flat partition and let ZeRO map its per-parameter views onto them."""
+        created = False
+        for flat in self._flat_tensors():
+            entry = self.optimizer.state[flat]
+            for key in keys:
+                if key not in entry:
+                    entry[key] = torch.zeros_like(flat, dtype=torch.float32)
+                    created = True
+        zero = self.engine.optimizer
+        if created and hasattr(zero, "_hp_optimizer_states_linked"):
+            # ZeRO 1/2 link each parameter to its slice of the optimizer state once, lazily at the first step.
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()

@@ -1,0 +1,267 @@
+"""Learning-rate range test (``Tuner(trainer).lr_find(...)``) that leaves no trace.
+
+The search trains for a few steps while raising the learning rate, records the loss, and then puts
+back *everything* it could have touched (:mod:`phalanx.core.module_state`): everything the module
+holds (weights and gradients, buffers, torchmetrics state, plain attributes its steps change), the
+fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
+and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
+on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.core.module_state import preserved
+from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
+from phalanx.trainer.optim import parse_optimizers
+from phalanx.trainer.results import Results
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.tensors import optional_module
+
+if TYPE_CHECKING:
+    from phalanx.core.module import Module
+    from phalanx.trainer.trainer import Trainer
+
+
+@dataclass
+class LRFinderResult:
+    """The learning rates tried and the (smoothed) loss at each."""
+
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    mode: str = "exponential"
+
+    @property
+    def results(self) -> dict[str, list[float]]:
+        """Lightning's name for the same data: ``{"lr": [...], "loss": [...]}``."""
+        return {"lr": list(self.lrs), "loss": list(self.losses)}
+
+    def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+        """The learning rate where the loss falls fastest (None if too few finite points)."""
+        end = len(self.losses) - skip_end if skip_end > 0 else len(self.losses)
+        pairs = [(lr, loss) for lr, loss in zip(self.lrs[skip_begin:end], self.losses[skip_begin:end])
+                 if math.isfinite(loss)]
+        if len(pairs) < 3:
+            return None
+        lrs = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+        losses = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+        x = lrs.log() if self.mode == "exponential" else lrs
+        slope = torch.gradient(losses, spacing=(x,))[0]
+        return float(lrs[int(slope.argmin())])
+
+    def plot(self, suggest: bool = True, skip_begin: int = 10, skip_end: int = 1) -> Any:
+        """A matplotlib Figure of loss against learning rate (``fig.savefig("lr.png")``)."""
+        figure = optional_module("matplotlib.figure", "LRFinderResult.plot()", "plot")
+        fig = figure.Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.plot(self.lrs, self.losses)
+        if self.mode == "exponential":
+            ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("loss (smoothed)")
+        lr = self.suggestion(skip_begin, skip_end) if suggest else None
+        if lr is not None:
+            i = self.lrs.index(lr)
+            ax.plot([lr], [self.losses[i]], marker="o", markersize=9, color="red")
+            ax.set_title(f"suggested lr = {lr:.3g}")
+        fig.tight_layout()
+        return fig
+
+
+class Tuner:
+    """Hyperparameter helpers that run on a Trainer without disturbing it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def scale_batch_size(
+        self, model: Module, train_dataloaders: Any = None, val_dataloaders: Any = None, dataloaders: Any = None,
+        datamodule: Any = None, method: str = "fit", mode: str = "power", steps_per_trial: int = 3,
+        init_val: int = 2, max_trials: int = 25, batch_arg_name: str = "batch_size", margin: float = 0.05,
+        max_val: int = 8192,
+    ) -> int:
+        """Find the largest batch size that fits (see :mod:`phalanx.tuner.batch_size`)."""
+        from phalanx.tuner.batch_size import scale_batch_size
+
+        return scale_batch_size(self.trainer, model, train_dataloaders, val_dataloaders, dataloaders, datamodule,
+                                method, mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
+
+    def lr_find(
+        self,
+        model: Module,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        dataloaders: Any = None,
+        datamodule: Any = None,
+        method: str = "fit",
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: str = "exponential",
+        early_stop_threshold: float | None = 4.0,
+        update_attr: bool = True,
+        attr_name: str = "",
+    ) -> LRFinderResult:
+        """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
+        ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
+        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. With
+        ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
+        suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``."""
+        if method != "fit":
+            raise MisconfigurationError(f"lr_find(method={method!r}): the LR range test trains; use method='fit'.")
+        if dataloaders is not None:
+            raise MisconfigurationError("lr_find(dataloaders=...) is for evaluation methods; pass train_dataloaders=.")
+        # val_dataloaders are accepted for Lightning's signature; the range test does not validate.
+        del val_dataloaders
+        if mode not in ("exponential", "linear"):
+            raise MisconfigurationError(f"lr_find mode={mode!r}; use 'exponential' or 'linear'.")
+        if not 0 < min_lr < max_lr:
+            raise MisconfigurationError(f"lr_find needs 0 < min_lr < max_lr, got min_lr={min_lr}, max_lr={max_lr}.")
+        if num_training < 2:
+            raise MisconfigurationError(f"lr_find needs num_training >= 2, got {num_training}.")
+        t = self.trainer
+        if update_attr:
+            attr_name = _lr_attr(model, attr_name)
+        inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+        separate = t.fabric.strategy.sets_up_optimizers_separately
+        if inside_fit:
+            refuse_without_separate_optimizers(t, "lr_find", "inside a fit (the LearningRateFinder callback)")
+            result = self._search(min_lr, max_lr, num_training, mode, early_stop_threshold)
+        elif not separate:
+            if t.model is not None:
+                refuse_without_separate_optimizers(t, "lr_find", "after this Trainer set the model up")
+            result = t._run("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
+                            num_training, mode, early_stop_threshold)
+        else:
+            result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
+                            num_training, mode, early_stop_threshold)
+        if update_attr:
+            lr = result.suggestion()
+            if lr is None:
+                t.print(f"[phalanx] lr_find: too few finite losses ({len(result.losses)}) for a suggestion; "
+                        f"{attr_name} stays {getattr(model, attr_name)}.")
+            else:
+                setattr(model, attr_name, lr)
+                if inside_fit:
+                    t.setup_optimizers()
+        return result
+
+    def _standalone(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+        self.trainer.prepare_fit(train_dataloaders, None)
+        return self._search(*args)
+
+    def _on_scratch_copy(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+        """The search where the optimizer is built with its model, once (DeepSpeed's engine): on a copy of
+        the module with an engine of its own, released afterwards. The module itself is never set up or
+        touched, so the fit that follows builds its engine from ``configure_optimizers`` as usual (with
+        the learning rate found). Costs a second copy of the model while the search runs."""
+        t = self.trainer
+        original = t.module
+        scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
+        t._module = scratch
+        try:
+            with preserved(t):
+                t.prepare_fit(train_dataloaders, None)
+                min_lr, max_lr, num_training, mode, threshold = args
+                return self._run_search(min_lr, max_lr, num_training, mode, threshold, optimizer=t.optimizers[0])
+        finally:
+            if t.model is not None:
+                t.fabric.release(t.model)
+            t._module, t.model = original, None
+            t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
+
+    def _search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
+    ) -> LRFinderResult:
+        with preserved(self.trainer):
+            return self._run_search(min_lr, max_lr, num_training, mode, threshold)
+
+    def _run_search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None,
+        optimizer: Any = None,
+    ) -> LRFinderResult:
+        t = self.trainer
+        if optimizer is None:  # a fresh one from configure_optimizers (its schedulers are ignored: we drive the LR)
+            raw, _ = parse_optimizers(t.module.configure_optimizers())
+            optimizer = t.fabric.setup_optimizers(raw)
+        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
+        t.current_stage = "train"
+        t.module.train()
+        result = LRFinderResult(mode=mode)
+        smoothed, best, beta = 0.0, math.inf, 0.98
+        epoch, step = 0, 0
+        while step < num_training:
+            if t.train_sampler is not None:
+                t.train_sampler.skip = 0
+            window_losses: list[torch.Tensor] = []
+            progressed = False
+            batches = start_epoch(t.fabric, t.train_dataloader, epoch)
+            for batch_idx, batch, size, boundary in windows(batches, 0, t.num_training_batches,
+                                                           t.accumulate_grad_batches):
+                progressed = True
+                if not window_losses:
+                    frac = step / (num_training - 1)
+                    if mode == "exponential":
+                        lr = min_lr * (max_lr / min_lr) ** frac
+                    else:
+                        lr = min_lr + (max_lr - min_lr) * frac
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                t.results["train"].batch = batch
+                _, loss = micro_batch(t, batch, batch_idx, size, boundary)
+                window_losses.append(loss.detach().reshape(()).float())
+                if not boundary:
+                    continue
+                optimizer_step(t, optimizer)
+                # Every rank records the same mean loss, so every rank stops at the same step.
+                loss = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
+                window_losses = []
+                smoothed = beta * smoothed + (1 - beta) * loss if math.isfinite(loss) else loss
+                value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
+                result.lrs.append(lr)
+                result.losses.append(value)
+                step += 1
+                if not math.isfinite(value) or (threshold is not None and value > threshold * best):
+                    return result
+                best = min(best, value)
+                if step >= num_training:
+                    return result
+            if not progressed:
+                raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
+            epoch += 1
+        return result
+
+
+def refuse_without_separate_optimizers(trainer: Trainer, tuner: str, where: str) -> None:
+    """The tuners search with an optimizer of their own and the fit then builds the real one: a
+    strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot, once the
+    model is set up (a standalone ``lr_find`` before the fit searches on a scratch copy instead)."""
+    strategy = trainer.fabric.strategy
+    if not strategy.sets_up_optimizers_separately:
+        raise MisconfigurationError(
+            f"Tuner.{tuner} is not supported on {type(strategy).__name__} {where}: it builds one engine from the "
+            f"model and its optimizer, and the search needs an optimizer of its own before the fit builds the real "
+            f"one. Call Tuner(trainer).lr_find(model, ...) before trainer.fit (it searches on a copy of the model), "
+            f"or run {tuner} in a separate job with strategy='ddp' (same module, data and devices) and pass the "
+            "value it finds to this run."
+        )
+
+
+def _lr_attr(model: Any, attr_name: str) -> str:
+    if attr_name:
+        if not hasattr(model, attr_name):
+            raise MisconfigurationError(f"lr_find(attr_name={attr_name!r}): the model has no such attribute.")
+        return attr_name
+    for name in ("lr", "learning_rate"):
+        if hasattr(model, name):
+            return name
+    raise MisconfigurationError(
+        f"lr_find(update_attr=True) sets model.lr or model.learning_rate, but {type(model).__name__} has neither. "
+        "Add one (and use it in configure_optimizers), or pass attr_name=."
+    )

@@ -1,0 +1,75 @@
+"""Seeding and RNG-state capture, so runs are repeatable and tuning phases can be undone exactly."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+_MAX_SEED = 2**32 - 1
+
+
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed Python's, NumPy's and torch's generators (all devices) and return the seed used.
+
+    With ``seed=None`` the seed is ``PHALANX_SEED`` when the environment sets it, else 0 (Lightning
+    reads ``PL_GLOBAL_SEED`` the same way). Unlike Lightning, the seed is not written back to the
+    environment: the samplers phalanx builds read torch's seed on rank 0 (``torch.initial_seed()``)
+    and broadcast it, so every rank shards the same permutation however each rank was seeded
+    (see :func:`phalanx.fabric.data.shared_seed`).
+
+    ``workers`` is accepted for Lightning compatibility and changes nothing: torch already gives each
+    dataloader worker its own reproducible seed for ``random``, NumPy and torch (the loader's base
+    seed plus the worker id). That base seed comes from the main process's torch generator, so after
+    ``seed_everything(s)`` on every rank, worker ``i`` of each rank draws the same numbers: seed
+    ``s + rank`` if random augmentations must differ across ranks.
+    """
+    if seed is None:
+        seed = int(os.environ.get("PHALANX_SEED", "0"))
+    if not 0 <= int(seed) <= _MAX_SEED:
+        raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {seed}")
+    seed = int(seed)
+    random.seed(seed)
+    np.random.seed(seed % _MAX_SEED)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if verbose:
+        from phalanx.utils import diagnostics
+
+        diagnostics.info(f"Seed set to {seed}", rank=int(os.environ.get("RANK", "0")))
+    return seed
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Snapshot every generator this process uses; :func:`restore_rng_state` puts it back exactly.
+
+    Only tensors and plain Python values, so a checkpoint holding it opens with
+    ``torch.load(weights_only=True)`` (NumPy's state array is stored as a list of ints)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        np.random.set_state((npy["kind"], np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))
+    else:  # written by phalanx 0.1: NumPy's own tuple
+        np.random.set_state(npy)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
