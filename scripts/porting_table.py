@@ -36,14 +36,20 @@ DIFFERENCES: dict[str, str] = {
     "Fabric.all_reduce": "the mean of an integer tensor is refused (Lightning truncates it); Python ints are "
                          "averaged as floats; group= is refused",
     "Fabric.setup": "move_to_device=False is refused when the module is not already on the rank's device (every "
-                    "strategy runs it there)",
+                    "strategy runs it there); a torch.compile'd module is set up and compiled again with the same "
+                    "settings as in Lightning, but refused under DeepSpeed and together with a strategy's compile=",
     "Fabric.setup_module": "as Fabric.setup",
     "Fabric.save": "filter= is refused: checkpoints hold whole state dicts so they always load back strictly",
     "Fabric.load": "weights_only=False is refused: phalanx's reader never runs code from the file",
     "Fabric.load_raw": "weights_only=False is refused",
-    "Fabric.__init__": "plugins= is refused with the phalanx equivalent of each plugin kind",
+    "Fabric.__init__": "plugins= is refused with the phalanx equivalent of each plugin kind; warn_nonfinite_loss= "
+                       "(phalanx's own, on by default) warns naming the rank and backward call of a nan/inf loss",
     "Fabric.backward": "gradients are in sync on every call path (a DDP submodule called directly is synced, or "
-                       "the step is refused), where Lightning silently steps on unsynced gradients",
+                       "the step is refused), where Lightning silently steps on unsynced gradients; a loss from "
+                       "modules none of which was set up is refused on several processes (allowed on one, as in "
+                       "Lightning); a nan/inf loss is never silent (a warning names the rank and backward call)",
+    "loggers.LitLogger": "importable, but constructing it is refused (phalanx uploads nothing): the message names "
+                         "CSVLogger, TensorBoardLogger, WandbLogger and MLFlowLogger",
     "Trainer.plugins": "refused, with the equivalent of each plugin kind (precision=, strategy objects, "
                        "sync_batchnorm=)",
     "Trainer.model_registry": "refused: phalanx uploads nothing",

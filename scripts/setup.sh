@@ -26,7 +26,7 @@ install_deepspeed() {
     2>/dev/null && return 0
   echo "torch==2.13.0" > .venv/phalanx-torch-pin.txt
   DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation -c .venv/phalanx-torch-pin.txt "deepspeed==0.19.8" \
-    || echo "[setup] WARNING: could not install deepspeed==0.19.8; tests/test_deepspeed.py will be skipped." >&2
+    || echo "[setup] WARNING: could not install deepspeed==0.19.8; tests/strategies/test_deepspeed.py will be skipped." >&2
 }
 case ",${EXTRAS}," in
   *,test,*|*,deepspeed,*) install_deepspeed ;;

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Set up .venv with the test extras and run the whole suite: ruff, mypy --strict, pytest.
+# Set up .venv with the test extras and run the whole suite: ruff, mypy --strict, import-linter, pytest.
 # Tests marked `slow` run only with PHALANX_TEST_ALL=1; `gpu` tests skip where no CUDA device exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test"
 .venv/bin/ruff check src tests examples bench
 .venv/bin/mypy --strict src
+# The layers of docs/architecture.md: import only downward, no import cycle (contracts in pyproject.toml).
+.venv/bin/lint-imports --no-cache
 MARK="not slow"
 if [ "${PHALANX_TEST_ALL:-0}" = "1" ]; then MARK=""; fi
 exec .venv/bin/python -m pytest -m "$MARK" "$@"

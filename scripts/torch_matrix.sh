@@ -5,7 +5,7 @@
 #
 #   scripts/torch_matrix.sh                  # torch 2.5.1 (pyproject's floor) and 2.14.1
 #   scripts/torch_matrix.sh 2.6.0 2.13.0     # any versions pip can install here
-#   TORCH_MATRIX_TESTS="tests/test_fsdp.py" scripts/torch_matrix.sh 2.5.1
+#   TORCH_MATRIX_TESTS="tests/strategies/test_fsdp.py" scripts/torch_matrix.sh 2.5.1
 #
 # Each version gets its own throwaway venv under $TORCH_MATRIX_DIR (default /tmp/phalanx-torch-matrix),
 # reused by the next run while it still holds that torch. phalanx itself is not installed there: the
@@ -24,11 +24,11 @@ if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.5.1 2.14.1); fi
 # equivalence with one process, clipping, 16-mixed loss scaling, a DCP checkpoint, bf16-mixed, the
 # Trainer's accumulation on both strategies and its sampler seed. Where torch cannot run FSDP on CPU
 # (2.5, 2.6) those tests skip, naming the reason, and test_bad_input checks phalanx refuses it.
-DEFAULT_TESTS="tests/test_fabric_unit.py tests/test_bad_input.py tests/test_trainer.py tests/test_callbacks.py \
-tests/test_fsdp.py tests/test_fsdp_checkpoint.py::test_sixteen_mixed_scaler_state_round_trips \
-tests/test_ddp.py::test_clip_gradients_and_init_module tests/test_ddp.py::test_ddp_training_equals_single_process \
-tests/test_trainer_dist.py::test_accumulation_counts_and_parameters \
-tests/test_trainer_dist.py::test_ranks_seeded_differently_still_shard_one_permutation"
+DEFAULT_TESTS="tests/fabric/test_fabric_unit.py tests/fabric/test_bad_input.py tests/trainer/test_trainer.py tests/callbacks/test_callbacks.py \
+tests/strategies/test_fsdp.py tests/strategies/test_fsdp_checkpoint.py::test_sixteen_mixed_scaler_state_round_trips \
+tests/strategies/test_ddp.py::test_clip_gradients_and_init_module tests/strategies/test_ddp.py::test_ddp_training_equals_single_process \
+tests/trainer/test_trainer_dist.py::test_accumulation_counts_and_parameters \
+tests/trainer/test_trainer_dist.py::test_ranks_seeded_differently_still_shard_one_permutation"
 read -r -a TESTS <<< "${TORCH_MATRIX_TESTS:-$DEFAULT_TESTS}"
 
 mkdir -p "$DIR"

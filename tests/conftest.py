@@ -1,26 +1,34 @@
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from run_if import run_if
 
-sys.path.insert(0, os.path.dirname(__file__))
+
+# ---------------------------------------------------------------- multi-process jobs (tests/support/mp.py)
+@pytest.fixture()
+def models(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """The test module's model code for a job and its single-process reference: written to
+    ``tmp_path/models.py`` (the job script, run with cwd=tmp_path, does ``from models import ...``) and
+    executed here, returned as its namespace. The code is the module's ``JOB_MODELS`` or else ``MODEL_CODE``."""
+    code = getattr(request.module, "JOB_MODELS", None) or request.module.MODEL_CODE
+    (tmp_path / "models.py").write_text(code)
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    return namespace
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    needs_cuda = run_if(cuda=True)  # ``@pytest.mark.gpu`` is shorthand for ``@run_if(cuda=True)``
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+            item.add_marker(needs_cuda)
 
 
-# ---------------------------------------------------------------- fault-suite table (tests/test_faults.py)
+# ---------------------------------------------------------------- fault-suite table (tests/distributed/test_faults.py)
 # Each fault test records (scenario, expected, observed, seconds to detection); the table is printed
 # at the end of the run, so a reader sees how fast every failure was reported.
 FAULT_ROWS = pytest.StashKey[list[tuple[str, str, str, str]]]()

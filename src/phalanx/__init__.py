@@ -53,7 +53,7 @@ _LAZY = {
     "LightningCLI": ("phalanx.cli.config", "LightningCLI"),
 }
 _SUBMODULES = ("callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
-               "data", "checkpoint")
+               "data", "checkpoint", "accelerators", "plugins")
 
 
 def __getattr__(name: str) -> Any:

@@ -36,6 +36,8 @@ class ModelCheckpoint(Callback):
         save_weights_only: write only the model (such files cannot resume a fit).
     """
 
+    skip_in_fast_dev_run = True  # it checkpoints: fast_dev_run is a smoke test
+
     def __init__(
         self,
         dirpath: str | Path | None = None,
@@ -82,8 +84,10 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         n = self.every_n_train_steps
+        if not n:  # the default (save per epoch): nothing to read from the trainer at every batch
+            return
         step = trainer.global_step
-        if n and step > 0 and step % n == 0 and step != self._last_step_saved and not trainer.in_window:
+        if step > 0 and step % n == 0 and step != self._last_step_saved and not trainer.in_window:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:

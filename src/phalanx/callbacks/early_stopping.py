@@ -15,7 +15,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.core.view import TrainerView
 
 
 class EarlyStopping(Callback):
@@ -35,6 +35,8 @@ class EarlyStopping(Callback):
             (``val_check_interval=1.0``, ``check_val_every_n_epoch=1``), else after each validation, so
             ``patience`` counts validations when the fit validates mid-epoch.
     """
+
+    skip_in_fast_dev_run = True  # it stops: fast_dev_run is a smoke test
 
     def __init__(
         self, monitor: str, min_delta: float = 0.0, patience: int = 3, mode: str = "min", strict: bool = True,
@@ -56,7 +58,7 @@ class EarlyStopping(Callback):
         self._check_on_train_epoch_end = check_on_train_epoch_end
         self._at_epoch_end = check_on_train_epoch_end is not False
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+    def setup(self, trainer: TrainerView, module: Module, stage: str) -> None:
         if self._check_on_train_epoch_end is None:
             self._at_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
 
@@ -67,15 +69,15 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: Module) -> None:
         if self._at_epoch_end:
             self._check(trainer)
 
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_end(self, trainer: TrainerView, module: Module) -> None:
         if not self._at_epoch_end and trainer.stage == "fit" and not trainer.sanity_checking:
             self._check(trainer)
 
-    def _check(self, trainer: Trainer) -> None:
+    def _check(self, trainer: TrainerView) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:

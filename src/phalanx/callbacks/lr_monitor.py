@@ -11,7 +11,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.core.view import TrainerView
 
 
 class LearningRateMonitor(Callback):
@@ -30,7 +30,7 @@ class LearningRateMonitor(Callback):
         self._last_step = -1
         self.last_values: dict[str, float] = {}
 
-    def setup(self, trainer: Trainer, module: Module, stage: str) -> None:
+    def setup(self, trainer: TrainerView, module: Module, stage: str) -> None:
         if stage == "fit" and not trainer.loggers:
             raise MisconfigurationError("LearningRateMonitor needs a logger: pass Trainer(logger=...) (not False).")
 
@@ -47,18 +47,20 @@ class LearningRateMonitor(Callback):
                     out[f"momentum-{name}{suffix}"] = float(momentum)
         return out
 
-    def _log(self, trainer: Trainer) -> None:
+    def _log(self, trainer: TrainerView) -> None:
         if trainer.optimizer is None:
             return
         self.last_values = self.values(trainer.optimizer)
         trainer.fabric.log_dict(self.last_values, step=trainer.global_step)
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: TrainerView, module: Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self.logging_interval == "step" and step != self._last_step and step % trainer.log_every_n_steps == 0:
             self._last_step = step
             self._log(trainer)
 
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: Module) -> None:
         if self.logging_interval == "epoch":
             self._log(trainer)

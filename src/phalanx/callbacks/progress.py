@@ -10,7 +10,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.core.view import TrainerView
 
 
 class _TqdmBar:
@@ -74,11 +74,11 @@ class ProgressBar(Callback):
         self._bars: dict[str, Any] = {}
         self._pending: dict[str, int] = {}
 
-    def _active(self, trainer: Trainer) -> bool:
+    def _active(self, trainer: TrainerView) -> bool:
         return self.refresh_rate > 0 and trainer.is_global_zero
 
     @staticmethod
-    def _metrics(trainer: Trainer) -> dict[str, str]:
+    def _metrics(trainer: TrainerView) -> dict[str, str]:
         return {k: f"{v:.4g}" for k, v in trainer.progress_bar_metrics.items()}
 
     def _open(self, key: str, total: int | None, desc: str, initial: int = 0, leave: bool = True) -> None:
@@ -86,7 +86,7 @@ class ProgressBar(Callback):
         self._bars[key] = _backend(self.backend)(total, desc, initial, leave)
         self._pending[key] = 0
 
-    def _advance(self, trainer: Trainer, key: str) -> None:
+    def _advance(self, trainer: TrainerView, key: str) -> None:
         if key not in self._bars:
             return
         self._pending[key] += 1
@@ -102,53 +102,55 @@ class ProgressBar(Callback):
                 bar.update(pending, {})
             bar.close()
 
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: Module) -> None:
         if self._active(trainer):
             total = trainer.num_training_batches
             self._open("train", total, f"Epoch {trainer.current_epoch}", initial=trainer.batches_done)
 
-    def on_train_batch_end(self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: TrainerView, module: Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._advance(trainer, "train")
 
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: Module) -> None:
         bar = self._bars.get("train")
         if bar is not None:
             bar.update(0, self._metrics(trainer))
         self._close("train")
 
-    def _eval_start(self, trainer: Trainer, key: str) -> None:
+    def _eval_start(self, trainer: TrainerView, key: str) -> None:
         if self._active(trainer):
             totals = trainer.num_eval_batches
             known = [n for n in totals if n is not None]
             total = sum(known) if totals and len(known) == len(totals) else None
             self._open(key, total, key.capitalize(), leave=trainer.stage != "fit")
 
-    def on_validation_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_epoch_start(self, trainer: TrainerView, module: Module) -> None:
         self._eval_start(trainer, "validation")
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: TrainerView, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._advance(trainer, "validation")
 
-    def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_validation_epoch_end(self, trainer: TrainerView, module: Module) -> None:
         self._close("validation")
 
-    def on_test_epoch_start(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_start(self, trainer: TrainerView, module: Module) -> None:
         self._eval_start(trainer, "test")
 
     def on_test_batch_end(
-        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: TrainerView, module: Module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._advance(trainer, "test")
 
-    def on_test_epoch_end(self, trainer: Trainer, module: Module) -> None:
+    def on_test_epoch_end(self, trainer: TrainerView, module: Module) -> None:
         self._close("test")
 
-    def on_exception(self, trainer: Trainer, module: Module, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, module: Module, exception: BaseException) -> None:
         for key in list(self._bars):
             self._close(key)
 
-    def teardown(self, trainer: Trainer, module: Module, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, module: Module, stage: str) -> None:
         for key in list(self._bars):
             self._close(key)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.utils.duration import parse_duration
 from phalanx.utils.errors import MisconfigurationError
 
 _STAGES = ("train", "validate", "test", "predict")
@@ -24,8 +25,6 @@ class Timer(Callback):
     """
 
     def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
-        from phalanx.trainer.settings import parse_duration
-
         if interval not in ("step", "epoch"):
             raise MisconfigurationError(f"Timer interval={interval!r}; use 'step' or 'epoch'.")
         self.duration = parse_duration(duration, "max_time").total_seconds() if duration is not None else None

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from phalanx.checkpoint import storage
+import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import CollectiveScope, DCPShards, plain_failure
 from phalanx.checkpoint.layer import _together, begin_directory, write_marker
 from phalanx.checkpoint.protocol import Host

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from phalanx.checkpoint import storage
+import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, make_meta, read_file, strip_meta
 from phalanx.checkpoint.protocol import Host, ShardIO
 from phalanx.checkpoint.state import (

@@ -2,6 +2,8 @@
 ``save_hyperparameters``, loading from checkpoints, and snapshots of everything a module holds. Code
 here talks to a Trainer only through the :class:`~phalanx.core.view.TrainerView` protocol."""
 
-from phalanx.core.module import DataModule, Module
+from phalanx.core.datamodule import DataModule
+from phalanx.core.module import Module
+from phalanx.core.view import TrainerView
 
-__all__ = ["DataModule", "Module"]
+__all__ = ["DataModule", "Module", "TrainerView"]

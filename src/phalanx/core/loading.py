@@ -65,8 +65,10 @@ def _device(map_location: Any) -> torch.device:
 
 def load_module(
     cls: type, path: str | Path, map_location: Any, hparams_file: Any, strict: bool | None,
-    weights_only: bool | None, kwargs: dict[str, Any],
+    weights_only: bool | None, kwargs: dict[str, Any], builds_in_configure_model: bool = False,
 ) -> Any:
+    """``Module.load_from_checkpoint``; ``builds_in_configure_model``: the class overrides
+    ``configure_model`` (told by the caller, so this module needs no import of the Module class)."""
     from phalanx.checkpoint.state import load_into_module
 
     device = _device(map_location)
@@ -84,17 +86,11 @@ def load_module(
             " set one of them."
         )
     strict = model.strict_loading if strict is None else strict
-    if type(model).configure_model is not _base_configure_model():
+    if builds_in_configure_model:
         model.configure_model()
     model.on_load_checkpoint(ckpt)
     load_into_module(model, state, strict)
     return model.to(device)
-
-
-def _base_configure_model() -> Any:
-    from phalanx.core.module import Module
-
-    return Module.configure_model
 
 
 def load_datamodule(

@@ -1,8 +1,14 @@
-"""``phalanx.Module`` and ``phalanx.DataModule``: the code the Trainer calls.
+"""``phalanx.Module``: the code the Trainer calls.
 
 A Module is an ``nn.Module`` with a few extra methods. The Trainer calls the ``*_step`` methods
 through the set-up model (so DDP/FSDP see them as a forward pass) and every other hook on the module
-itself. The hook set is deliberately small; anything else belongs in a callback.
+itself (their defaults are in :mod:`phalanx.core.hooks`). The hook set is deliberately small;
+anything else belongs in a callback.
+
+The Module sits below the Trainer: it reaches its Trainer only through
+:class:`phalanx.core.view.TrainerView` (``manual_backward``, ``toggle_optimizer``, ``clip_gradients``
+are the Trainer's step machinery, called through that protocol), so it never imports the Trainer.
+``DataModule`` lives in :mod:`phalanx.core.datamodule` and is importable from here too.
 """
 
 from __future__ import annotations
@@ -13,19 +19,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from phalanx.core.datamodule import DataModule
+from phalanx.core.hooks import ModelHooks
 from phalanx.core.hparams import HyperparametersMixin
+from phalanx.core.toggling import toggle_params, untoggle_params, unwrapped
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
+    from phalanx.core.view import TrainerView
     from phalanx.fabric.fabric import Fabric
-    from phalanx.trainer.trainer import Trainer
+
+__all__ = ["REDUCE_FX", "DataModule", "Module", "check_reduce_fx", "no_op_hooks", "overrides", "toggle_params",
+           "untoggle_params"]
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 
 
-class Module(HyperparametersMixin, nn.Module):
+class Module(HyperparametersMixin, ModelHooks):
     """Subclass this, implement ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
 
     ``phalanx.LightningModule`` is this class: a LightningModule ports by changing its import.
@@ -38,7 +49,7 @@ class Module(HyperparametersMixin, nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._fabric: Fabric | None = None  # set by fabric.setup() when the module runs in a Fabric loop
         self._fabric_optimizers: list[Any] = []
         self._automatic_optimization = True
@@ -48,7 +59,7 @@ class Module(HyperparametersMixin, nn.Module):
 
     # ------------------------------------------------------------------ links to the trainer
     @property
-    def trainer(self) -> Trainer:
+    def trainer(self) -> TrainerView:
         if self._trainer is None:
             raise MisconfigurationError(
                 f"{type(self).__name__} is not attached to a Trainer. Pass it to trainer.fit/validate/test/"
@@ -57,7 +68,7 @@ class Module(HyperparametersMixin, nn.Module):
         return self._trainer
 
     @trainer.setter
-    def trainer(self, trainer: Trainer | None) -> None:
+    def trainer(self, trainer: TrainerView | None) -> None:
         self._trainer = trainer
 
     @property
@@ -233,7 +244,8 @@ class Module(HyperparametersMixin, nn.Module):
                     self._fabric.log(name, value)
                 return
             trainer = self.trainer  # raises, saying how to attach the module
-        results = trainer.results.get(trainer.current_stage)  # type: ignore[arg-type]
+        stage = trainer.current_stage
+        results = trainer.results.get(stage) if stage is not None else None
         if results is None:
             results = trainer.results_for_logging()  # raises, naming where self.log works
         results.log(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, self)
@@ -268,7 +280,7 @@ class Module(HyperparametersMixin, nn.Module):
         if self._trainer is None and self._fabric is not None:
             self._fabric.backward(loss, *args, **kwargs)
             return
-        _stepping().run_backward(self.trainer, loss, *args, **kwargs)
+        self.trainer.manual_backward(loss, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The backward of automatic optimization (override to customise; the default is
@@ -280,10 +292,18 @@ class Module(HyperparametersMixin, nn.Module):
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer`` (multi-optimizer loops)."""
-        _stepping().toggle(self, optimizer)
+        trainer = self._trainer
+        if trainer is not None:
+            trainer.toggle_optimizer(self, optimizer)
+        else:  # a Fabric loop (or no runner yet): the optimizers fabric.setup gave this module
+            toggle_params(self, unwrapped(optimizer), [unwrapped(o) for o in self._fabric_optimizers])
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
-        _stepping().untoggle(self)
+        trainer = self._trainer
+        if trainer is not None:
+            trainer.untoggle_optimizer(self)
+        else:
+            untoggle_params(self)
 
     @contextlib.contextmanager
     def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
@@ -305,7 +325,7 @@ class Module(HyperparametersMixin, nn.Module):
                 else:
                     self._fabric.clip_gradients(self, optimizer, max_norm=gradient_clip_val)
             return
-        _stepping().clip(self.trainer, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.trainer.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
@@ -369,82 +389,6 @@ class Module(HyperparametersMixin, nn.Module):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return batch
 
-    # ------------------------------------------------------------------ hooks (all optional)
-    def configure_callbacks(self) -> Any:
-        """Callbacks this module needs; they are added to the Trainer's (replacing ones of the same type)."""
-        return []
-
-    def configure_model(self) -> None:
-        """Create layers here to build them directly on the device / sharded (called before setup)."""
-
-    def setup(self, stage: str) -> None:
-        """Called on every rank at the start of fit/validate/test/predict, before the model is set up."""
-
-    def teardown(self, stage: str) -> None:
-        """Called at the end of fit/validate/test/predict."""
-
-    def on_fit_start(self) -> None: ...
-    def on_fit_end(self) -> None: ...
-    def on_train_start(self) -> None: ...
-    def on_train_end(self) -> None: ...
-    def on_validation_start(self) -> None: ...
-    def on_validation_end(self) -> None: ...
-    def on_test_start(self) -> None: ...
-    def on_test_end(self) -> None: ...
-    def on_predict_start(self) -> None: ...
-    def on_predict_end(self) -> None: ...
-
-    def on_train_epoch_start(self) -> None: ...
-
-    def on_train_epoch_end(self) -> None:
-        """May call ``self.log``; those values count as epoch-level."""
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any: ...
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_validation_epoch_start(self) -> None: ...
-
-    def on_validation_epoch_end(self) -> None:
-        """May call ``self.log``; those values count as epoch-level."""
-
-    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_test_epoch_start(self) -> None: ...
-    def on_test_epoch_end(self) -> None: ...
-    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_predict_epoch_start(self) -> None: ...
-    def on_predict_epoch_end(self) -> None: ...
-    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-
-    def on_validation_model_eval(self) -> None:
-        self.eval()
-
-    def on_validation_model_train(self) -> None:
-        self.train()
-
-    def on_test_model_eval(self) -> None:
-        self.eval()
-
-    def on_test_model_train(self) -> None:
-        self.train()
-
-    def on_predict_model_eval(self) -> None:
-        self.eval()
-
-    def on_before_backward(self, loss: torch.Tensor) -> None: ...
-    def on_after_backward(self) -> None: ...
-    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Once per real optimizer step, after the last micro-batch's backward, before clipping."""
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add entries to ``checkpoint`` (plain picklable values)."""
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Read the entries ``on_save_checkpoint`` added."""
-
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def load_from_checkpoint(
@@ -464,89 +408,9 @@ class Module(HyperparametersMixin, nn.Module):
         """
         from phalanx.core.loading import load_module
 
-        return load_module(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, kwargs)
-
-
-class DataModule(HyperparametersMixin):
-    """Optional: the data of a task in one object. Override the loaders you need.
-
-    ``phalanx.LightningDataModule`` is this class."""
-
-    name: str | None = None
-    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"
-    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
-    CHECKPOINT_HYPER_PARAMS_TYPE = "datamodule_hparams_type"
-
-    def __init__(self) -> None:
-        self.trainer: Trainer | None = None
-        self.prepare_data_per_node = True
-
-    def prepare_data(self) -> None:
-        """Download or write files. Runs on local rank 0 of each node (or global rank 0 with
-        ``prepare_data_per_node = False``), before the others call setup."""
-
-    def setup(self, stage: str) -> None:
-        """Build datasets; runs on every rank."""
-
-    def teardown(self, stage: str) -> None: ...
-
-    def train_dataloader(self) -> Any:
-        raise MisconfigurationError(f"{type(self).__name__} does not implement train_dataloader().")
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        raise MisconfigurationError(f"{type(self).__name__} does not implement test_dataloader().")
-
-    def predict_dataloader(self) -> Any:
-        raise MisconfigurationError(f"{type(self).__name__} does not implement predict_dataloader().")
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        from phalanx.utils.tensors import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def on_exception(self, exception: BaseException) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
-
-    @classmethod
-    def from_datasets(
-        cls,
-        train_dataset: Any = None,
-        val_dataset: Any = None,
-        test_dataset: Any = None,
-        predict_dataset: Any = None,
-        batch_size: int = 1,
-        num_workers: int = 0,
-        **datamodule_kwargs: Any,
-    ) -> DataModule:
-        """A DataModule whose loaders wrap the given datasets (training shuffled, the others in order)."""
-        from phalanx.core.loading import datamodule_from_datasets
-
-        made: DataModule = datamodule_from_datasets(cls, train_dataset, val_dataset, test_dataset, predict_dataset,
-                                                    batch_size, num_workers, datamodule_kwargs)
-        return made
-
-    @classmethod
-    def load_from_checkpoint(
-        cls, checkpoint_path: str | Path, map_location: Any = None, hparams_file: str | Path | None = None,
-        weights_only: bool | None = None, **kwargs: Any,
-    ) -> Any:
-        """A new ``cls(**saved datamodule hyperparameters, **kwargs)`` from a Trainer checkpoint."""
-        from phalanx.core.loading import load_datamodule
-
-        return load_datamodule(cls, checkpoint_path, hparams_file, weights_only, kwargs)
+        # (Whether configure_model is overridden is decided here: loading.py does not import this module.)
+        builds = cls.configure_model is not Module.configure_model
+        return load_module(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, kwargs, builds)
 
 
 def _refuse_log_options(
@@ -587,7 +451,8 @@ def no_op_hooks() -> frozenset[str]:
 
     nothing = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
     out = set()
-    for name, fn in vars(Module).items():
+    defaults = {**vars(ModelHooks), **vars(Module)}  # (the hooks are ModelHooks'; Module's own win)
+    for name, fn in defaults.items():
         if name.startswith("on_") and callable(fn) and hasattr(fn, "__code__"):
             ops = [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname not in ("RESUME", "NOP")]
             if ops in nothing:
@@ -612,10 +477,3 @@ def check_reduce_fx(reduce_fx: Any) -> str:
     raise MisconfigurationError(
         f"reduce_fx={reduce_fx!r} is not supported; use one of {REDUCE_FX} (or torch.mean/sum/max/min)."
     )
-
-
-def _stepping() -> Any:
-    # Transitional: the Module reaches the Trainer's step machinery until it goes through TrainerView.
-    from phalanx.trainer import stepping
-
-    return stepping

@@ -27,8 +27,8 @@ phase stay registered. A torchmetrics Metric is fully restored (its state, updat
 tensors, lists and numbers); metric state that cannot be restored would be a bug to report.
 
 :class:`TrainerSnapshot` adds what a Trainer owns (optimizer, schedulers, loss scaler, RNG of this
-rank, counters, published metrics and accumulators, the sampler position): any tuning phase wraps
-its work in ``with preserved(trainer): ...``.
+rank, and, through ``trainer.capture_loop()``, its loop state: counters, published metrics and
+accumulators, the sampler position): any tuning phase wraps its work in ``with preserved(trainer): ...``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import is_metric
 
 if TYPE_CHECKING:
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.core.view import TrainerView
 
 # nn.Module's own bookkeeping (parameter/buffer/submodule tables, hooks, the training flag): handled
 # explicitly below or deliberately left alone (hooks).
@@ -199,21 +199,16 @@ class ModuleSnapshot:
 class TrainerSnapshot:
     """A :class:`ModuleSnapshot` of the Trainer's module plus everything the Trainer itself owns."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainerView) -> None:
         t = trainer
         self.module = ModuleSnapshot(t.module)
         self.optimizer = copy.deepcopy(t.optimizer.state_dict()) if t.optimizer is not None else None
         self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in t.lr_scheduler_configs]
         self.precision = copy.deepcopy(t.fabric.strategy.precision.state_dict())
         self.rng = capture_rng_state()
-        self.counters = {k: getattr(t, k) for k in ("global_step", "current_epoch", "batches_done", "should_stop",
-                                                     "epoch_finished", "in_window", "current_stage")}
-        self.epoch_start_rng = t.epoch_start_rng
-        self.board = t.metric_board.snapshot()
-        self.results = t.results
-        self.sampler = (t.train_sampler.epoch, t.train_sampler.skip) if t.train_sampler is not None else None
+        self.restore_loop = t.capture_loop()  # the loops' own state: the Trainer knows what it holds
 
-    def restore(self, trainer: Trainer) -> None:
+    def restore(self, trainer: TrainerView) -> None:
         t = trainer
         self.module.restore()
         if self.optimizer is not None:
@@ -222,17 +217,11 @@ class TrainerSnapshot:
             c.scheduler.load_state_dict(state)
         t.fabric.strategy.precision.load_state_dict(self.precision)
         restore_rng_state(self.rng)
-        for k, v in self.counters.items():
-            setattr(t, k, v)
-        t.epoch_start_rng = self.epoch_start_rng
-        t.metric_board.restore(self.board)
-        t.results = self.results
-        if self.sampler is not None:
-            t.train_sampler.epoch, t.train_sampler.skip = self.sampler
+        self.restore_loop()
 
 
 @contextlib.contextmanager
-def preserved(trainer: Trainer) -> Iterator[None]:
+def preserved(trainer: TrainerView) -> Iterator[None]:
     """Run a tuning phase; afterwards (also on error) the Trainer and its module are exactly as before."""
     snapshot = TrainerSnapshot(trainer)
     try:

@@ -36,20 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
-from phalanx.distributed.watchdog import (
-    FIELD,
-    HEARTBEAT_STORE_TIMEOUT,
-    OK,
-    RECORD,
-    Keys,
-    OpState,
-    Verdict,
-    Watchdog,
-    append,
-    describe_exception,
-    raw_collective,
-    user_call_site,
-)
+from phalanx.distributed.callsites import describe_exception, raw_collective, user_call_site
+from phalanx.distributed.heartbeat import FIELD, HEARTBEAT_STORE_TIMEOUT, OK, RECORD, Keys, OpState, Verdict, append
+from phalanx.distributed.watchdog import Watchdog
 from phalanx.utils.diagnostics import notice
 from phalanx.utils.errors import CollectiveTimeoutError, PhalanxError, RankGoneError
 

@@ -25,6 +25,9 @@ requests per check (the missing ranks of a rendezvous, or two neighbours plus th
 job's store load grows as O(ranks), not O(ranks^2). Why neighbours suffice: if ranks are not all in
 the same state, some adjacent pair on the ring differs, and a dead or frozen rank is watched by both
 of its neighbours; what one rank learns it appends to the event log that all the others read.
+
+The records ranks exchange are in :mod:`phalanx.distributed.heartbeat`, the "where is this code"
+helpers in :mod:`phalanx.distributed.callsites`; this module is the thread that uses them.
 """
 
 from __future__ import annotations
@@ -36,255 +39,31 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from phalanx.distributed.callsites import describe_frame_stack
+from phalanx.distributed.heartbeat import (
+    FIELD,
+    HEARTBEAT_STORE_TIMEOUT,
+    RECORD,
+    Event,
+    Keys,
+    OpState,
+    PeerState,
+    Verdict,
+    append,
+)
 from phalanx.utils.diagnostics import notice
-from phalanx.utils.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankGoneError
 
 if TYPE_CHECKING:
     from torch.distributed import Store  # type: ignore[attr-defined]
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_C10D_FILE = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
-_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
-
-FIELD, RECORD = "\x1f", "\x1e"
-# Seconds any one heartbeat store call may block (the heartbeat's own client, not the data plane).
-HEARTBEAT_STORE_TIMEOUT = 5.0
 # A rendezvous is checked once it has waited this long (peers normally arrive within milliseconds).
 RENDEZVOUS_CHECK_AFTER = 0.2
 # How long an aborted process group gets to unblock the main thread before the process exits.
 ABORT_GRACE = 10.0
 
-PHASES = ("idle", "rendezvous", "collective")
 
-
-# ---------------------------------------------------------------------- where code is
-def _is_internal(fname: str, skip_torch: bool = True) -> bool:
-    return (
-        fname.startswith(_PKG_DIR)
-        or (skip_torch and fname.startswith(_TORCH_DIR))
-        or (fname.startswith(_STDLIB_DIR) and "site-packages" not in fname)
-        or fname.startswith("<")
-    )
-
-
-def _site(frame: FrameType | None, skip_torch: bool = True) -> str:
-    while frame is not None:
-        if not _is_internal(frame.f_code.co_filename, skip_torch):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
-        frame = frame.f_back
-    return "<unknown>"
-
-
-def user_call_site(skip_torch: bool = True) -> str:
-    """``file:line (function)`` of the innermost frame outside phalanx (and torch)."""
-    return _site(sys._getframe(1), skip_torch)
-
-
-def describe_frame_stack(frame: FrameType | None) -> tuple[str, str]:
-    """Where a (foreign) thread is: its innermost user frame, and the torch.distributed function it is
-    blocked in ('' if none)."""
-    c10d = ""
-    probe = frame
-    while probe is not None:
-        if probe.f_code.co_filename == _C10D_FILE:
-            c10d = probe.f_code.co_name
-        probe = probe.f_back
-    return _site(frame), c10d
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message (raised at file:line (fn), called from user.py:12 (main))`` on one line."""
-    text = " ".join(str(exc).split())[:500]
-    tb: TracebackType | None = exc.__traceback__
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    where = ""
-    if frames:
-        inner = frames[-1]
-        raised = f"{os.path.basename(inner.f_code.co_filename)}:{inner.f_lineno} ({inner.f_code.co_name})"
-        user = next((f for f in reversed(frames) if not _is_internal(f.f_code.co_filename)), None)
-        called = ""
-        if user is not None and user is not inner:
-            line = next(t.tb_lineno for t in _tb_chain(exc) if t.tb_frame is user)
-            called = f", called from {os.path.basename(user.f_code.co_filename)}:{line} ({user.f_code.co_name})"
-        where = f" (raised at {raised}{called})"
-    return f"{type(exc).__name__}: {text}{where}"
-
-
-def raw_collective(exc: BaseException) -> tuple[str, str] | None:
-    """``(torch.distributed function, user call site)`` when ``exc`` was raised inside a raw
-    ``torch.distributed`` call (one phalanx did not issue), else None."""
-    frames = [t.tb_frame for t in _tb_chain(exc)]
-    c10d = next((f.f_code.co_name for f in frames if f.f_code.co_filename == _C10D_FILE), None)
-    if c10d is None or any(f.f_code.co_filename.startswith(_PKG_DIR) for f in frames):
-        return None
-    user = next((t for t in reversed(list(_tb_chain(exc))) if not _is_internal(t.tb_frame.f_code.co_filename)), None)
-    site = "<unknown>" if user is None else (
-        f"{os.path.basename(user.tb_frame.f_code.co_filename)}:{user.tb_lineno} ({user.tb_frame.f_code.co_name})")
-    return c10d, site
-
-
-def _tb_chain(exc: BaseException) -> Iterable[TracebackType]:
-    tb = exc.__traceback__
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
-
-
-def append(store: Store, key: str, value: str) -> None:
-    """``store.append`` (TCPStore and HashStore have it; torch's type stubs do not list it)."""
-    store.append(key, value)  # type: ignore[attr-defined]
-
-
-def _clean(text: str) -> str:
-    return text.replace(FIELD, " ").replace(RECORD, " ")
-
-
-# ---------------------------------------------------------------------- what ranks publish
-@dataclass(frozen=True)
-class OpState:
-    """What this rank's main thread is doing, replaced as a whole (so other threads read it atomically)."""
-
-    seq: int
-    name: str
-    phase: str  # one of PHASES
-    site: str
-    since: float  # time.monotonic() when this phase began
-
-    def here(self, rank: int, where: str | None = None) -> str:
-        at = where if where is not None else self.site
-        return f"{self.name} (collective #{self.seq}, called at {at} on rank {rank})"
-
-
-@dataclass(frozen=True)
-class PeerState:
-    """One rank's heartbeat record as the others read it."""
-
-    rank: int
-    beat: int
-    seq: int
-    op: str
-    phase: str
-    where: str
-    c10d: str
-    status: str  # "" while running, "exited" or "failed" at the end
-    detail: str
-    pid: int
-    host: str
-
-    def encode(self) -> str:
-        return FIELD.join(_clean(str(v)) for v in (
-            self.beat, self.seq, self.op, self.phase, self.where, self.c10d, self.status, self.detail, self.pid,
-            self.host,
-        ))
-
-    @classmethod
-    def decode(cls, rank: int, raw: bytes) -> PeerState:
-        beat, seq, op, phase, where, c10d, status, detail, pid, host = raw.decode().split(FIELD)
-        return cls(rank, int(beat), int(seq), op, phase, where, c10d, status, detail, int(pid), host)
-
-    @property
-    def blocked(self) -> bool:
-        return self.phase != "idle" or bool(self.c10d)
-
-    def position(self) -> tuple[int, str, str]:
-        return (self.seq, self.op if self.phase != "idle" else "", self.c10d)
-
-    def describe(self) -> str:
-        inside = f" inside torch.distributed.{self.c10d}" if self.c10d else ""
-        return f"{self.op!r} (#{self.seq}){inside} at {self.where}"
-
-    def process(self) -> str:
-        return f"pid {self.pid} on {self.host}"
-
-    def ending(self) -> str:
-        """How this rank ended, for other ranks' messages."""
-        if self.status == "failed":
-            return f"failed: {self.detail}"
-        return f"has shut down ({self.detail}; its last operation was {self.op!r}, #{self.seq})"
-
-
-@dataclass(frozen=True)
-class Event:
-    """A line of the job's event log: a rank finished, failed, or diagnosed another rank."""
-
-    rank: int
-    kind: str  # "exited" or "failed"
-    seq: int
-    op: str
-    detail: str
-
-    def encode(self) -> str:
-        return FIELD.join(_clean(str(v)) for v in (self.rank, self.kind, self.seq, self.op, self.detail)) + RECORD
-
-    @classmethod
-    def decode_all(cls, raw: bytes) -> list[Event]:
-        out = []
-        for record in raw.decode().split(RECORD):
-            if record:
-                rank, kind, seq, op, detail = record.split(FIELD)
-                out.append(cls(int(rank), kind, int(seq), op, detail))
-        return out
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Why a wait can never end: what kind of error and its message."""
-
-    kind: str  # "gone", "mismatch", "timeout"
-    message: str
-
-    _ERRORS = {"gone": RankGoneError, "mismatch": CollectiveMismatchError, "timeout": CollectiveTimeoutError}
-
-    def error(self) -> CollectiveError:
-        return self._ERRORS[self.kind](self.message)
-
-    def encode(self) -> str:
-        return f"{self.kind}{FIELD}{self.message}"
-
-    @classmethod
-    def decode(cls, raw: bytes) -> Verdict | None:
-        """None for the rendezvous' "ok"."""
-        kind, _, message = raw.decode().partition(FIELD)
-        return None if kind == "ok" else cls(kind, message)
-
-
-OK = "ok"
-
-
-class Keys:
-    """Store keys of one lockstep group."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def hb(self, rank: int) -> str:
-        return f"{self.prefix}/hb/{rank}"
-
-    @property
-    def events(self) -> str:
-        return f"{self.prefix}/events"
-
-    def ops(self, seq: int) -> str:
-        return f"{self.prefix}/{seq}/ops"
-
-    def arrived(self, seq: int) -> str:
-        return f"{self.prefix}/{seq}/arrived"
-
-    def go(self, seq: int) -> str:
-        return f"{self.prefix}/{seq}/go"
-
-
-# ---------------------------------------------------------------------- the watchdog thread
 class Watchdog:
     """One rank's heartbeat publisher and peer watcher (see the module docstring).
 
@@ -632,3 +411,17 @@ class Watchdog:
                 pass
         self._stop.set()
         self._exit(1)
+
+
+# The records and constants tests, benchmarks and older code import from here.
+__all__ = [
+    "ABORT_GRACE",
+    "HEARTBEAT_STORE_TIMEOUT",
+    "RENDEZVOUS_CHECK_AFTER",
+    "Event",
+    "Keys",
+    "OpState",
+    "PeerState",
+    "Verdict",
+    "Watchdog",
+]

@@ -1,4 +1,5 @@
-"""Opt-in detection of non-finite losses and gradients: ``Fabric(detect_anomaly=True)``.
+"""Non-finite losses and gradients: the opt-in check that stops, ``Fabric(detect_anomaly=True)``, and the
+default warning for a nan/inf loss (:class:`LossWatch`, at the end).
 
 Why: a NaN or inf that reaches the weights spreads to every rank with the next gradient all-reduce,
 and the run keeps going, producing garbage, until someone looks at a plot. With detection on,
@@ -17,13 +18,17 @@ the scaler finds its scale (it skips those steps), so only the loss is checked t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from phalanx.utils.errors import PhalanxError
+from phalanx.utils.errors import PhalanxError, PhalanxWarning
 
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
@@ -125,3 +130,115 @@ class AnomalyDetector:
             f"detect_anomaly: non-finite values at backward call #{self.backward_calls}: "
             f"{'; '.join(parts)}. {_HINTS}"
         )
+
+
+#: Backward calls whose losses are checked together (see :class:`LossWatch`).
+LOSS_CHECK_EVERY = 4
+#: Set to 0 to turn the default non-finite loss warning off without touching the code.
+LOSS_WATCH_VARIABLE = "PHALANX_WARN_NONFINITE_LOSS"
+
+
+class LossWatch:
+    """On by default (``Fabric(warn_nonfinite_loss=True)``): a nan/inf loss is never silent.
+
+    Without it, a non-finite loss trains the weights to nan with no message and exit code 0. A scalar loss
+    on the CPU is checked at once (reading a CPU value costs a fraction of a microsecond and waits for
+    nothing). Elsewhere (a GPU), each ``fabric.backward`` only keeps a detached reference to its loss: no
+    device work and no sync on the per-step path. Every ``every`` calls the kept losses are stacked and
+    copied to pinned host memory asynchronously, and the copy is read at a later check once the device has
+    got there (an event says so), so the training loop never waits for the GPU; a nan is reported within
+    about ``2 * every`` steps. The first non-finite loss is reported once, as a warning naming this rank and
+    the backward call (counted from 1); whatever is pending is checked when the Fabric tears down.
+    ``Fabric(detect_anomaly=True)`` replaces this with a check that stops the run.
+    """
+
+    def __init__(self, rank: Callable[[], int], every: int = LOSS_CHECK_EVERY) -> None:
+        self._rank = rank
+        self._every = every
+        self._losses: list[torch.Tensor] = []
+        self.calls = 0
+        # (loss values on the host, event that says they arrived (None: already there), first call number)
+        self._inflight: list[tuple[torch.Tensor, Any, int]] = []
+        self.reported = False
+
+    def record(self, loss: torch.Tensor) -> None:
+        """The per-step part (see the class docstring)."""
+        self.calls += 1
+        if self.reported:
+            return
+        if loss.is_cpu and type(loss) is torch.Tensor and loss.numel() == 1:
+            if not math.isfinite(loss.item()):
+                self._report([self.calls], self.calls, self.calls)
+            return
+        losses = self._losses
+        losses.append(loss.detach())
+        if len(losses) >= self._every:
+            self._launch()
+            self._poll(block=False)
+
+    def flush(self) -> None:
+        """Check everything still pending, waiting for the device (teardown)."""
+        if self._losses and not self.reported:
+            self._launch()
+        self._poll(block=True)
+
+    def _launch(self) -> None:
+        losses, self._losses = self._losses, []
+        first = self.calls - len(losses) + 1
+        # One value per loss that is non-finite exactly when the loss is: the loss itself, or for a loss with
+        # several elements log(all finite) (0 or -inf; a sum could overflow where every element is finite).
+        values = [
+            _local(t).reshape(()).float() if t.numel() == 1 else torch.isfinite(_local(t)).all().float().log()
+            for t in losses
+        ]
+        device = values[0].device
+        stacked = torch.stack([v.to(device) for v in values])
+        if device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._inflight.append((host, event, first))
+        else:
+            self._inflight.append((stacked, None, first))
+
+    def _poll(self, block: bool) -> None:
+        while self._inflight and not self.reported:
+            host, event, first = self._inflight[0]
+            if event is not None:
+                if not block and not event.query():
+                    return
+                event.synchronize()
+            self._inflight.pop(0)
+            values = host.tolist()
+            bad = [first + i for i, value in enumerate(values) if not math.isfinite(value)]
+            if bad:
+                self._report(bad, first, first + len(values) - 1)
+        if self.reported:
+            self._inflight.clear()
+            self._losses.clear()
+
+    def _report(self, bad: list[int], first: int, last: int) -> None:
+        self.reported = True
+        others = f" ({len(bad)} of backward calls #{first}-#{last} were non-finite)" if len(bad) > 1 else ""
+        rank = self._rank()
+        warnings.warn(
+            f"rank {rank}: the loss passed to fabric.backward is nan/inf at backward call #{bad[0]}{others}. Optimizer "
+            "steps on its gradients turn the weights into nan; the run goes on but is no longer training. "
+            f"{_HINTS.split('. ', 1)[1]} Fabric(detect_anomaly=True) stops at the first such backward and names the "
+            f"parameter. This is reported once per Fabric; to turn it off pass Fabric(warn_nonfinite_loss=False) or "
+            f"set {LOSS_WATCH_VARIABLE}=0.",
+            PhalanxWarning,
+            stacklevel=_outside_phalanx(),
+        )
+
+
+def _outside_phalanx() -> int:
+    """The ``stacklevel`` of the first caller outside phalanx (the user's ``fabric.backward`` line)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -24,14 +24,16 @@ from torch.utils.data import DataLoader
 from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
 from phalanx.fabric import collectives as collectives_api
-from phalanx.fabric.anomaly import AnomalyDetector
+from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
+from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
+from phalanx.fabric.compiled import unwrap_compiled
 from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 from phalanx.precision import canonical_precision
 from phalanx.strategies import Strategy, resolve_strategy
-from phalanx.strategies._transforms import refuse_compiled
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.init import SkipInit
 from phalanx.utils.seed import seed_everything as _seed_everything
 from phalanx.utils.tensors import apply_to_tensors, move_to_device
 
@@ -75,7 +77,8 @@ class Fabric:
     """Scale a hand-written PyTorch loop from one CPU to many devices without changing it.
 
     Args:
-        accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"gpu"`` is an alias).
+        accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"gpu"`` is an alias), or a ``CPUAccelerator()`` /
+            ``CUDAAccelerator()`` object (:mod:`phalanx.accelerators`).
         devices: processes per node (``"auto"``: every GPU, or 1 on CPU).
         num_nodes: number of machines.
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or a Strategy instance.
@@ -87,11 +90,15 @@ class Fabric:
             ``PHALANX_LOCKSTEP`` environment variable).
         detect_anomaly: stop at the first ``fabric.backward`` whose loss or gradients hold nan/inf, naming
             the backward call and the parameter (see :mod:`phalanx.fabric.anomaly` for the cost).
+        warn_nonfinite_loss: warn (once, naming the rank and the backward call) when a loss passed to
+            ``backward`` is nan/inf, checked every few calls without a per-step device sync
+            (:class:`phalanx.fabric.anomaly.LossWatch`). ``False`` (or ``PHALANX_WARN_NONFINITE_LOSS=0``)
+            turns it off.
     """
 
     def __init__(
         self,
-        accelerator: str = "auto",
+        accelerator: str | Accelerator = "auto",
         devices: int | str = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
@@ -101,6 +108,7 @@ class Fabric:
         lockstep: str | None = None,
         detect_anomaly: bool = False,
         plugins: Any = None,
+        warn_nonfinite_loss: bool = True,
     ) -> None:
         if plugins is not None and plugins != []:
             raise MisconfigurationError(
@@ -110,10 +118,11 @@ class Fabric:
             )
         if precision is None:
             precision = "32-true"
+        accelerator = accelerator_name(accelerator)
         self._init_kwargs: dict[str, Any] = {
             "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
             "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
-            "detect_anomaly": detect_anomaly,
+            "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
         }
         args = _apply_cli_overrides(self._init_kwargs)
         device_type = resolve_accelerator(args["accelerator"])
@@ -129,6 +138,8 @@ class Fabric:
         if lockstep is not None:
             self._strategy.set_lockstep(lockstep)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
+        watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
+        self._loss_watch = LossWatch(lambda: self.global_rank) if watch else None
         self._loggers: list[Any] = _as_list(loggers)
         self._callbacks: list[Any] = _as_list(callbacks)
         self._launched = False
@@ -190,6 +201,12 @@ class Fabric:
     def device(self) -> torch.device:
         return self._strategy.root_device
 
+    @property
+    def accelerator(self) -> Accelerator:
+        """Lightning's accelerator object for this Fabric's device type: ``CUDAAccelerator()`` or
+        ``CPUAccelerator()``."""
+        return CUDAAccelerator() if self._strategy.device_type == "cuda" else CPUAccelerator()
+
     # Before launch() these come from the launched job's environment when there is one (torchrun,
     # `phalanx run`, SLURM), else from the configuration (rank 0 of devices*num_nodes), as in Lightning.
     @property
@@ -232,14 +249,19 @@ class Fabric:
     def setup(
         self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None, move_to_device: bool = True
     ) -> Any:
-        """Set up a module with its optimizers; returns ``model`` or ``(model, *optimizers[, scheduler])``."""
+        """Set up a module with its optimizers; returns ``model`` or ``(model, *optimizers[, scheduler])``.
+        A ``torch.compile``d module is set up uncompiled and compiled again after wrapping, with the same
+        settings (:mod:`phalanx.fabric.compiled`)."""
         self._ensure_launched()
         self._check_new_module(module)
+        module, recompile = unwrap_compiled(module, self._strategy)
         self._check_placement(module, move_to_device)
         for opt in optimizers:
             self._check_new_optimizer(opt)
             self._check_owned(opt, module)
         forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
+        if recompile is not None:
+            recompile(forward_module)
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
         opts = [FabricOptimizer(opt, self._strategy, module) for opt in raw_opts]
@@ -251,8 +273,11 @@ class Fabric:
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
         self._ensure_launched()
         self._check_new_module(module)
+        module, recompile = unwrap_compiled(module, self._strategy)
         self._check_placement(module, move_to_device)
         forward_module = self._strategy.setup_module(module)
+        if recompile is not None:
+            recompile(forward_module)
         wrapped = FabricModule(forward_module, module, self._strategy)
         self._modules.append(wrapped)
         self._link_module(module, [])
@@ -300,7 +325,6 @@ class Fabric:
             raise MisconfigurationError("This module was already set up by fabric.setup(); set it up once.")
         if not isinstance(module, nn.Module):
             raise MisconfigurationError(f"fabric.setup expects an nn.Module, got {type(module).__name__}.")
-        refuse_compiled(module)
 
     @staticmethod
     def _check_new_optimizer(optimizer: Any) -> None:
@@ -356,12 +380,14 @@ class Fabric:
     # ------------------------------------------------------------------ training step
     def backward(self, tensor: torch.Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with loss scaling and gradient sync; after it, gradients of every
-        trainable parameter are identical on all ranks (unless inside ``no_backward_sync``)."""
+        trainable parameter are identical on all ranks (unless inside ``no_backward_sync``).
+
+        A loss from modules none of which was set up (e.g. a meta-learning inner model) is backpropagated
+        as ``loss.backward()`` in one process, where there is nothing to sync; on several processes it is
+        refused, since nothing would average those gradients across ranks."""
         if not self._modules:
-            raise MisconfigurationError(
-                "fabric.backward() was called before any module was set up. Call "
-                "`model, optimizer = fabric.setup(model, optimizer)` first."
-            )
+            self._backward_unmanaged(tensor, args, kwargs)
+            return
         targets = [model] if model is not None else self._modules
         anomaly = self._anomaly
         if anomaly is not None:
@@ -370,6 +396,37 @@ class Fabric:
         self._strategy.backward(tensor, forward_modules, *args, **kwargs)
         if anomaly is not None:
             anomaly.after_backward([m.module for m in targets])
+        watch = self._loss_watch
+        if watch is not None:
+            watch.record(tensor)
+
+    def _backward_unmanaged(self, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``backward`` before any module was set up: fine on one process, refused where it would not sync."""
+        if self.world_size > 1:
+            raise MisconfigurationError(
+                f"fabric.backward(loss): no module was set up with this Fabric, and this job runs {self.world_size} "
+                "processes, so nothing would average these gradients across ranks: each rank would silently train its "
+                "own copy. Set up the module the loss comes from first (`model = fabric.setup_module(model)`, or "
+                "`model, optimizer = fabric.setup(model, optimizer)`); if every rank is meant to train its own copy, "
+                "call loss.backward() yourself."
+            )
+        precision = self._strategy.precision
+        if getattr(precision, "scaler", None) is not None:
+            raise MisconfigurationError(
+                "fabric.backward(loss) with no module set up: precision='16-mixed' scales the loss, and only an "
+                "optimizer set up with fabric.setup unscales the gradients again, so the step would use gradients "
+                "65536 times too large. Set up the model and optimizer (`model, optimizer = fabric.setup(model, "
+                "optimizer)`), or use precision='bf16-mixed' (no loss scaling)."
+            )
+        anomaly = self._anomaly
+        if anomaly is not None:
+            anomaly.before_backward(tensor)
+        precision.pre_backward(tensor).backward(*args, **kwargs)
+        if anomaly is not None:
+            anomaly.after_backward([])
+        watch = self._loss_watch
+        if watch is not None:
+            watch.record(tensor)
 
     def clip_gradients(
         self,
@@ -401,9 +458,17 @@ class Fabric:
         return self._strategy.precision.forward_context()
 
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager[Any]:
-        """Create a module directly on the device and in the precision's dtype."""
+        """Create a module directly on the device and in the precision's dtype.
+
+        ``empty_init=True``, as in Lightning: skip the layers' default initialisation (you load a
+        checkpoint into the parameters or initialise them yourself). The ``torch.nn.init`` functions do
+        nothing inside the block, so parameters hold uninitialised memory and no random number is drawn:
+        your own initialisation afterwards draws exactly what it would under Lightning. Sharding strategies
+        (FSDP) create the parameters on the meta device instead and materialise them at setup."""
         self._ensure_launched()
-        return self._strategy.init_context(empty_init)
+        if not empty_init:
+            return self._strategy.init_context(empty_init)
+        return _skipping_init(self._strategy.init_context(empty_init))
 
     def init_tensor(self) -> contextlib.AbstractContextManager[Any]:
         """Tensors created inside are on the device, in the precision's dtype."""
@@ -550,6 +615,10 @@ class Fabric:
         """Finalize loggers and leave the job; ``error`` (or the exception ending the interpreter) is what
         the other ranks are told this rank ended with."""
         failed = error is not None or getattr(sys, "last_value", None) is not None
+        watch = self._loss_watch
+        if watch is not None:
+            with contextlib.suppress(RuntimeError):  # a failed device must not hide the error that ended the run
+                watch.flush()
         if self.is_global_zero:
             for logger in self._loggers:
                 finalize = getattr(logger, "finalize", None)
@@ -557,6 +626,12 @@ class Fabric:
                     finalize("failed" if failed else "success")
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)
+
+
+@contextlib.contextmanager
+def _skipping_init(context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    with context, SkipInit():
+        yield
 
 
 def _no_group(group: Any, what: str) -> None:

@@ -2,8 +2,9 @@
 
 from phalanx.loggers.base import Logger
 from phalanx.loggers.csv import CSVLogger
+from phalanx.loggers.lit import LitLogger
 from phalanx.loggers.mlflow import MLFlowLogger
 from phalanx.loggers.tensorboard import TensorBoardLogger
 from phalanx.loggers.wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger", "MLFlowLogger", "TensorBoardLogger", "WandbLogger"]
+__all__ = ["CSVLogger", "LitLogger", "Logger", "MLFlowLogger", "TensorBoardLogger", "WandbLogger"]

@@ -36,7 +36,9 @@ from torch.distributed.tensor import DTensor
 from phalanx.distributed.launch import ClusterEnvironment
 from phalanx.precision import MixedPrecision, Precision
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.fsdp.strategy import FSDPStrategy, ShardedMixedPrecision, local_tensor
+from phalanx.strategies.fsdp.gradients import local_tensor
+from phalanx.strategies.fsdp.precision import ShardedMixedPrecision
+from phalanx.strategies.fsdp.strategy import FSDPStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utils.compat import FSDPModule, fully_shard
 from phalanx.utils.errors import MisconfigurationError

@@ -1,4 +1,8 @@
-"""What every multi-process backend shares: joining the process group and guarded collectives."""
+"""What every multi-process backend shares: joining the process group and guarded collectives.
+
+DDP, FSDP, tensor parallelism and DeepSpeed differ in how they wrap a model, not in how a rank joins
+the job, which backend it talks over, how its collectives are guarded (the lockstep guard and its
+watchdog, :mod:`phalanx.distributed`) or how it leaves; that is written once, here."""
 
 from __future__ import annotations
 
@@ -92,6 +96,12 @@ class ParallelStrategy(Strategy):
             raise MisconfigurationError("lockstep must be chosen before fabric.launch().")
         self.lockstep = mode
 
+    @property
+    def _process_group_backend(self) -> str:
+        """The process-group backend this strategy joins (read-only): ``backend``, else ``nccl`` on CUDA and
+        ``gloo`` on CPU. Lightning's name for it, which its parity tests read."""
+        return self.backend or ("nccl" if self.device_type == "cuda" else "gloo")
+
     # ------------------------------------------------------------------ environment
     def setup_environment(self, env: ClusterEnvironment | None) -> None:
         if env is None:
@@ -108,7 +118,7 @@ class ParallelStrategy(Strategy):
         if self.device_type == "cuda":
             self._root_device = torch.device("cuda", env.local_rank)
             torch.cuda.set_device(self._root_device)
-        backend = self.backend or ("nccl" if self.device_type == "cuda" else "gloo")
+        backend = self._process_group_backend
         if dist.is_initialized():
             self._take_over(env, backend)
             return

@@ -1,4 +1,5 @@
-"""One process, one device."""
+"""One process, one device: the strategy of ``devices=1``, so a script written against Fabric runs
+unchanged without a process group (every collective is the identity, nothing is wrapped)."""
 
 from __future__ import annotations
 

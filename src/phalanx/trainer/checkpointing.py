@@ -31,7 +31,7 @@ from phalanx.utils.errors import CheckpointError, MisconfigurationError
 from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.trainer.base import TrainerBase
 
 FORMAT = 1
 
@@ -81,7 +81,7 @@ def plain_hparams(value: Any, where: str = "hparams") -> Any:
     return repr(value)
 
 
-def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None:
+def save(trainer: TrainerBase, path: str | Path, weights_only: bool = False) -> None:
     """Write a checkpoint (call on every rank; rank 0 writes, atomically)."""
     t = trainer
     if t.model is None:
@@ -99,21 +99,15 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
             state["optimizer"] = t.optimizer
         for i, config in enumerate(t.lr_scheduler_configs):
             state[f"lr_scheduler_{i}"] = config.scheduler
-        done = t.epoch_finished
-        state["loops"] = {
-            "epoch": t.current_epoch + 1 if done else t.current_epoch,
-            "batches_done": 0 if done else t.batches_done,
-            "global_step": t.global_step,
-            "should_stop": t.should_stop,
-            "world_size": t.world_size,
-            "samples_consumed": 0 if done else t.batches_done * t.train_samples_per_batch,
-        }
+        loop = t.loop_state
+        done = loop.epoch_finished
+        state["loops"] = loop.state_dict(t.world_size, t.train_samples_per_batch)
         state["callbacks"] = {key: cb.state_dict() for key, cb in callback_keys(t.callbacks)}
         if t.datamodule is not None:
             state["datamodule"] = t.datamodule.state_dict()
         own = {
             "rng": capture_rng_state(),
-            "epoch_rng": None if done else t.epoch_start_rng,
+            "epoch_rng": None if done else loop.epoch_start_rng,
             "results": None if done else t.results["train"].state_dict(),
             "metrics": metric_states(t.module),  # torchmetrics state: not in state_dict (non-persistent)
         }
@@ -126,7 +120,7 @@ def save(trainer: Trainer, path: str | Path, weights_only: bool = False) -> None
     t.fabric.save(path, state)
 
 
-def resolve(trainer: Trainer, ckpt_path: str | Path | None) -> Path | None:
+def resolve(trainer: TrainerBase, ckpt_path: str | Path | None) -> Path | None:
     """The checkpoint ``ckpt_path`` ("last", "best" or a path) names, decided on rank 0 for every rank.
     A file or a sharded directory counts; an incomplete one is an error, never a silent fresh start."""
     t = trainer
@@ -142,10 +136,12 @@ def resolve(trainer: Trainer, ckpt_path: str | Path | None) -> Path | None:
         raise CheckpointError(message)
     if kind == "fresh":
         diagnostics.warn(str(message), rank=t.global_rank)
+    elif kind == "first":
+        diagnostics.info(str(message), rank=t.global_rank)
     return Path(found) if found is not None else None
 
 
-def _resolve_here(t: Trainer, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:
+def _resolve_here(t: TrainerBase, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:
     if ckpt_path in ("last", "best"):
         attr = "last_model_path" if ckpt_path == "last" else "best_model_path"
         candidates = [getattr(cb, attr, "") for cb in t.checkpoint_callbacks]
@@ -165,6 +161,12 @@ def _resolve_here(t: Trainer, ckpt_path: str | Path) -> tuple[str | None, str | 
             return None, "missing", ("ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a "
                                      "checkpoint.")
         folders = sorted({str(cb.dirpath) for cb in t.checkpoint_callbacks if cb.dirpath})
+        if any(cb.dirpath and getattr(cb, "save_last", False) for cb in t.checkpoint_callbacks):
+            # Set up to resume, nothing saved yet: the first attempt of a run that will resume later.
+            return None, "first", (
+                f"ckpt_path='last': no last.ckpt in {folders} yet; training starts from scratch (a later run "
+                "with the same command resumes from the last.ckpt this one writes)."
+            )
         return None, "fresh", (
             f"ckpt_path='last': no last.ckpt in the ModelCheckpoint folders {folders}; training starts from scratch. "
             "Give ModelCheckpoint save_last=True and a fixed dirpath to resume across runs."
@@ -177,12 +179,12 @@ def _resolve_here(t: Trainer, ckpt_path: str | Path) -> tuple[str | None, str | 
     return str(ckpt_path), None, None
 
 
-def load_weights(trainer: Trainer, path: str | Path) -> None:
+def load_weights(trainer: TrainerBase, path: str | Path) -> None:
     """Only the model (for validate/test/predict with ckpt_path)."""
     trainer.fabric.load(path, {"model": trainer.model}, strict=False)
 
 
-def restore(trainer: Trainer, path: str | Path) -> None:
+def restore(trainer: TrainerBase, path: str | Path) -> None:
     """Restore everything ``save`` wrote; the loops pick up the resume state at the next epoch start."""
     t = trainer
     state: dict[str, Any] = {"model": t.model, "optimizer": t.optimizer}
@@ -199,8 +201,7 @@ def restore(trainer: Trainer, path: str | Path) -> None:
     if rest.get("phalanx_trainer") != FORMAT or "loops" not in rest:
         raise CheckpointError(f"{path} was not written by phalanx.Trainer.save_checkpoint; it cannot resume a fit.")
     loops = rest["loops"]
-    t.current_epoch, t.global_step = int(loops["epoch"]), int(loops["global_step"])
-    t.batches_done, t.should_stop = int(loops["batches_done"]), bool(loops["should_stop"])
+    t.loop_state.load_state_dict(loops)
     saved = rest.get("callbacks", {})
     current = dict(callback_keys(t.callbacks))
     for key, cb_state in saved.items():
@@ -222,7 +223,7 @@ def restore(trainer: Trainer, path: str | Path) -> None:
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
     load_metric_states(t.module, mine.get("metrics"))
     t.set_resume_state({
-        "batches_done": t.batches_done, "samples": int(loops.get("samples_consumed", 0)),
+        "batches_done": t.loop_state.batches_done, "samples": int(loops.get("samples_consumed", 0)),
         "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
         "results": mine["results"],
     })

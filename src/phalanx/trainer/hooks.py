@@ -25,14 +25,15 @@ if TYPE_CHECKING:
     from phalanx.core.module import Module
     from phalanx.fabric.fabric import Fabric
     from phalanx.profilers import Profiler
+    from phalanx.trainer.settings import Settings
 
 
 class TrainerHooks:
     """Mixed into :class:`phalanx.Trainer`; reads the attributes declared below."""
 
     fabric: Fabric
+    settings: Settings
     callbacks: list[Any]
-    fast_dev_run: int | bool
     profiler: Profiler
     _hook_methods: dict[str, tuple[tuple[Any, ...], list[tuple[Any, Any]]]]
     _no_op_hooks: frozenset[str]
@@ -51,7 +52,7 @@ class TrainerHooks:
     def call(self, hook: str, *args: Any) -> None:
         """Call ``hook(trainer, module, *args)`` on every callback that defines it."""
         for cb, method in self._callback_methods(hook):
-            if self.fast_dev_run and off_in_fast_dev_run(cb):
+            if self.settings.fast_dev_run and off_in_fast_dev_run(cb):
                 continue
             if reads_metrics(method):  # user code may read callback_metrics on one rank only
                 self.sync_step_metrics()

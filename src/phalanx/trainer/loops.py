@@ -16,6 +16,10 @@ scale, but the loss is computed before any scaling, so a non-finite loss is the 
 data, and letting the scaler skip the step (and halve its scale, again at every recurrence) would
 hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.fabric.anomaly`.
 
+The loops run on :class:`~phalanx.trainer.base.TrainerBase` (what a Trainer holds, without its entry
+points, which call these loops); per batch they touch the loop state and the settings through locals
+bound once per epoch, not through the Trainer's properties.
+
 Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
 at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
 before any hook of the user's callbacks or Module that could read them, and at epoch end.
@@ -38,7 +42,7 @@ from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.trainer.base import TrainerBase
 
 
 def detached(output: Any) -> Any:
@@ -104,7 +108,7 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
 
 
 def micro_batch(
-    trainer: Trainer, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
+    trainer: TrainerBase, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
 ) -> tuple[Any, Any]:
     """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
     ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
@@ -124,15 +128,15 @@ def micro_batch(
     return output, loss
 
 
-def optimizer_step(trainer: Trainer, optimizer: Any) -> None:
+def optimizer_step(trainer: TrainerBase, optimizer: Any) -> None:
     """One real step without hooks (the tuners' steps): clipping, the optimizer's step, zero_grad. The
     Trainer's own steps, with Lightning's hooks, are :func:`phalanx.trainer.stepping.train_batch`."""
-    if trainer.gradient_clip_val is not None:
-        if trainer.gradient_clip_algorithm == "norm":
-            trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=trainer.gradient_clip_val,
-                                          error_if_nonfinite=False)
+    value, algorithm = trainer.settings.gradient_clip_val, trainer.settings.gradient_clip_algorithm
+    if value is not None:
+        if algorithm == "norm":
+            trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=value, error_if_nonfinite=False)
         else:
-            trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=trainer.gradient_clip_val)
+            trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=value)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -143,32 +147,33 @@ def _takes_dataloader_idx(method: Any) -> bool:
     return any(p.name == "dataloader_idx" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _val_due_mid_epoch(trainer: Trainer, batch_idx: int, total: int | None) -> bool:
+def _val_due_mid_epoch(trainer: TrainerBase, batch_idx: int, total: int | None) -> bool:
     interval = trainer.val_check_batches
     if interval is None or not trainer.val_dataloaders or (total is not None and batch_idx + 1 >= total):
         return False
     return (batch_idx + 1) % interval == 0
 
 
-def _val_due_at_epoch_end(trainer: Trainer) -> bool:
-    every = trainer.check_val_every_n_epoch
-    return bool(trainer.val_dataloaders) and every is not None and (trainer.current_epoch + 1) % every == 0
+def _val_due_at_epoch_end(trainer: TrainerBase) -> bool:
+    every = trainer.settings.check_val_every_n_epoch
+    return bool(trainer.val_dataloaders) and every is not None and (trainer.loop_state.current_epoch + 1) % every == 0
 
 
-def _bar_refresh_rate(trainer: Trainer) -> int:
+def _bar_refresh_rate(trainer: TrainerBase) -> int:
     from phalanx.callbacks import ProgressBar
 
     rates = [cb.refresh_rate for cb in trainer.callbacks if isinstance(cb, ProgressBar) and cb.refresh_rate > 0]
     return min(rates) if rates else 0
 
 
-def run_train_epoch(trainer: Trainer) -> None:
+def run_train_epoch(trainer: TrainerBase) -> None:
     t = trainer
+    state, settings = t.loop_state, t.settings
     resume = t.take_resume_state()
     start = resume["batches_done"] if resume else 0
     if resume is not None:
         restore_rng_state(resume["epoch_rng"] if start > 0 and resume["epoch_rng"] else resume["rng"])
-    t.epoch_start_rng = capture_rng_state()
+    state.epoch_start_rng = capture_rng_state()
     results = t.results["train"]
     results.reset()
     if start > 0 and resume is not None and resume.get("results") is not None:
@@ -179,7 +184,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     t.call("on_train_epoch_start")
     if t.train_sampler is not None:
         t.train_sampler.skip = resume["samples"] if resume else 0
-    iterator = start_epoch(t.fabric, t.train_dataloader, t.current_epoch)
+    iterator = start_epoch(t.fabric, t.train_dataloader, state.current_epoch)
     if t.train_sampler is None:
         for _ in range(start):  # the user's own sampler: re-read and discard what was consumed
             next(iterator, None)
@@ -191,6 +196,7 @@ def run_train_epoch(trainer: Trainer) -> None:
     # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
+    log_every, max_steps = settings.log_every_n_steps, settings.max_steps
     plan = t.step_plan = StepPlan(t)
     batch_start = "on_train_batch_start" in plan.live
     batch_end = overrides(t.module, "on_train_batch_end")
@@ -200,70 +206,74 @@ def run_train_epoch(trainer: Trainer) -> None:
     for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
         seen = True
         results.batch = batch
-        t.in_window = not boundary
+        state.in_window = not boundary
         if batch_start and not t.batch_start(batch, batch_idx):
             break
-        steps_before = t.global_step
+        steps_before = state.global_step
         output = train_batch(t, plan, batch, batch_idx, size, boundary)
-        t.batches_done = batch_idx + 1
-        log_due = has_loggers and t.global_step > steps_before and t.global_step % t.log_every_n_steps == 0
+        state.batches_done = batch_idx + 1
+        step = state.global_step
+        log_due = has_loggers and step > steps_before and step % log_every == 0
         if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
             t.sync_step_metrics()
-        if t.global_step > steps_before and (log_due or board.unlogged):
-            board.flush_step_log(fabric, t.global_step, log_due)
+        if step > steps_before and (log_due or board.unlogged):
+            board.flush_step_log(fabric, step, log_due)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
         if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
-            run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
+            run_evaluation(t, "validate", t.val_dataloaders, settings.limit_val_batches)
         if batch_end or cb_end:
             out = detached(as_outputs(output))
             if batch_end:  # the default is a no-op
                 t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
                 t.module.on_train_batch_end(out, batch, batch_idx)
             t.call("on_train_batch_end", out, batch, batch_idx)
-        t.in_window = False
-        if boundary and (t.should_stop or t.max_steps_reached):
+        state.in_window = False
+        # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
+        if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
             break
     del iterator
     t.step_plan = None
     if not seen and start == 0:
-        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
     if _val_due_at_epoch_end(t):
-        run_evaluation(t, "validate", t.val_dataloaders, t.limit_val_batches)
-    t.epoch_finished = True
+        run_evaluation(t, "validate", t.val_dataloaders, settings.limit_val_batches)
+    state.epoch_finished = True
     t.sync_step_metrics()
     results.in_epoch_end = True
     t.module.on_train_epoch_end()
     results.in_epoch_end = False
-    board.publish_epoch(results.sync_epoch(fabric), results, fabric, t.current_epoch, t.global_step)
-    step_schedulers(t.module, t.lr_scheduler_configs, "epoch", t.current_epoch + 1, t.callback_metrics)
+    board.publish_epoch(results.sync_epoch(fabric), results, fabric, state.current_epoch, state.global_step)
+    step_schedulers(t.module, t.lr_scheduler_configs, "epoch", state.current_epoch + 1, t.callback_metrics)
     t.call("on_train_epoch_end")
-    t.current_epoch += 1
-    t.batches_done = 0
-    t.epoch_finished = False
+    state.current_epoch += 1
+    state.batches_done = 0
+    state.epoch_finished = False
 
 
-def check_data(trainer: Trainer) -> None:
+def check_data(trainer: TrainerBase) -> None:
     """Refuse loaders with no batches before the first epoch: an empty training loader would run
     ``max_epochs`` empty epochs (and write checkpoints of an untrained model); an empty validation
     loader would leave every monitored ``val_*`` metric missing."""
-    t = trainer
+    t, settings = trainer, trainer.settings
     if t.num_training_batches == 0:
-        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", t.limit_train_batches,
+        raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
     for loader in t.val_dataloaders:
-        if num_batches(loader, t.limit_val_batches) == 0:
-            raise empty_loader_error("validation", loader, "limit_val_batches", t.limit_val_batches, t.world_size)
+        if num_batches(loader, settings.limit_val_batches) == 0:
+            raise empty_loader_error("validation", loader, "limit_val_batches", settings.limit_val_batches,
+                                     t.world_size)
 
 
-def run_fit(trainer: Trainer) -> None:
+def run_fit(trainer: TrainerBase) -> None:
     check_data(trainer)
-    while not trainer.should_stop and not trainer.max_steps_reached and trainer.current_epoch < trainer.max_epochs:
+    state, max_epochs = trainer.loop_state, trainer.settings.max_epochs
+    while not trainer.should_stop and not trainer.max_steps_reached and state.current_epoch < max_epochs:
         run_train_epoch(trainer)
 
 
-def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
     """Validation or test over every loader; returns one dict of epoch metrics per loader."""
     t = trainer
     hook = "validation" if stage == "validate" else "test"
@@ -299,7 +309,7 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
                 if results.pending:  # step values in evaluation (rare): logged per batch
                     values = board.publish_step(results.sync_step(fabric), results)
                     if not t.sanity_checking:
-                        board.log_now(fabric, values, t.global_step)
+                        board.log_now(fabric, values, t.loop_state.global_step)
                 t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             if not seen:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
@@ -308,7 +318,8 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
         getattr(t.module, f"on_{hook}_epoch_end")()
     results.in_epoch_end = False
     metrics = results.sync_epoch(fabric)
-    board.publish_epoch(metrics, results, fabric, t.current_epoch, t.global_step, log=not t.sanity_checking)
+    state = t.loop_state
+    board.publish_epoch(metrics, results, fabric, state.current_epoch, state.global_step, log=not t.sanity_checking)
     t.call(f"on_{hook}_epoch_end")
     t.hook(f"on_{hook}_end")
     t.current_stage = previous_stage
@@ -322,7 +333,7 @@ def run_evaluation(trainer: Trainer, stage: str, loaders: list[Any], limit: int 
     return per_loader
 
 
-def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) -> list[list[Any]]:
     t = trainer
     was_training = t.module.training
     t.module.on_predict_model_eval()
@@ -346,8 +357,8 @@ def run_predict(trainer: Trainer, loaders: list[Any], limit: int | float) -> lis
     return out
 
 
-def eval_grad_mode(trainer: Trainer) -> Any:
+def eval_grad_mode(trainer: TrainerBase) -> Any:
     """``Trainer(inference_mode=True)``: torch.inference_mode where the strategy allows it (see
     ``Strategy.supports_inference_mode``), else torch.no_grad."""
-    allowed = trainer.inference_mode and trainer.fabric.strategy.supports_inference_mode
+    allowed = trainer.settings.inference_mode and trainer.fabric.strategy.supports_inference_mode
     return torch.inference_mode() if allowed else torch.no_grad()

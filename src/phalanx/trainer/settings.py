@@ -3,24 +3,37 @@
 The failure this prevents: a Lightning argument that is accepted and silently ignored (a port then
 trains differently without a word). Every argument here is either implemented (its effect is set
 below or where the setting is read) or refused with a reason and what to do instead.
+
+The result is a frozen :class:`Settings`: the Trainer holds it (``trainer.settings``) and its public
+attributes of the same names (``trainer.max_epochs``, ...) read it, so a setting is resolved once and
+cannot be changed behind the loops' back in the middle of a run.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.utils import diagnostics
+from phalanx.utils.duration import parse_duration
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.core.module import DataModule
+    from phalanx.core.datamodule import DataModule
+
+__all__ = ["Settings", "check_limit", "check_weights_only", "checkpoint_marks", "off_in_fast_dev_run",
+           "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
-    max_epochs: int | None
+    """Every ``Trainer(...)`` argument after :func:`resolve`: defaults applied, interactions (barebones,
+    fast_dev_run, overfit_batches) folded in, values checked."""
+
+    max_epochs: int  # None and -1 resolved (see resolve)
     min_epochs: int | None
     max_steps: int
     min_steps: int | None
@@ -37,8 +50,20 @@ class Settings:
     enable_checkpointing: bool
     enable_progress_bar: bool
     enable_model_summary: bool
-    logger: Any
+    logger: Any  # True/False or the logger object(s) given
+    accumulate_grad_batches: int  # the initial value: trainer.accumulate_grad_batches may change per epoch
+    gradient_clip_val: float | None
     gradient_clip_algorithm: str
+    gradient_clip_algorithm_given: bool  # given explicitly: clip_gradients(...) may then not contradict it
+    deterministic: bool | str | None
+    benchmark: bool | None
+    inference_mode: bool
+    use_distributed_sampler: bool
+    sync_batchnorm: bool
+    reload_dataloaders_every_n_epochs: int
+    enable_autolog_hparams: bool
+    barebones: bool
+    default_root_dir: Path
 
 
 def check_limit(name: str, value: Any) -> int | float:
@@ -54,25 +79,6 @@ def check_limit(name: str, value: Any) -> int | float:
     return value
 
 
-def parse_duration(value: Any, name: str) -> datetime.timedelta:
-    """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of timedelta fields (Lightning's formats)."""
-    if isinstance(value, datetime.timedelta):
-        return value
-    if isinstance(value, dict):
-        try:
-            return datetime.timedelta(**value)
-        except TypeError as err:
-            raise MisconfigurationError(f"{name}={value!r}: the keys must be timedelta fields ({err}).") from err
-    if isinstance(value, str):
-        parts = value.split(":")
-        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
-            d, h, m, s = (int(p) for p in parts)
-            return datetime.timedelta(days=d, hours=h, minutes=m, seconds=s)
-    raise MisconfigurationError(
-        f"{name}={value!r}: use 'DD:HH:MM:SS', a datetime.timedelta or a dict such as {{'hours': 2}}."
-    )
-
-
 def _refuse_unless_disabled(barebones: bool, name: str, value: Any, disabled: Any) -> None:
     if barebones and value is not None and value != disabled:
         raise MisconfigurationError(
@@ -81,7 +87,8 @@ def _refuse_unless_disabled(barebones: bool, name: str, value: Any, disabled: An
 
 
 def resolve(args: dict[str, Any]) -> Settings:
-    """Lightning's defaults and interactions: barebones, fast_dev_run, overfit_batches, the limits."""
+    """Lightning's defaults and interactions: barebones, fast_dev_run, overfit_batches, the limits.
+    ``args``: the Trainer's keyword arguments by name."""
     barebones = bool(args["barebones"])
     for name, disabled in (("logger", False), ("enable_checkpointing", False), ("enable_progress_bar", False),
                            ("enable_model_summary", False), ("num_sanity_val_steps", 0), ("profiler", None),
@@ -143,6 +150,27 @@ def resolve(args: dict[str, Any]) -> Settings:
         if value is not None and value < (0 if name == "min_epochs" else -1):
             raise MisconfigurationError(f"{name} must be >= 0 (or -1 for max_epochs: no limit), got {value}.")
 
+    refuse_plugins(args["plugins"])
+    if args["model_registry"] is not None:
+        raise MisconfigurationError(
+            f"model_registry={args['model_registry']!r} is not supported: phalanx uploads nothing. Remove it and copy "
+            "the checkpoint (ModelCheckpoint.best_model_path) to your registry yourself."
+        )
+    accumulate, reload_every = args["accumulate_grad_batches"], args["reload_dataloaders_every_n_epochs"]
+    if accumulate < 1:
+        raise MisconfigurationError(f"accumulate_grad_batches must be >= 1, got {accumulate}.")
+    if reload_every < 0:
+        raise MisconfigurationError(f"reload_dataloaders_every_n_epochs must be >= 0, got {reload_every}.")
+    deterministic, benchmark = args["deterministic"], args["benchmark"]
+    if deterministic not in (None, True, False, "warn"):
+        raise MisconfigurationError(f"deterministic={deterministic!r}; use True, False or 'warn'.")
+    if benchmark and deterministic:
+        raise MisconfigurationError("benchmark=True picks kernels by speed, which deterministic=True forbids.")
+    # Lightning: no max_epochs means 1000 epochs, unless max_steps bounds the run; -1 means no limit.
+    if max_epochs is None or max_epochs == -1:
+        max_epochs = (1000 if max_steps < 0 else sys.maxsize) if max_epochs is None else sys.maxsize
+    root = args["default_root_dir"]
+
     def flag(name: str) -> bool:
         return (not barebones) if args[name] is None else bool(args[name])
 
@@ -153,7 +181,12 @@ def resolve(args: dict[str, Any]) -> Settings:
         check_val_every_n_epoch=check_every, num_sanity_val_steps=sanity_steps, log_every_n_steps=log_every,
         fast_dev_run=fast_dev_run, enable_checkpointing=flag("enable_checkpointing") and not fast_dev_run,
         enable_progress_bar=flag("enable_progress_bar"), enable_model_summary=flag("enable_model_summary"),
-        logger=logger, gradient_clip_algorithm=algorithm,
+        logger=logger, accumulate_grad_batches=accumulate, gradient_clip_val=args["gradient_clip_val"],
+        gradient_clip_algorithm=algorithm, gradient_clip_algorithm_given=args["gradient_clip_algorithm"] is not None,
+        deterministic=deterministic, benchmark=benchmark, inference_mode=bool(args["inference_mode"]),
+        use_distributed_sampler=bool(args["use_distributed_sampler"]), sync_batchnorm=bool(args["sync_batchnorm"]),
+        reload_dataloaders_every_n_epochs=reload_every, enable_autolog_hparams=bool(args["enable_autolog_hparams"]),
+        barebones=barebones, default_root_dir=Path(root) if root is not None else Path.cwd(),
     )
 
 
@@ -178,7 +211,7 @@ def check_weights_only(weights_only: bool | None) -> None:
 
 def split_datamodule(dataloaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
     """A datamodule passed where the dataloaders go (Lightning allows it)."""
-    from phalanx.core.module import DataModule
+    from phalanx.core.datamodule import DataModule
 
     if isinstance(dataloaders, DataModule):
         if datamodule is not None:
@@ -200,18 +233,12 @@ def sequential(loader: Any) -> Any:
         return _rebuild(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
     return loader
 
+
 def off_in_fast_dev_run(callback: Any) -> bool:
-    """Callbacks that checkpoint, stop or tune: fast_dev_run is a smoke test, they sit it out."""
-    from phalanx.callbacks import EarlyStopping, LearningRateFinder, ModelCheckpoint
-
-    skipped: tuple[type, ...] = (ModelCheckpoint, EarlyStopping, LearningRateFinder)
-    try:
-        from phalanx.tuner.batch_size_callback import BatchSizeFinder
-
-        skipped += (BatchSizeFinder,)
-    except ImportError:  # pragma: no cover - part of the package
-        pass
-    return isinstance(callback, skipped)
+    """Callbacks that checkpoint, stop or tune: fast_dev_run is a smoke test, they sit it out. Each such
+    callback says so itself (``skip_in_fast_dev_run = True``, see :class:`phalanx.callbacks.Callback`), so
+    the Trainer need not know the callbacks of the layers above it (the tuner's)."""
+    return bool(getattr(callback, "skip_in_fast_dev_run", False))
 
 
 def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:

@@ -17,18 +17,27 @@ Manual optimization: training_step runs once per batch and does the rest itself;
 ``opt.step()`` counts one ``global_step`` (two optimizers stepped per batch count two, as in
 Lightning), and schedulers are stepped by the user. Every ``manual_backward`` leaves gradients
 averaged across ranks (see ``train_batch``); validated on the single-device and DDP strategies.
+
+This module sits below the Trainer class in its package (the Trainer creates StepOptimizers and
+forwards the Module's ``manual_backward``/``clip_gradients`` here), so it names what it needs of a
+Trainer in the :class:`StepHost` protocol instead of importing it. The counters it bumps are the
+Trainer's :class:`~phalanx.trainer.state.LoopState`, reached through the plan or the optimizer (one
+attribute hop, as the Trainer's own attribute was).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from phalanx.core.module import overrides
+from phalanx.core.toggling import Toggleable, toggle_params, untoggle_params
 from phalanx.fabric.anomaly import NonFiniteError
 from phalanx.fabric.wrappers import FabricOptimizer
 from phalanx.profilers import PassThroughProfiler
@@ -37,15 +46,62 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.fabric.fabric import Fabric
+    from phalanx.profilers import Profiler
+    from phalanx.trainer.optim import SchedulerConfig
+    from phalanx.trainer.settings import Settings
+    from phalanx.trainer.state import LoopState
+
+
+class StepHost(Protocol):
+    """What a training step uses of its Trainer (:class:`phalanx.Trainer` is one)."""
+
+    @property
+    def fabric(self) -> Fabric: ...
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def loop_state(self) -> LoopState: ...
+    @property
+    def profiler(self) -> Profiler: ...
+    @property
+    def module(self) -> Module: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def optimizers(self) -> list[Any]: ...
+    @property
+    def step_optimizers(self) -> list[StepOptimizer]: ...
+    @property
+    def step_plan(self) -> StepPlan | None: ...
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]: ...
+    @property
+    def accumulate_grad_batches(self) -> int: ...
+    @property
+    def window_losses(self) -> list[tuple[int, torch.Tensor]]: ...
+    @property
+    def signature_cache(self) -> dict[Any, bool]: ...
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def hook(self, name: str, *args: Any) -> Any: ...
+    def hook_does_something(self, name: str) -> bool: ...
+    def profile(self, action: str) -> contextlib.AbstractContextManager[Any]: ...
+    def sync_step_metrics(self) -> None: ...
+
 
 class StepOptimizer:
     """What ``self.optimizers()`` returns (Lightning's LightningOptimizer): the set-up optimizer whose
     ``step(closure=None)`` runs ``closure`` first, then the strategy's step, and counts a global step."""
 
-    def __init__(self, optimizer: FabricOptimizer, trainer: Trainer) -> None:
+    def __init__(self, optimizer: FabricOptimizer, trainer: StepHost) -> None:
         object.__setattr__(self, "_fabric_optimizer", optimizer)
         object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_state", trainer.loop_state)  # (the same object for the Trainer's life)
         object.__setattr__(self, "_profiled", profiling(trainer))
         raw = optimizer.optimizer
         # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
@@ -75,7 +131,7 @@ class StepOptimizer:
             timed(trainer, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
         else:
             self._fabric_optimizer.step(**kwargs)
-        trainer.global_step += 1
+        self._state.global_step += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fabric_optimizer.zero_grad(set_to_none=set_to_none)
@@ -90,18 +146,16 @@ class StepOptimizer:
     def toggle_model(self, sync_grad: bool = True) -> Any:
         """Within the block only this optimizer's parameters require grad; ``sync_grad=False`` also skips
         gradient sync (accumulating in manual optimization)."""
-        import contextlib
-
         trainer = self._trainer
 
         @contextlib.contextmanager
-        def block() -> Any:
-            toggle(trainer.module, self)
+        def block() -> Iterator[None]:
+            toggle(trainer, trainer.module, self)
             try:
                 with trainer.fabric.no_backward_sync(trainer.model, enabled=not sync_grad):
                     yield
             finally:
-                untoggle(trainer.module)
+                untoggle_params(trainer.module)
 
         return block()
 
@@ -122,28 +176,13 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return raw
 
 
-def toggle(module: Module, optimizer: Any) -> None:
-    """Freeze every parameter of the other optimizers (remembering requires_grad) so only
-    ``optimizer``'s parameters get gradients."""
-    everything = module._fabric_optimizers if module._trainer is None else module.trainer.optimizers
-    mine = {id(p) for g in _raw(optimizer).param_groups for p in g["params"]}
-    saved = module._toggled_requires_grad
-    for opt in everything:
-        for group in _raw(opt).param_groups:
-            for p in group["params"]:
-                if id(p) in mine:
-                    continue
-                saved.setdefault(id(p), (p, p.requires_grad))
-                p.requires_grad = False
+def toggle(trainer: StepHost, module: Toggleable, optimizer: Any) -> None:
+    """``toggle_optimizer``: freeze every parameter of the Trainer's other optimizers (remembering
+    requires_grad) so only ``optimizer``'s parameters get gradients."""
+    toggle_params(module, _raw(optimizer), [_raw(opt) for opt in trainer.optimizers])
 
 
-def untoggle(module: Module) -> None:
-    for p, requires_grad in module._toggled_requires_grad.values():
-        p.requires_grad = requires_grad
-    module._toggled_requires_grad.clear()
-
-
-def run_backward(trainer: Trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+def run_backward(trainer: StepHost, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     """``manual_backward``: the backward hooks around ``fabric.backward`` through the set-up model."""
     trainer.hook("on_before_backward", loss)
     with trainer.profile("backward"):
@@ -151,23 +190,24 @@ def run_backward(trainer: Trainer, loss: torch.Tensor, *args: Any, **kwargs: Any
     trainer.hook("on_after_backward")
 
 
-def clip(trainer: Trainer, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+def clip(trainer: StepHost, optimizer: Any, value: float | None, algorithm: str | None) -> None:
     """``self.clip_gradients``: Lightning's rules (the Trainer's settings fill what is not given and
     may not be contradicted; 0 means no clipping)."""
+    settings = trainer.settings
     if value is None:
-        value = trainer.gradient_clip_val or 0.0
-    elif trainer.gradient_clip_val is not None and trainer.gradient_clip_val != value:
+        value = settings.gradient_clip_val or 0.0
+    elif settings.gradient_clip_val is not None and settings.gradient_clip_val != value:
         raise MisconfigurationError(
             f"clip_gradients(gradient_clip_val={value}) contradicts Trainer(gradient_clip_val="
-            f"{trainer.gradient_clip_val}); set it in one place."
+            f"{settings.gradient_clip_val}); set it in one place."
         )
     given = algorithm.lower() if algorithm is not None else None
-    if given is not None and trainer.gradient_clip_algorithm_given and given != trainer.gradient_clip_algorithm:
+    if given is not None and settings.gradient_clip_algorithm_given and given != settings.gradient_clip_algorithm:
         raise MisconfigurationError(
             f"clip_gradients(gradient_clip_algorithm={algorithm!r}) contradicts Trainer(gradient_clip_algorithm="
-            f"{trainer.gradient_clip_algorithm!r}); set it in one place."
+            f"{settings.gradient_clip_algorithm!r}); set it in one place."
         )
-    algorithm = given or trainer.gradient_clip_algorithm
+    algorithm = given or settings.gradient_clip_algorithm
     if algorithm not in ("norm", "value"):
         raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
     if not value:
@@ -213,19 +253,20 @@ class StepPlan:
     epoch on.
     """
 
-    __slots__ = ("automatic", "backward", "clip", "custom_step", "custom_zero_grad", "legacy", "live", "module",
-                 "run_accumulating", "run_boundary", "training_step")
+    __slots__ = ("automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step", "custom_zero_grad",
+                 "legacy", "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
     run_boundary: Callable[..., tuple[Any, torch.Tensor]]  # (training_step's output, its loss)
     run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
 
-    def __init__(self, trainer: Trainer) -> None:
-        from phalanx.core.module import overrides  # (module.py imports this file)
-
+    def __init__(self, trainer: StepHost) -> None:
         t, module = trainer, trainer.module
         self.module = module
+        self.state = t.loop_state
         self.automatic = module.automatic_optimization
         self.live = frozenset(name for name in STEP_HOOKS if t.hook_does_something(name))
-        self.clip = bool(t.gradient_clip_val) or overrides(module, "configure_gradient_clipping") \
+        settings = t.settings
+        self.clip_val, self.clip_algorithm = settings.gradient_clip_val, settings.gradient_clip_algorithm
+        self.clip = bool(self.clip_val) or overrides(module, "configure_gradient_clipping") \
             or overrides(module, "clip_gradients")
         self.custom_zero_grad = overrides(module, "optimizer_zero_grad")
         self.custom_step = overrides(module, "optimizer_step")
@@ -241,12 +282,12 @@ class StepPlan:
         self.run_accumulating = timed(t, "run_training_batch", _forward_backward_no_sync)
 
 
-def profiling(trainer: Trainer) -> bool:
+def profiling(trainer: StepHost) -> bool:
     """Whether the Trainer has a profiler that records anything."""
     return type(trainer.profiler) is not PassThroughProfiler
 
 
-def timed(trainer: Trainer, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def timed(trainer: StepHost, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` measured as ``action`` by the Trainer's profiler; without one, ``fn`` itself (no bracket
     to enter and leave, several times per step)."""
     if not profiling(trainer):
@@ -261,7 +302,7 @@ def timed(trainer: Trainer, action: str, fn: Callable[..., Any]) -> Callable[...
 
 
 def train_batch(
-    trainer: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool
+    trainer: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool
 ) -> Any:
     """Run one training batch (and the optimizer step it completes); returns training_step's output
     (``as_outputs`` makes it what ``on_train_batch_end`` receives, where some hook does)."""
@@ -277,20 +318,21 @@ def train_batch(
             return module.training_step(batch, batch_idx)
     optimizer = t.step_optimizers[0]
     live = plan.live
+    state = plan.state
     window = t.window_losses
     if batch_idx % t.accumulate_grad_batches == 0:
         window.clear()
         if "on_before_zero_grad" in live:
             t.hook("on_before_zero_grad", optimizer)
         if plan.custom_zero_grad:
-            module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+            module.optimizer_zero_grad(state.current_epoch, batch_idx, optimizer)
         else:
             optimizer._fabric_optimizer.zero_grad()
     if not boundary:
         output, loss = plan.run_accumulating(t, plan, batch, batch_idx, window_size)
         window.append((batch_idx, loss.detach()))
         return output
-    steps_before = t.global_step
+    steps_before = state.global_step
     if not plan.custom_step:
         # The default optimizer_step is optimizer.step(closure=closure): run the closure's body, then step.
         output = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)[0]
@@ -308,7 +350,7 @@ def train_batch(
             closure()
             module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
         else:
-            module.optimizer_step(t.current_epoch, batch_idx, optimizer, closure)
+            module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
         if not ran:
             raise MisconfigurationError(
                 f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "
@@ -317,15 +359,15 @@ def train_batch(
             )
         output = ran[0]
     configs = t.lr_scheduler_configs
-    if configs and t.global_step > steps_before:
+    if configs and state.global_step > steps_before:
         # Reading callback_metrics syncs pending step values across ranks: only for a monitored scheduler.
         monitored = any(c.interval == "step" and c.monitor is not None for c in configs)
-        step_schedulers(module, configs, "step", t.global_step, t.callback_metrics if monitored else {})
+        step_schedulers(module, configs, "step", state.global_step, t.callback_metrics if monitored else {})
     return output
 
 
 def _last_micro_batch(
-    t: Trainer, plan: StepPlan, optimizer: StepOptimizer, batch: Any, batch_idx: int, window_size: int
+    t: StepHost, plan: StepPlan, optimizer: StepOptimizer, batch: Any, batch_idx: int, window_size: int
 ) -> tuple[Any, torch.Tensor]:
     """The optimizer closure's body: the window's last forward and backward (gradients synced), then
     the checks and hooks before the step. Returns training_step's output and its loss."""
@@ -336,7 +378,7 @@ def _last_micro_batch(
     if "on_before_optimizer_step" in plan.live:
         t.hook("on_before_optimizer_step", optimizer)
     if plan.clip:
-        plan.module.configure_gradient_clipping(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+        plan.module.configure_gradient_clipping(optimizer, plan.clip_val, plan.clip_algorithm)
     return output, loss
 
 
@@ -360,7 +402,7 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 def check_finite_losses(
-    trainer: Trainer, earlier: list[tuple[int, torch.Tensor]], batch_idx: int, loss: torch.Tensor
+    trainer: StepHost, earlier: list[tuple[int, torch.Tensor]], batch_idx: int, loss: torch.Tensor
 ) -> None:
     """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read): the
     ``earlier`` micro-batches' losses and the window's last, ``loss`` of ``batch_idx``."""
@@ -375,15 +417,15 @@ def check_finite_losses(
     bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
     if not bad:
         return
-    t = trainer
+    t, state = trainer, trainer.loop_state
     batch_idx, value = bad[0]
     where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
     more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
     raise NonFiniteError(
-        f"The training loss is {value} at epoch {t.current_epoch}, global step {t.global_step}, batch {batch_idx}"
-        f"{where}{more}. The run stops here, before the optimizer steps on it (the weights are those after "
-        f"step {t.global_step}). Typical causes: a learning rate that is too high (look at the losses before this "
-        "batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
+        f"The training loss is {value} at epoch {state.current_epoch}, global step {state.global_step}, batch "
+        f"{batch_idx}{where}{more}. The run stops here, before the optimizer steps on it (the weights are those "
+        f"after step {state.global_step}). Typical causes: a learning rate that is too high (look at the losses "
+        "before this batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
         "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
         "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
         "torch.autograd.detect_anomaly() names the operation."
@@ -401,7 +443,7 @@ def as_outputs(output: Any) -> Any:
 
 
 def _forward_backward(
-    t: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
+    t: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
 ) -> tuple[Any, torch.Tensor]:
     """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
     ``backward``; returns training_step's output and its loss. (The LR finder uses
@@ -420,7 +462,7 @@ def _forward_backward(
 
 
 def _forward_backward_no_sync(
-    t: Trainer, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
+    t: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
 ) -> tuple[Any, torch.Tensor]:
     """A micro-batch before the window's last: its gradients stay local (synced with the last one's)."""
     with t.fabric.no_backward_sync(t.model, enabled=True):

@@ -13,6 +13,8 @@ from phalanx.callbacks.base import Callback
 
 
 class BatchSizeFinder(Callback):
+    skip_in_fast_dev_run = True  # it tunes: fast_dev_run is a smoke test
+
     def __init__(
         self, mode: str = "power", steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25,
         batch_arg_name: str = "batch_size", margin: float = 0.05, max_val: int = 8192,

@@ -21,6 +21,7 @@ from phalanx.core.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
+from phalanx.tuner.support import refuse_without_separate_optimizers
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
 
@@ -236,21 +237,6 @@ class Tuner:
                 raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
             epoch += 1
         return result
-
-
-def refuse_without_separate_optimizers(trainer: Trainer, tuner: str, where: str) -> None:
-    """The tuners search with an optimizer of their own and the fit then builds the real one: a
-    strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot, once the
-    model is set up (a standalone ``lr_find`` before the fit searches on a scratch copy instead)."""
-    strategy = trainer.fabric.strategy
-    if not strategy.sets_up_optimizers_separately:
-        raise MisconfigurationError(
-            f"Tuner.{tuner} is not supported on {type(strategy).__name__} {where}: it builds one engine from the "
-            f"model and its optimizer, and the search needs an optimizer of its own before the fit builds the real "
-            f"one. Call Tuner(trainer).lr_find(model, ...) before trainer.fit (it searches on a copy of the model), "
-            f"or run {tuner} in a separate job with strategy='ddp' (same module, data and devices) and pass the "
-            "value it finds to this run."
-        )
 
 
 def _lr_attr(model: Any, attr_name: str) -> str:

@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.trainer.trainer import Trainer
 from phalanx.utils.diagnostics import info
+from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.core.view import TrainerView
     from phalanx.tuner.lr_find import LRFinderResult
 
 
@@ -26,6 +28,8 @@ class LearningRateFinder(Callback):
         plot_path: where rank 0 saves the loss-vs-LR plot (PNG), if given.
     """
 
+    skip_in_fast_dev_run = True  # it tunes: fast_dev_run is a smoke test
+
     def __init__(
         self, min_lr: float = 1e-8, max_lr: float = 1.0, num_training_steps: int = 100, mode: str = "exponential",
         early_stop_threshold: float | None = 4.0, attr_name: str = "", plot_path: str | Path | None = None,
@@ -38,9 +42,11 @@ class LearningRateFinder(Callback):
         self.optimal_lr: LRFinderResult | None = None  # the result of the search
         self.lr: float | None = None
 
-    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
+    def on_fit_start(self, trainer: TrainerView, module: Module) -> None:
         from phalanx.tuner.lr_find import Tuner, _lr_attr
 
+        if not isinstance(trainer, Trainer):  # the search runs the Trainer's own loop pieces
+            raise MisconfigurationError(f"LearningRateFinder runs in a phalanx.Trainer, not {type(trainer).__name__}.")
         if trainer.ckpt_path is not None:
             if self.lr is not None and self.update_attr:
                 setattr(module, _lr_attr(module, self.attr_name), self.lr)

@@ -23,172 +23,48 @@ hard to misuse:
   own norm functions on DTensor gradients), and 16-mixed skips a step on every rank when any shard
   overflowed (torch's GradScaler reduces its found-inf flag over the mesh).
 
-Checkpoint I/O: :mod:`phalanx.checkpoint` (the layer) and :mod:`phalanx.checkpoint.dcp` (FSDP's shards).
+This module keeps the :class:`FSDPStrategy` class: setup, sharding, the optimizer, forward, backward
+and the step. Its parts live beside it: ``units`` (the sharding policy, read from the module tree),
+``guards`` (the call-order guards and their hooks), ``gradients`` (norms and averages across shards),
+``precision`` (mixed precision on DTensors, shared with ModelParallelStrategy) and ``checkpoint`` (the
+base class answering the checkpoint layer: :mod:`phalanx.checkpoint` and :mod:`phalanx.checkpoint.dcp`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from phalanx.checkpoint import dcp
-from phalanx.checkpoint.async_sharded import AsyncCheckpoint, AsyncSaves
+import phalanx.strategies.fsdp.guards as guards
 from phalanx.checkpoint.dcp import class_name
-from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.distributed.launch import ClusterEnvironment
-from phalanx.distributed.lockstep import to_timedelta
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
-from phalanx.strategies.parallel import ParallelStrategy
-from phalanx.utils.compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from phalanx.strategies.fsdp.checkpoint import FSDPCheckpointing
+from phalanx.strategies.fsdp.gradients import clip_grad_norm, is_sharded, local_tensor, reduce_scatter_averages
+from phalanx.strategies.fsdp.guards import CallOrder, Root
+from phalanx.strategies.fsdp.precision import FSDPMixedPrecision, ShardedMixedPrecision
+from phalanx.strategies.fsdp.units import (
+    is_bare_container,
+    is_default_unit,
+    list_elements,
+    outermost_units,
+    tied_weights_hint,
+)
+from phalanx.utils.compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, fully_shard
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 from phalanx.utils.tensors import is_metric
 
-STATE_DICT_TYPES = ("sharded", "full")
-_DCP_DIR = os.path.join("torch", "distributed", "checkpoint")
-# Layers torch ships that are natural sharding units, besides the elements of any nn.ModuleList.
-_DEFAULT_UNIT_CLASSES: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (the tensor itself when it is not a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _called_from_dcp() -> bool:
-    """Whether torch.distributed.checkpoint's helpers asked for the state dict (they handle shards)."""
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if _DCP_DIR in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
-
-
-class ShardedMixedPrecision(MixedPrecision):
-    """:class:`~phalanx.precision.MixedPrecision` (autocast) on sharded (DTensor) gradients. Loss scaling
-    is its ``torch.amp.GradScaler``: on DTensor gradients torch all-reduces the found-inf flag over the
-    mesh, so an overflow in one rank's shard skips the step on every rank (shards would diverge
-    otherwise). That all-reduce is a collective: the ranks meet first, so a rank that never steps
-    makes the others raise (naming this op) instead of waiting for the process-group timeout."""
-
-    def __init__(
-        self, dtype: torch.dtype, device_type: str, guarded: Callable[[str], contextlib.AbstractContextManager[None]]
-    ) -> None:
-        super().__init__(dtype, device_type)
-        self._guarded = guarded
-
-    def _unscale(self, optimizer: Optimizer) -> None:
-        with self._guarded("loss scaler (inf/nan in any gradient shard)"):
-            super()._unscale(optimizer)
-
-
-class FSDPMixedPrecision(ShardedMixedPrecision):
-    """``bf16-mixed``/``16-mixed`` done by FSDP2 itself: parameters are all-gathered and used in
-    ``dtype``, gradients are reduced and kept in float32, and the optimizer updates float32 shards.
-    There is no autocast: FSDP casts parameters and floating-point inputs."""
-
-    def policy(self) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-
-    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-
-def _decide_root_now(module: FSDPModule) -> bool:
-    """Make ``module`` FSDP's root before any forward: otherwise the first unit to run forward becomes
-    the root, and calling ``model.student(x)`` before ``model(x)`` would break the real root for good.
-    The hook is private to torch; without it (False) phalanx guards the call order instead."""
-    try:
-        lazy_init = module._get_fsdp_state()._lazy_init
-    except AttributeError:
-        return False
-    lazy_init()
-    return True
-
-
-def _reduce_scatter_averages(world_size: int) -> bool:
-    """Whether the default process group's reduce-scatter with ``ReduceOp.AVG`` averages. FSDP2 reduces
-    float32/bfloat16 gradients with it; older torch's gloo silently summed instead (pytorch issue
-    162338), which makes every gradient ``world_size`` times too large."""
-    out = torch.zeros(1)
-    try:
-        dist.reduce_scatter_tensor(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
-    except RuntimeError:  # a backend that refuses AVG outright
-        return False
-    return bool(out.item() == 1.0)
-
-
-def _clip_grad_norm(
-    params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
-) -> torch.Tensor:
-    """Scale the gradients so that their norm over every shard of every rank is at most ``max_norm``;
-    returns that norm (a plain tensor, the same on every rank).
-
-    Gradients may live on different meshes (tensor parallel x FSDP: a parameter sharded by FSDP alone
-    is on the 1-D data-parallel mesh, a tensor-parallel one on the 2-D mesh), and torch cannot stack
-    DTensors of different meshes into one norm. So each mesh's gradients get torch's norm (reduced
-    over that mesh), and the total is the norm of those norms, which is the same number."""
-    utils = torch.nn.utils
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    if hasattr(utils, "get_total_norm"):  # torch >= 2.6
-        norms = []
-        for group in by_mesh.values() or [[]]:
-            norm = utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type, error_if_nonfinite)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = norms[0] if len(norms) == 1 else utils.get_total_norm(norms, norm_type, error_if_nonfinite)
-        for group in by_mesh.values():
-            utils.clip_grads_with_norm_(group, max_norm, total)
-    else:  # clip_grad_norm_ reduces the DTensor norms itself
-        if len(by_mesh) > 1:
-            raise MisconfigurationError(
-                f"Clipping gradients that live on {len(by_mesh)} different device meshes (tensor parallel with FSDP) "
-                f"needs torch >= 2.6 (torch.nn.utils.get_total_norm); torch {torch.__version__} has not got it. "
-                "Upgrade torch."
-            )
-        total = utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-    return total
-
-
-@dataclass
-class _Root:
-    """Bookkeeping for one set-up (root) FSDP module."""
-
-    name: str
-    param_ids: frozenset[int]
-    units: list[FSDPModule]  # the outermost sharded units: the root itself, or a bare container's children
-    sync_enabled: bool = True
-    ran_forward: bool = False  # some unit of this root ran forward since the last backward
-    root_ready: bool = True  # FSDP knows this module is its root (see _decide_root_now)
-    local_only: bool = False  # last backward ran without reduce-scatter
-    optimizers: dict[int, bool] = field(default_factory=dict)
-
-
-class FSDPStrategy(ParallelStrategy):
+class FSDPStrategy(FSDPCheckpointing):
     """Shard parameters, gradients and optimizer state across ranks with FSDP2.
 
     Args:
@@ -231,36 +107,22 @@ class FSDPStrategy(ParallelStrategy):
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(state_dict_type=state_dict_type, async_save=async_save, **kwargs)
         self.compile_options = check_compile(compile)
         hint = " For custom logic pass parallelize_fn=fn(module, mesh) and call fully_shard yourself."
         wrap_classes = check_policy(auto_wrap_policy, "auto_wrap_policy", hint)
         self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, hint=hint)
         if auto_wrap_policy is not None and parallelize_fn is not None:
             raise MisconfigurationError("Pass auto_wrap_policy or parallelize_fn, not both.")
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise MisconfigurationError(f"state_dict_type={state_dict_type!r}; choose one of {STATE_DICT_TYPES}.")
-        if async_save and state_dict_type != "sharded":
-            raise MisconfigurationError(
-                f"async_save=True writes sharded checkpoints; it cannot be combined with state_dict_type="
-                f"{state_dict_type!r}. Drop one of the two (`phalanx consolidate` turns a sharded checkpoint into "
-                "one file)."
-            )
         self.auto_wrap_policy = wrap_classes if auto_wrap_policy is not None else None
         self.parallelize_fn = parallelize_fn
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
-        self.state_dict_type = state_dict_type
-        self.async_save = async_save
-        self._saves = AsyncSaves(self.unguarded, self._new_checkpoint_group)
         self._mesh: DeviceMesh | None = None
-        self._roots: dict[int, _Root] = {}
-        self._active: dict[int, int] = {}  # unit id -> forward depth
+        self._calls = CallOrder()  # the set-up roots and the call-order guards (guards.py)
         self._stale: dict[int, weakref.ref[nn.Parameter]] = {}
-        self._internal_state_dict = 0
-        self._warned_state_dict = False
 
-    # ------------------------------------------------------------------ precision
+    # ------------------------------------------------------------------ configuration
     def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
         if device_type == "cpu" and not FSDP_ON_CPU:
             raise MisconfigurationError(
@@ -273,7 +135,7 @@ class FSDPStrategy(ParallelStrategy):
         super().setup_environment(env)
         if self.world_size > 1 and dist.get_backend() == "gloo":
             with self.guard.guarded("FSDP gradient-average check (gloo reduce-scatter)"):
-                averages = _reduce_scatter_averages(self.world_size)
+                averages = reduce_scatter_averages(self.world_size)
             if not averages:
                 raise MisconfigurationError(
                     f"strategy='fsdp' on gloo (CPU) needs a torch whose gloo reduce-scatter averages: torch "
@@ -307,7 +169,7 @@ class FSDPStrategy(ParallelStrategy):
             yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if id(module) in self._roots:
+        if id(module) in self._calls.roots:
             raise MisconfigurationError(f"This module was already set up with {type(self).__name__}; set it up once.")
         tensors = [*module.parameters(), *module.buffers()]
         on_meta = [t.is_meta for t in tensors]
@@ -319,17 +181,17 @@ class FSDPStrategy(ParallelStrategy):
         originals = {id(p): weakref.ref(p) for p in module.parameters()}
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        tied = _tied_weights_hint(module)  # before sharding: fully_shard replaces (and so unties) parameters
+        tied = tied_weights_hint(module)  # before sharding: fully_shard replaces (and so unties) parameters
         with self.guard.guarded(f"setup_module ({type(self).__name__} sharding)"):
             self._shard(module)
             if any(on_meta):
                 self._materialize(module)
             self._after_sharding(module)
             # The model, or a bare container's children (none: tensor parallelism alone, no FSDP root).
-            units = _outermost_units(module)
+            units = outermost_units(module)
             try:
                 # Every outermost unit becomes its own root.
-                root_ready = all([_decide_root_now(unit) for unit in units])
+                root_ready = all([guards.decide_root_now(unit) for unit in units])
             except (RuntimeError, ValueError) as err:
                 raise MisconfigurationError(
                     f"FSDP could not set up {class_name(module)}: {str(err).rstrip('.')}. {tied}"
@@ -339,8 +201,11 @@ class FSDPStrategy(ParallelStrategy):
         for sub in module.modules():
             if is_metric(sub):
                 sub.to(self.root_device)
-        self._stale.update(originals)
-        self._install_hooks(module, units, root_ready)
+        # Stale: the parameters sharding replaced (an optimizer holding one would update nothing). A module
+        # that arrives parallelized already (ModelParallelStrategy without parallelize_fn) keeps its own.
+        kept = {id(p) for p in module.parameters()}
+        self._stale.update({key: ref for key, ref in originals.items() if key not in kept})
+        self._calls.install(module, units, root_ready, self._state_dict_hint)
         compile_in_place(module, self.compile_options)
         return module
 
@@ -358,17 +223,15 @@ class FSDPStrategy(ParallelStrategy):
                 )
         else:
             classes = self.auto_wrap_policy
-            in_lists = {id(m) for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+            in_lists = list_elements(module)
             # Children before parents: fully_shard must see inner units first.
             for sub in reversed(list(module.modules())):
                 if sub is module or isinstance(sub, FSDPModule) or not any(True for _ in sub.parameters()):
                     continue
-                chosen = isinstance(sub, classes) if classes is not None else (
-                    id(sub) in in_lists or isinstance(sub, _DEFAULT_UNIT_CLASSES)
-                )
+                chosen = isinstance(sub, classes) if classes is not None else is_default_unit(sub, in_lists)
                 if chosen:
                     fully_shard(sub, **kwargs)
-        if _is_bare_container(module):
+        if is_bare_container(module):
             self._shard_children(module, kwargs)
         elif not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
@@ -379,7 +242,7 @@ class FSDPStrategy(ParallelStrategy):
         for child in container.children():
             if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
                 continue
-            if _is_bare_container(child):
+            if is_bare_container(child):
                 self._shard_children(child, kwargs)
             else:
                 fully_shard(child, **kwargs)
@@ -409,102 +272,6 @@ class FSDPStrategy(ParallelStrategy):
                 torch.manual_seed(base + 1_000_003 * self.global_rank)
             for _, m in owners:
                 m.reset_parameters()
-
-    def _install_hooks(self, root: nn.Module, units: list[FSDPModule], root_ready: bool) -> None:
-        record = _Root(class_name(root), frozenset(id(p) for p in root.parameters()), units, root_ready=root_ready)
-        self._roots[id(root)] = record
-        unit_classes = sorted({class_name(m) for m in root.modules() if isinstance(m, FSDPModule) and m is not root})
-        if not root_ready:
-            for outer in units:
-                cast(nn.Module, outer).register_forward_pre_hook(lambda *_: setattr(record, "root_ready", True))
-
-        def visit(mod: nn.Module, path: str, unit: nn.Module) -> None:
-            if isinstance(mod, FSDPModule):
-                unit = mod
-                self._track_unit(mod, record)
-                if not root_ready and not any(mod is outer for outer in units):
-                    self._require_root_first(mod, path, record)
-            elif _owns_unit_parameters(mod):
-                # Every module holding parameters of the enclosing unit, outermost first: the check of the
-                # module the user actually called fires before those of the layers inside it.
-                self._guard_direct_call(mod, path, unit, unit_classes)
-            for name, child in mod.named_children():
-                visit(child, f"{path}.{name}" if path else name, unit)
-
-        visit(root, "", root)
-
-        def hint(*_: Any) -> None:  # a plain function: torch tags state-dict hooks with attributes
-            self._state_dict_hint()
-
-        root.register_state_dict_post_hook(hint)
-
-    def _track_unit(self, unit: nn.Module, record: _Root) -> None:
-        self._active[id(unit)] = 0
-
-        def enter(*_: Any) -> None:
-            self._active[id(unit)] += 1
-            if torch.is_grad_enabled():
-                record.ran_forward = True
-
-        def leave(*_: Any) -> None:
-            # Also called when a pre-forward hook raised before enter() ran: never count below zero.
-            self._active[id(unit)] = max(0, self._active[id(unit)] - 1)
-
-        unit.register_forward_pre_hook(enter)
-        unit.register_forward_hook(leave, always_call=True)
-
-    def _require_root_first(self, unit: nn.Module, path: str, record: _Root) -> None:
-        def check(*_: Any) -> None:
-            if not record.root_ready:
-                raise MisconfigurationError(
-                    f"{path} ({class_name(unit)}) was called directly before {record.name} ever ran forward. "
-                    f"This torch offers phalanx no way to make {record.name} FSDP's root at setup, so FSDP would "
-                    f"make {path} the root and {record.name} unusable. Call the set-up model once first (e.g. on "
-                    "one batch under torch.no_grad()), then call its submodules directly."
-                )
-
-        # In front of FSDP's own pre-forward hook, which would pick the root.
-        unit.register_forward_pre_hook(check, prepend=True)
-
-    def _guard_direct_call(self, mod: nn.Module, path: str, unit: nn.Module, unit_classes: list[str]) -> None:
-        unit_id = id(unit)
-        cls = type(mod).__name__
-        policy = ", ".join(sorted({cls, *unit_classes}))
-
-        def check(*_: Any) -> None:
-            # Backward recomputation (activation checkpointing) re-runs forwards outside the unit's.
-            if self._active.get(unit_id, 1) == 0 and torch._C._current_graph_task_id() == -1:
-                raise MisconfigurationError(
-                    f"{path or cls} ({cls}) was called directly, but its parameters are sharded as part of the "
-                    f"enclosing unit {class_name(unit)}, whose forward is not running: it would compute on "
-                    "sharded parameters and its gradients would never be reduced. Call the set-up model instead, "
-                    f"or make {path or cls} its own sharded unit: FSDPStrategy(auto_wrap_policy={{{policy}}}) "
-                    f"(the units sharded now, plus {cls}), or fully_shard(module.{path or '<it>'}, mesh=mesh) in "
-                    "parallelize_fn."
-                )
-
-        mod.register_forward_pre_hook(check)
-
-    def _state_dict_hint(self) -> None:
-        if self._internal_state_dict or self._warned_state_dict or _called_from_dcp():
-            return
-        self._warned_state_dict = True
-        warnings.warn(
-            "Under FSDP, model.state_dict() holds only this rank's shards (DTensors): torch.save of it on "
-            "rank 0 alone stores rank 0's shards only. Use fabric.save(path, {'model': model, ...}) on every "
-            "rank (state_dict_type='full' gives one plain file).",
-            UserWarning,
-            stacklevel=4,
-        )
-
-    @contextlib.contextmanager
-    def internal_state_dict(self) -> Iterator[None]:
-        """phalanx's own state-dict calls: no hint about torch.save."""
-        self._internal_state_dict += 1
-        try:
-            yield
-        finally:
-            self._internal_state_dict -= 1
 
     # ------------------------------------------------------------------ optimizers
     def setup_module_and_optimizers(
@@ -550,13 +317,13 @@ class FSDPStrategy(ParallelStrategy):
         with self.guard.unguarded("backward (FSDP reduce-scatter)"):
             scaled.backward(*args, **kwargs)
         for module in modules:
-            record = self._roots.get(id(module))
+            record = self._calls.roots.get(id(module))
             if record is not None and record.ran_forward:
                 record.local_only = not record.sync_enabled
                 record.ran_forward = False
 
     @contextlib.contextmanager
-    def _sync_disabled(self, record: _Root) -> Iterator[None]:
+    def _sync_disabled(self, record: Root) -> Iterator[None]:
         for unit in record.units:
             unit.set_requires_gradient_sync(False)
         record.sync_enabled = False
@@ -568,13 +335,13 @@ class FSDPStrategy(ParallelStrategy):
             record.sync_enabled = True
 
     def no_backward_sync(self, forward_module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-        record = self._roots.get(id(forward_module))
+        record = self._calls.roots.get(id(forward_module))
         if not enabled or record is None:
             return contextlib.nullcontext()
         return self._sync_disabled(record)
 
     def check_ready_to_step(self, optimizer: Optimizer) -> None:
-        for record in self._roots.values():
+        for record in self._calls.roots.values():
             if not record.local_only:
                 continue
             touches = record.optimizers.get(id(optimizer))
@@ -603,7 +370,7 @@ class FSDPStrategy(ParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # The norm of DTensor gradients is a partial result per rank; full_tensor() all-reduces it.
         with self.guard.guarded("clip_gradients (global gradient norm over all shards)"):
-            return _clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
+            return clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0
@@ -612,151 +379,6 @@ class FSDPStrategy(ParallelStrategy):
         kept = [(n, local_tensor(t)) for n, t in named if not is_sharded(t)]
         super().verify_in_sync(kept, what, rtol, atol)
 
-    # ------------------------------------------------------------------ state and checkpoints
-    #: A single-file load is read by rank 0 alone; each tensor is broadcast and every rank keeps its shard.
-    loads_full_state_on_rank0: ClassVar[bool] = True
 
-    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full (unsharded) state dict, on every rank. A collective: call it on every rank."""
-        with self.internal_state_dict(), self.guard.unguarded("module_state_dict (FSDP all-gather)"):
-            return dcp.full_model_state(module, rank0_only=False)
-
-    def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool) -> None:
-        self.scatter_module_state(module, state, strict, from_rank0=False)
-
-    def optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
-        with self.internal_state_dict(), self.guard.unguarded("optimizer_state_dict (FSDP all-gather)"):
-            return dcp.full_optimizer_state(module, optimizer, rank0_only=False)
-
-    def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        self.scatter_optimizer_state(module, optimizer, state, from_rank0=False)
-
-    def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
-        if layout is None and self.state_dict_type == "full":
-            return None
-        if layout not in (None, dcp.DCPShards.layout):
-            return None
-        return dcp.DCPShards(self.guard.unguarded)
-
-    def gather_module_state(self, module: nn.Module) -> dict[str, Any]:
-        with self.internal_state_dict(), self.guard.unguarded("save: gathering the full model on rank 0"):
-            return dcp.full_model_state(module, rank0_only=True)
-
-    def gather_optimizer_state(self, module: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
-        with self.internal_state_dict(), self.guard.unguarded("save: gathering the full optimizer state on rank 0"):
-            return dcp.full_optimizer_state(module, optimizer, rank0_only=True)
-
-    def scatter_module_state(self, module: nn.Module, state: dict[str, Any], strict: bool, from_rank0: bool) -> None:
-        with self.internal_state_dict(), self.guard.unguarded("load: sharding the full model"):
-            dcp.load_full_model_state(module, state, strict, broadcast=from_rank0)
-
-    def scatter_optimizer_state(
-        self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any], from_rank0: bool
-    ) -> None:
-        with self.internal_state_dict(), self.guard.unguarded("load: sharding the full optimizer state"):
-            dcp.load_full_optimizer_state(module, optimizer, state, broadcast=from_rank0)
-
-    def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
-        with self.internal_state_dict():  # DTensor shapes are the full shapes: no gather needed
-            return class_name(module), super().module_layout(module)[1]
-
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint | None:
-        with self.internal_state_dict():
-            if self.async_save:
-                return self._saves.save(self, path, state)
-            self._saves.finish(self)  # async_save was switched off while a write ran
-            super().save_checkpoint(path, state)
-        return None
-
-    # A save still being written must be published (or have failed, on every rank) before anything
-    # reads or removes checkpoints: the next save waits for it too (AsyncSaves.save).
-    def load_checkpoint(
-        self, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
-    ) -> dict[str, Any]:
-        self._saves.finish(self)
-        with self.internal_state_dict():
-            return super().load_checkpoint(path, state, strict, weights_only)
-
-    def load_raw_checkpoint(self, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
-        self._saves.finish(self)
-        super().load_raw_checkpoint(path, obj, strict, weights_only)
-
-    def remove_checkpoint(self, path: str | Path) -> None:
-        self._saves.finish(self)
-        super().remove_checkpoint(path)
-
-    def _new_checkpoint_group(self) -> Any:
-        # The background write's collectives must not interleave with training's on the default group
-        # (they would, in a different order on each rank); gloo, because the staged shards are on the CPU.
-        with self.guard.guarded("save: create the process group of asynchronous checkpoints"):
-            return dist.new_group(backend="gloo", timeout=to_timedelta(self.timeout))
-
-    def teardown(self, error: BaseException | None = None) -> None:
-        ending = error
-        try:
-            if error is None and self._guard is not None:
-                self._saves.finish(self)  # a failed background write is raised here, on every rank
-        except BaseException as err:
-            ending = err
-            raise
-        finally:
-            self._saves.close()  # never destroy the process groups under a write still running
-            super().teardown(ending)
-
-
-def _is_bare_container(module: nn.Module) -> bool:
-    """A ModuleDict/ModuleList (or subclass) without its own forward, which fully_shard refuses."""
-    if not isinstance(module, (nn.ModuleDict, nn.ModuleList)) or type(module).forward is not nn.Module.forward:
-        return False
-    own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
-    if own:
-        raise MisconfigurationError(
-            f"{type(module).__name__} has no forward, so FSDP cannot make it a sharded unit, and it holds tensors of "
-            f"its own ({own}) that no child unit would shard. Move them into a child module, or give the model "
-            "a forward (subclass nn.Module)."
-        )
-    return True
-
-
-def _outermost_units(module: nn.Module) -> list[FSDPModule]:
-    if isinstance(module, FSDPModule):
-        return [module]
-    return [u for child in module.children() for u in _outermost_units(child)]
-
-
-def _owns_unit_parameters(module: nn.Module) -> bool:
-    """Whether some parameter under ``module`` is not inside a nested sharded unit."""
-    if any(True for _ in module.parameters(recurse=False)):
-        return True
-    return any(not isinstance(c, FSDPModule) and _owns_unit_parameters(c) for c in module.children())
-
-
-def _tied_weights_hint(module: nn.Module) -> str:
-    """Name the smallest module that holds every user of each shared (tied) parameter: the class to
-    make a unit, instead of one of the modules that share it."""
-    users: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        users.setdefault(id(p), []).append(name.rsplit(".", 1)[0] if "." in name else "")
-    hints = []
-    modules = dict(module.named_modules())
-    for paths in users.values():
-        if len(set(paths)) < 2:
-            continue
-        common = paths[0].split(".")
-        for path in paths[1:]:
-            parts = path.split(".")
-            n = 0
-            while n < min(len(common), len(parts)) and common[n] == parts[n]:
-                n += 1
-            common = common[:n]
-        holder = ".".join(common)
-        cls = type(modules[holder]).__name__ if holder in modules else type(module).__name__
-        hints.append(f"{' and '.join(sorted(set(paths)))} share a parameter (tied weights), so they must be in one "
-                     f"unit: make {holder or 'the root'} ({cls}) the unit (auto_wrap_policy={{{cls}, ...}}) and "
-                     "leave the modules that share it out of auto_wrap_policy")
-    if not hints:
-        return "Parameters shared between modules (tied weights) must live in one sharded unit."
-    return "; ".join(hints[:3]) + "."
-
-
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision"]
+# ShardedMixedPrecision and local_tensor lived here before the split; old imports keep working.
+__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision", "local_tensor"]

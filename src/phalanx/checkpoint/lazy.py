@@ -1,0 +1,120 @@
+"""Opening a checkpoint without reading it: each tensor is read from disk when it is first used.
+
+``lazy_load(path)`` opens a file written by ``torch.save`` (or ``fabric.save``) the way
+``torch.load(path, mmap=True, weights_only=True, map_location="cpu")`` does: only tensors and plain
+Python values are accepted (nothing in the file can run code), and tensor data stays in the file,
+memory-mapped copy-on-write, until it is touched. Each tensor comes back as a
+:class:`NotYetLoadedTensor`, which knows its shape and dtype without reading anything and becomes a
+real tensor when a torch function receives it (``model.load_state_dict(lazy_load(path))`` copies one
+parameter at a time) or when ``_load_tensor()`` is called. Converting a checkpoint larger than memory
+therefore needs only as much memory as the tensors being worked on.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.utils.errors import CheckpointError
+
+
+class NotYetLoadedTensor:
+    """A checkpoint tensor whose data has not been read yet (see the module docstring)."""
+
+    def __init__(self, source: torch.Tensor, name: str = "") -> None:
+        self._source = source
+        self._name = name
+
+    # What is known without touching the data.
+    @property
+    def shape(self) -> torch.Size:
+        return self._source.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._source.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._source.device
+
+    def size(self, dim: int | None = None) -> Any:
+        return self._source.shape if dim is None else self._source.shape[dim]
+
+    def dim(self) -> int:
+        return self._source.dim()
+
+    def numel(self) -> int:
+        return self._source.numel()
+
+    def _load_tensor(self) -> torch.Tensor:
+        """The tensor itself. Its pages are read from the file as they are used (copy-on-write: writing to
+        it never changes the file)."""
+        return self._source
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        return func(*_loaded(tuple(args)), **_loaded(dict(kwargs or {})))
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else a tensor has (``.T``, ``.to(dtype)``, ``.float()``...) works on the loaded tensor.
+        if name.startswith("__") or name in ("_source", "_name"):
+            raise AttributeError(name)
+        return getattr(self._load_tensor(), name)
+
+    def __repr__(self) -> str:
+        where = f"{self._name!r}, " if self._name else ""
+        return f"NotYetLoadedTensor({where}shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _loaded(value: Any) -> Any:
+    if isinstance(value, NotYetLoadedTensor):
+        return value._load_tensor()
+    if isinstance(value, tuple):
+        return tuple(_loaded(v) for v in value)
+    if isinstance(value, list):
+        return [_loaded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _loaded(v) for k, v in value.items()}
+    return value
+
+
+def _wrap(value: Any, name: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return NotYetLoadedTensor(value, name)
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _wrap(v, f"{name}.{k}" if name else str(k))) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _wrap(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_wrap(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_wrap(v, f"{name}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def lazy_load(path: str | Path) -> Any:
+    """Open ``path`` with every tensor as a :class:`NotYetLoadedTensor` (see the module docstring)."""
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except RuntimeError as err:
+        if "mmap" in str(err) or "zip" in str(err).lower():
+            raise CheckpointError(
+                f"{path} is in torch's legacy (pre-1.6, non-zip) format, which cannot be opened lazily. Load it "
+                "with torch.load(path, weights_only=True) and save it again with torch.save."
+            ) from err
+        raise
+    return _wrap(obj, "")

@@ -1,0 +1,58 @@
+"""``LoopState``: where the training loop is, in one object the Trainer owns.
+
+The counters used to be loose attributes of the Trainer, written from the loops, the step, the
+checkpoint code and the tuners' snapshots; a counter added in one place and forgotten in another
+is how a resumed run drifts from one that never stopped. Here they are one object with one
+``state_dict``/``load_state_dict`` (what a checkpoint stores) and one ``snapshot``/``restore``
+(everything, for a tuning phase that must leave no trace).
+
+The step path reads and bumps these counters at every batch, so the class has slots and the loops
+hold it in a local: ``state.global_step += 1`` costs what the loose attribute did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(slots=True)
+class LoopState:
+    """The training loop's position. ``trainer.global_step`` and friends read and write these fields."""
+
+    global_step: int = 0  # optimizer steps taken (Lightning's global_step)
+    current_epoch: int = 0
+    batches_done: int = 0  # training batches finished in the current epoch
+    stop_requested: bool = False  # trainer.should_stop as set; it takes effect once the minimums are met
+    epoch_finished: bool = False  # the epoch's batches ran; its end-of-epoch hooks run now
+    in_window: bool = False  # inside a gradient-accumulation window (no checkpoint may be taken)
+    epoch_start_rng: dict[str, Any] | None = None  # this rank's RNG states when the epoch began
+
+    def state_dict(self, world_size: int, samples_per_batch: int) -> dict[str, Any]:
+        """The counters a checkpoint stores (its ``"loops"`` entry). A checkpoint taken while an epoch's
+        end hooks run counts that epoch as done, so resuming starts the next one."""
+        done = self.epoch_finished
+        return {
+            "epoch": self.current_epoch + 1 if done else self.current_epoch,
+            "batches_done": 0 if done else self.batches_done,
+            "global_step": self.global_step,
+            "should_stop": self.stop_requested,  # the request as made (the minimums apply after resuming too)
+            "world_size": world_size,
+            "samples_consumed": 0 if done else self.batches_done * samples_per_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` stored."""
+        self.current_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.batches_done = int(state["batches_done"])
+        self.stop_requested = bool(state["should_stop"])
+        self.epoch_finished = self.in_window = False
+
+    def snapshot(self) -> LoopState:
+        """A copy of every field (the RNG states are never mutated in place, so sharing them is safe)."""
+        return dataclasses.replace(self)
+
+    def restore(self, saved: LoopState) -> None:
+        """Make this object (the one the loops and optimizers hold) equal to ``saved``."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(saved, f.name))

@@ -1,0 +1,180 @@
+"""Asynchronous sharded saves (FSDPStrategy(async_save=True), inherited by ModelParallelStrategy): the
+checkpoint holds the state as of the save call although training goes on during the write; the next
+save/load waits for it; a failed background write or publish is raised on every rank with its true
+cause and keeps the previous checkpoint; a process killed during the background write leaves the
+previous checkpoint loadable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp import run_job
+
+from phalanx.checkpoint import read_everything
+from phalanx.strategies import FSDPStrategy
+from phalanx.utils.errors import MisconfigurationError
+from tests.strategies.test_fsdp_checkpoint import kill_trial
+from tests.strategies.test_model_parallel import MODEL_CODE
+
+pytestmark = pytest.mark.timeout(300)
+
+ROUND_TRIP_JOB = """
+import errno, sys
+import torch, phalanx
+from pathlib import Path
+from phalanx.checkpoint import storage
+from phalanx.utils.errors import CheckpointError
+from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
+from mp import report
+from models import make_model, full_params, opt_state, one_more_step, parallelize
+
+torch.set_num_threads(1)
+strategy = (FSDPStrategy(async_save=True) if sys.argv[1] == "fsdp"
+            else ModelParallelStrategy(parallelize, 2, 1, async_save=True))
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+m = make_model()
+model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+one_more_step(fabric, model, opt)
+
+handle = fabric.save("first", {"model": model, "optimizer": opt, "step": 1})
+report(fabric, at_save=full_params(model), opt_at_save=opt_state(model, opt))
+for _ in range(3):  # training goes on while the shards are written
+    one_more_step(fabric, model, opt)
+handle.wait()
+report(fabric, handle=type(handle).__name__, done=handle.done(), published=Path("first").is_dir())
+
+# The next save waits for nothing now; a load right after an asynchronous save reads that save.
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 4})
+at_save2 = full_params(model)
+one_more_step(fabric, model, opt)
+m = make_model()
+fresh, fresh_opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+fabric.load("ckpt", state)
+report(fabric, loaded=full_params(fresh), at_save2=at_save2, step=state["step"])
+
+# A background write that fails (here: rank 1's storage) is raised on every rank at the next save,
+# and the checkpoint in place stays the previous one.
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+original = FileSystemWriter.write_data
+def broken(self, plan, planner):
+    raise OSError(28, "No space left on device")
+if fabric.global_rank == 1:
+    FileSystemWriter.write_data = broken
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 99})
+try:
+    handle.wait()  # local: this rank's part ended (torch tells every rank when one rank's write failed)
+    report(fabric, local_failure=None)
+except CheckpointError as err:
+    report(fabric, local_failure=str(err))
+FileSystemWriter.write_data = original
+try:
+    fabric.save("other", {"model": model})
+    report(fabric, failure=None)
+except CheckpointError as err:
+    report(fabric, failure=str(err))
+state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+fabric.load("ckpt", state)
+report(fabric, step_after_failure=state["step"])
+
+# Rank 0 cannot publish (a read-only mount): the other rank, whose shards were written, hears of it too.
+original = storage._move_into_place
+def read_only(tmp, path, exchange):
+    raise OSError(errno.EROFS, "Read-only file system", str(path))
+if fabric.global_rank == 0:
+    storage._move_into_place = read_only
+handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 123})
+try:
+    handle.wait()  # the publish runs in the background: keep the failure in place until it is done
+    report(fabric, local_publish_failure=None)
+except CheckpointError as err:
+    report(fabric, local_publish_failure=str(err))
+storage._move_into_place = original
+try:
+    fabric.load("ckpt", state)
+    report(fabric, publish_failure=None)
+except CheckpointError as err:
+    report(fabric, publish_failure=str(err))
+fabric.load("ckpt", state)
+leftovers = sorted(p.name for p in Path(".").iterdir() if p.name.startswith(".ckpt"))
+report(fabric, step_after_publish_failure=state["step"], leftovers=leftovers)
+
+# Copying the shards fails on rank 1 (out of memory): every rank raises before any write starts.
+from phalanx.checkpoint import async_sharded
+stage = async_sharded._ReusedStaging.stage
+def no_memory(self, tensors):
+    raise MemoryError("cannot allocate the staging copy")
+if fabric.global_rank == 1:
+    async_sharded._ReusedStaging.stage = no_memory
+try:
+    fabric.save("ckpt", {"model": model, "optimizer": opt, "step": 77})
+    report(fabric, stage_failure=None)
+except CheckpointError as err:
+    report(fabric, stage_failure=str(err))
+async_sharded._ReusedStaging.stage = stage
+fabric.load("ckpt", state)
+leftovers = sorted(p.name for p in Path(".").iterdir() if p.name.startswith(".ckpt"))
+report(fabric, step_after_stage_failure=state["step"], leftovers_after_stage_failure=leftovers)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> None:
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    job = run_job(ROUND_TRIP_JOB, tmp_path, timeout=240, args=(strategy,)).check()
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["handle"] == "AsyncCheckpoint" and rep["done"]
+        assert torch.equal(torch.tensor(rep["loaded"]), torch.tensor(rep["at_save2"]))
+        assert rep["step"] == 4
+        # Rank 1's disk was full; torch tells every rank, and each raises the operating system's cause.
+        cause = "Cannot write the shards of checkpoint ckpt: [Errno 28] No space left on device"
+        assert rep["failure"] is not None and cause in rep["failure"], rep["failure"]
+        assert "The previous checkpoint, if any, is unchanged." in rep["failure"]
+        assert cause in rep["local_failure"]
+        assert rep["step_after_failure"] == 4
+        # Only rank 0 publishes; its failure reaches rank 1, which had nothing to fail.
+        publish = "Cannot publish checkpoint ckpt: [Errno 30] Read-only file system"
+        assert rep["publish_failure"] is not None and publish in rep["publish_failure"], rep["publish_failure"]
+        assert ("failed on rank 0" in rep["publish_failure"]) == (rank == 1), rep["publish_failure"]
+        assert (rep["local_publish_failure"] is not None) == (rank == 0)
+        assert rep["step_after_publish_failure"] == 4
+        assert rep["leftovers"] == []  # the unpublished directory was removed
+        assert "Saving ckpt failed on rank 1: MemoryError: cannot allocate the staging copy" in rep["stage_failure"]
+        assert rep["step_after_stage_failure"] == 4 and rep["leftovers_after_stage_failure"] == []
+    assert job.reports[0]["published"]  # on rank 0, wait() returns once the checkpoint is in place
+    # The first save holds the state as of the save call, although three steps ran during its write.
+    first = read_everything(tmp_path / "first")
+    assert first["step"] == 1
+    ns: dict[str, Any] = {}
+    exec(MODEL_CODE, ns)
+    plain = ns["make_model"]()
+    plain.load_state_dict(first["model"])
+    assert torch.equal(ns["full_params"](plain), torch.tensor(job.reports[0]["at_save"], dtype=torch.float64))
+    saved_opt = torch.cat([first["optimizer"]["state"][i][k].reshape(-1).double()
+                           for i in range(len(first["optimizer"]["state"])) for k in ("exp_avg", "exp_avg_sq", "step")])
+    assert torch.equal(saved_opt, torch.tensor(job.reports[0]["opt_at_save"], dtype=torch.float64))
+    assert job.reports[0]["at_save"] != job.reports[0]["at_save2"]
+
+
+ASYNC = "FSDPStrategy(async_save=True)"
+
+
+def test_async_save_needs_sharded_checkpoints() -> None:
+    with pytest.raises(MisconfigurationError, match="async_save=True writes sharded checkpoints"):
+        FSDPStrategy(async_save=True, state_dict_type="full")
+
+
+def test_kill_during_async_write_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    kill_trial(tmp_path, seed=0, strategy=ASYNC)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_kill_during_async_write_many_trials(tmp_path: Path) -> None:
+    steps = [kill_trial(tmp_path / str(i), seed=200 + i, strategy=ASYNC) for i in range(8)]
+    assert max(steps) > 1, steps  # kills landed after later saves began, not only before

@@ -1,0 +1,441 @@
+"""FSDP checkpoints: sharded and full round trips (model, optimizer, scheduler, scaler, user state),
+loading at another world size, ``phalanx consolidate``, guarded saves, and atomicity under kill -9."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp import kill_mid_run, run_job
+from run_if import run_if
+
+from phalanx import Fabric
+from phalanx.checkpoint import MARKER, read_everything
+from phalanx.cli.commands import main as phalanx_main
+from phalanx.utils.errors import CheckpointError
+from tests.strategies.test_fsdp import MODEL_CODE
+
+pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
+
+SAVE_JOB = """
+import torch
+import phalanx
+from phalanx.strategies import FSDPStrategy
+from mp import report
+from models import make_model, make_data, full, full_params
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(), precision=PRECISION)
+fabric.launch()
+x, y = make_data()
+r = fabric.global_rank
+ce = torch.nn.functional.cross_entropy
+
+class Counter:  # a user object with state_dict/load_state_dict
+    def __init__(self):
+        self.n = 0
+    def state_dict(self):
+        return {"n": self.n}
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+def build():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = fabric.setup(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+def train(model, opt, sched, counter, steps):
+    for i in range(0, 8 * steps, 8):
+        opt.zero_grad()
+        fabric.backward(ce(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4]))
+        opt.step()
+        sched.step()
+        counter.n += 1
+
+def opt_state(model, opt):
+    # Every tensor of the optimizer state, unsharded, in parameter order.
+    st = opt.state
+    return torch.cat([full(st[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
+
+model, opt, sched = build()
+counter = Counter()
+train(model, opt, sched, counter, 2)
+state = {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2, "note": "hi"}
+fabric.strategy.state_dict_type = "sharded"
+fabric.save("ckpt", state)
+fabric.strategy.state_dict_type = "full"
+fabric.save("ckpt.pt", state)
+report(fabric, params=full_params(model), opt=opt_state(model, opt), lr=sched.get_last_lr())
+train(model, opt, sched, counter, 1)
+report(fabric, after=full_params(model))
+
+for name in ("ckpt", "ckpt.pt"):
+    model, opt, sched = build()
+    counter = Counter()
+    fresh = {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 0}
+    rest = fabric.load(name, fresh)
+    report(fabric, **{
+        name + ":params": full_params(model), name + ":opt": opt_state(model, opt),
+        name + ":lr": sched.get_last_lr(), name + ":counter": counter.n, name + ":step": fresh["step"],
+        name + ":rest": sorted(rest), name + ":note": rest.get("note"),
+    })
+    train(model, opt, sched, counter, 1)  # continuing must match the run that never stopped
+    report(fabric, **{name + ":after": full_params(model)})
+if PRECISION == "16-mixed":
+    report(fabric, scale=fabric.strategy.precision.scaler.get_scale())
+"""
+
+
+def _write_models(tmp_path: Path) -> None:
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+
+
+def _close(got: list[float], expected: list[float]) -> None:
+    a, b = torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    assert a.shape == b.shape and torch.allclose(a, b, atol=1e-7), (a - b).abs().max()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """One 2-rank job: train, save sharded + full, reload both into fresh objects, keep training."""
+    tmp_path = tmp_path_factory.mktemp("fsdp_ckpt")
+    _write_models(tmp_path)
+    job = run_job(SAVE_JOB.replace("PRECISION", repr("32-true")), tmp_path).check()
+    return tmp_path, job.reports
+
+
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.pt"], ids=["sharded", "full"])
+def test_round_trip_restores_everything(saved: tuple[Path, dict[int, dict[str, Any]]], name: str) -> None:
+    _, reports = saved
+    for rank in (0, 1):
+        rep = reports[rank]
+        _close(rep[name + ":params"], rep["params"])
+        _close(rep[name + ":opt"], rep["opt"])
+        assert rep[name + ":lr"] == rep["lr"]
+        assert rep[name + ":counter"] == 2 and rep[name + ":step"] == 2
+        assert rep[name + ":rest"] == ["note"] and rep[name + ":note"] == "hi"
+        _close(rep[name + ":after"], rep["after"])
+
+
+def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    tmp_path, reports = saved
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert ".metadata" in files and MARKER in files
+    assert sum(f.endswith(".distcp") for f in files) == 2  # every rank wrote its own shards
+    assert not list(tmp_path.glob(".ckpt.partial-*"))  # the temporary directory was renamed away
+    # The full file is the usual single-file layout: plain torch.load, index-keyed optimizer state.
+    ckpt = torch.load(tmp_path / "ckpt.pt")  # torch's defaults: weights_only=True on torch >= 2.6
+    assert set(ckpt["optimizer"]["state"]) == set(range(12))
+    flat = torch.cat([t.reshape(-1).double() for t in ckpt["model"].values()])
+    _close(flat.tolist(), reports[0]["params"])
+
+
+def _load_single_process(path: Path) -> dict[str, Any]:
+    """Load into a plain single-device Fabric (no process group) and report the same numbers."""
+    ns: dict[str, Any] = {}
+    exec(MODEL_CODE, ns)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = ns["make_model"]()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(path, state, strict=False)
+    exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
+                     for p in model.parameters()])
+    return {"params": ns["full_params"](model), "opt": exp, "step": state["step"]}
+
+
+def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    tmp_path, reports = saved
+    out = tmp_path / "consolidated.pt"
+    assert phalanx_main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 0
+    plain = torch.load(out, weights_only=True)
+    full = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert sorted(plain) == sorted(full)
+    for key in full["model"]:
+        assert torch.equal(plain["model"][key], full["model"][key])
+    assert plain["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
+    for i, entry in full["optimizer"]["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(plain["optimizer"]["state"][i][k], v)
+    assert plain["step"] == 2 and plain["counter"] == {"n": 2}
+    # Both single files and the sharded directory load into a one-process, unsharded model.
+    for path in (out, tmp_path / "ckpt.pt", tmp_path / "ckpt"):
+        got = _load_single_process(path)
+        _close(got["params"].tolist(), reports[0]["params"])
+        _close(got["opt"].tolist(), reports[0]["opt"])
+        assert got["step"] == 2
+
+
+def test_consolidate_refuses_incomplete_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "__0_0.distcp").write_bytes(b"\0" * 10)
+    assert phalanx_main(["consolidate", str(tmp_path / "half"), str(tmp_path / "out.pt")]) == 1
+    assert "is not a complete sharded checkpoint: .metadata is missing" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
+
+
+WORLD1_JOB = """
+import shutil
+import torch
+import phalanx
+from phalanx.utils.errors import CheckpointError
+from mp import report
+from models import make_model, full_params
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=1, strategy="fsdp")
+fabric.launch()
+for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
+    model = make_model()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(name, state, strict=False)
+    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":step": state["step"]})
+
+# A directory without the completion marker is refused.
+shutil.copytree("SAVED/ckpt", "broken")
+(__import__("pathlib").Path("broken") / "phalanx_meta.pt").unlink()
+try:
+    fabric.load("broken", {"model": model})
+    report(fabric, broken=None)
+except CheckpointError as err:
+    report(fabric, broken=str(err))
+# A checkpoint of another model names what does not match.
+other = fabric.setup_module(torch.nn.Linear(6, 3))
+try:
+    fabric.load("SAVED/ckpt", {"model": other})
+    report(fabric, mismatch=None)
+except CheckpointError as err:
+    report(fabric, mismatch=str(err))
+"""
+
+
+def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int, dict[str, Any]]],
+                                                      tmp_path: Path) -> None:
+    saved_dir, reports = saved
+    _write_models(tmp_path)
+    job = run_job(WORLD1_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    rep = job.reports[0]
+    _close(rep["ckpt"], reports[0]["params"])
+    _close(rep["ckpt.pt"], reports[0]["params"])
+    assert rep["ckpt:step"] == 2 and rep["ckpt.pt:step"] == 2
+    assert rep["broken"].startswith("broken is not a complete sharded checkpoint: phalanx_meta.pt is missing")
+    assert rep["mismatch"].startswith("The checkpoint does not match Linear: missing keys: [weight, bias]; "
+                                      "unexpected keys: [inp.weight, inp.bias, blocks.0.l1.weight")
+
+
+DDP_LOAD_JOB = """
+import torch, phalanx
+from mp import report
+from models import make_model, full_params
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
+    model = make_model()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(name, state, strict=False)
+    exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
+                     for p in model.parameters()])
+    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":opt": exp,
+                      name.split("/")[-1] + ":step": state["step"]})
+"""
+
+
+def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    saved_dir, reports = saved
+    _write_models(tmp_path)
+    job = run_job(DDP_LOAD_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    for rank in (0, 1):
+        for name in ("ckpt", "ckpt.pt"):
+            _close(job.reports[rank][name], reports[0]["params"])
+            _close(job.reports[rank][name + ":opt"], reports[0]["opt"])
+            assert job.reports[rank][name + ":step"] == 2
+
+
+def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
+    _write_models(tmp_path)
+    reports = run_job(SAVE_JOB.replace("PRECISION", repr("16-mixed")), tmp_path).check().reports
+    for rank in (0, 1):
+        rep = reports[rank]
+        _close(rep["ckpt:params"], rep["params"])
+        _close(rep["ckpt.pt:opt"], rep["opt"])
+        _close(rep["ckpt:after"], rep["after"])
+    meta = torch.load(tmp_path / "ckpt" / MARKER, weights_only=True)["__phalanx__"]
+    assert meta["precision"] == "16-mixed" and meta["precision_state"]["scaler"]["scale"] == reports[0]["scale"]
+
+
+RANK0_ONLY_JOB = """
+import time
+import phalanx
+from phalanx.utils.errors import CollectiveError
+from mp import report
+from models import make_model
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+fabric.launch()
+model = fabric.setup_module(make_model())
+start = time.monotonic()
+try:
+    if fabric.global_rank == 0:
+        fabric.save("ckpt", {"model": model})  # the classic bug: save only on rank 0
+    else:
+        fabric.barrier("after save")
+    report(fabric, error=None)
+except CollectiveError as err:
+    report(fabric, error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - start)
+"""
+
+
+def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
+    _write_models(tmp_path)
+    job = run_job(RANK0_ONLY_JOB, tmp_path, env={"PHALANX_GUARD_TIMEOUT": "5"}, timeout=120)
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["error"] is not None, job.output[-3000:]
+        assert rep["error"].startswith("CollectiveMismatchError")
+        # The lockstep check's own error, naming both operations (a timeout would say something else).
+        assert "rank 0 called save at job.py" in rep["error"] and "after save" in rep["error"]
+    assert not (tmp_path / "ckpt").exists()
+
+
+# STRATEGY is replaced by the strategy under test (test_async_checkpoint runs it with async_save=True).
+KILL_JOB = """
+import os
+import torch
+from torch import nn
+import phalanx
+from pathlib import Path
+from phalanx.strategies import FSDPStrategy
+
+torch.set_num_threads(1)
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY)
+fabric.launch()
+Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+model(torch.randn(2, 512)).sum().backward()
+opt.step()
+
+def fill(step):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+
+def save(step):
+    fill(step)
+    handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": step})
+    fill(-step)  # training overwrites the parameters while an asynchronous write runs: its copy must not see it
+    return handle
+
+first = save(1)
+if first is not None:
+    first.wait()
+fabric.barrier()
+if fabric.global_rank == 0:
+    Path("ready").write_text("1")
+for step in range(2, 10_000):
+    save(step)
+"""
+
+
+def kill_trial(tmp_path: Path, seed: int, strategy: str = "'fsdp'") -> int:
+    """Run the saving job, SIGKILL every process of it at a random moment mid-save; return the step of
+    the checkpoint that survived (and assert it is complete and holds one save's values only)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    kill_mid_run(KILL_JOB.replace("STRATEGY", strategy), tmp_path, ranks=2,
+                 delay=random.Random(seed).uniform(0.0, 2.0))
+    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
+    step = int(sd["step"])
+    for key, value in sd["model"].items():
+        assert torch.all(value == float(step)), f"{key} holds values of another step than {step}"
+    assert set(sd["optimizer"]["state"]) == set(range(16))
+    return step
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path, trial: int) -> None:
+    kill_trial(tmp_path, seed=trial)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_kill_during_save_many_trials(tmp_path: Path) -> None:
+    steps = [kill_trial(tmp_path / str(i), seed=100 + i) for i in range(10)]
+    assert max(steps) > 1, steps  # the kills did land after later saves began, not only before
+
+
+def test_load_refuses_missing_and_partial_checkpoints(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="No checkpoint at"):
+        read_everything(tmp_path / "nothing")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"phalanx_meta\.pt is missing"):
+        read_everything(tmp_path / "ckpt")
+
+
+def test_load_finds_the_previous_checkpoint_after_a_crash_mid_publish(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without an atomic exchange, publishing takes two renames; a crash between them leaves nothing at
+    the path and the previous checkpoint under .old-: load must find it there."""
+    import shutil
+
+    saved_dir, _ = saved
+    shutil.copytree(saved_dir / "ckpt", tmp_path / ".ckpt.old-0123456789")
+    sd = read_everything(tmp_path / "ckpt")
+    assert sd["step"] == 2 and "interrupted while replacing it" in caplog.text
+    # An interrupted copy that is itself incomplete is still refused, naming it.
+    (tmp_path / ".ckpt.old-0123456789" / MARKER).unlink()
+    with pytest.raises(CheckpointError, match=r"\.ckpt\.old-0123456789 is not a complete sharded checkpoint"):
+        read_everything(tmp_path / "ckpt")
+
+
+def test_consolidate_without_torch_private_helpers(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch may rename its private DCP helpers: phalanx notices, and consolidation takes torch's public
+    converter (which torch keeps working across its own renames)."""
+    import torch.distributed.checkpoint.state_dict_loader as loader
+
+    from phalanx.checkpoint import dcp
+
+    saved_dir, _ = saved
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "private.pt")]) == 0
+    with monkeypatch.context() as patch:
+        patch.delattr(loader, "_load_state_dict")
+        assert dcp._read_all_private(saved_dir / "ckpt") is None  # the rename is detected, not a crash
+    monkeypatch.setattr(dcp, "_read_all_private", lambda directory: None)
+    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "public.pt")]) == 0
+    private, public = torch.load(tmp_path / "private.pt"), torch.load(tmp_path / "public.pt")
+    assert sorted(private) == sorted(public)
+    for key, value in private["model"].items():
+        assert torch.equal(public["model"][key], value)
+    for i, entry in private["optimizer"]["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(public["optimizer"]["state"][i][k], v)
+
+
+def test_sharded_metadata_that_could_run_code_is_refused(
+    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """torch reads DCP's .metadata with plain pickle; phalanx vets it first (weights_only=True)."""
+    import pickle
+    import shutil
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned > pwned.txt",))
+
+    saved_dir, _ = saved
+    shutil.copytree(saved_dir / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata names posix\.system.*could run code"):
+        read_everything(tmp_path / "ckpt")
+    assert phalanx_main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 1
+    assert not (tmp_path / "pwned.txt").exists() and not Path("pwned.txt").exists()

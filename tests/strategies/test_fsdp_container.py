@@ -1,0 +1,106 @@
+"""Seed 000's structure under FSDP: a plain ``nn.ModuleDict({"teacher", "student"})`` with a frozen
+teacher, both called directly. ``fully_shard`` refuses a container without forward (the user got a raw
+ValueError and a page of module print); phalanx shards the children as units and leaves the container
+unsharded. 2 ranks equal one process on the concatenated batches; accumulation and checkpoints work."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mp import REPO, run_job
+from run_if import run_if
+from torch import nn
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    run_if(fsdp=True),
+]
+
+
+def make_model() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "teacher": nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)),
+        "student": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)),
+    })
+    model["teacher"].requires_grad_(False)
+    return model
+
+
+def make_data(n: int = 32) -> torch.Tensor:
+    return torch.randn(n, 6, generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        target = model["teacher"](x).softmax(-1)
+    return nn.functional.kl_div(model.student(x).log_softmax(-1), target, reduction="batchmean")
+
+
+JOB = """
+import torch, phalanx
+from mp import report
+from tests.strategies.test_fsdp_container import loss_of, make_data, make_model
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+fabric.launch()
+model = make_model()
+model, opt = fabric.setup(model, torch.optim.Adam(model["student"].parameters(), lr=0.01))
+x = make_data()
+r = fabric.global_rank
+for step in range(3):  # windows of 2 micro-batches of 4 samples per rank
+    for micro in range(2):
+        start = step * 16 + micro * 8 + 4 * r
+        with fabric.no_backward_sync(model, enabled=micro == 0):
+            fabric.backward(loss_of(model, x[start : start + 4]) / 2)
+    opt.step()
+    opt.zero_grad()
+full = lambda m: torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
+                            for p in m.parameters()])
+fabric.save("ckpt", {"model": model, "optimizer": opt})
+student, teacher = full(model.student), full(model.teacher)
+with torch.no_grad():
+    for p in model.student.parameters():
+        p.zero_()
+fabric.load("ckpt", {"model": model, "optimizer": opt})
+report(fabric, student=student, teacher=teacher, reloaded=full(model.student),
+       sharded=[type(p).__name__ for p in model.student.parameters()])
+"""
+
+
+def test_module_dict_distillation_under_fsdp_equals_one_process(tmp_path: Path) -> None:
+    job = run_job(JOB, tmp_path).check()
+    model = make_model()
+    opt = torch.optim.Adam(model["student"].parameters(), lr=0.01)
+    x = make_data()
+    for step in range(3):  # one process: each window is 16 samples, in two micro-batches of 8
+        for micro in range(2):
+            start = step * 16 + micro * 8
+            (loss_of(model, x[start : start + 8]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    student = torch.cat([p.detach().reshape(-1).double() for p in model["student"].parameters()])
+    teacher = torch.cat([p.detach().reshape(-1).double() for p in model["teacher"].parameters()])
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["sharded"] == ["DTensor"] * 4  # the student is a sharded unit
+        torch.testing.assert_close(torch.tensor(rep["student"], dtype=torch.float64), student, rtol=0, atol=1e-6)
+        assert torch.equal(torch.tensor(rep["teacher"], dtype=torch.float64), teacher)  # frozen
+        assert rep["reloaded"] == rep["student"]  # the sharded checkpoint round-trips the container
+
+
+def test_distillation_example_runs_under_fsdp_and_matches_ddp(tmp_path: Path) -> None:
+    sums = {}
+    for strategy in ("ddp", "fsdp"):
+        proc = subprocess.run([sys.executable, str(REPO / "examples" / "distillation.py"), "--strategy", strategy],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = re.search(r"student checksum ([0-9.]+) \(" + strategy + r"\)", proc.stdout)
+        assert found is not None, proc.stdout[-2000:]
+        sums[strategy] = float(found.group(1))
+    assert sums["fsdp"] == pytest.approx(sums["ddp"], rel=1e-6)

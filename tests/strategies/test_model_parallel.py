@@ -1,0 +1,552 @@
+"""ModelParallelStrategy (tensor parallel x FSDP on a 2-D mesh): 4-rank jobs on gloo equal one process
+on the concatenated data-parallel batches (Fabric and Trainer), data split by data-parallel rank,
+clipping over both mesh dimensions, accumulation, and checkpoints resharded to other mesh shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp import run_job
+
+from phalanx import Fabric
+from phalanx.strategies import ModelParallelStrategy, resolve_strategy
+from phalanx.strategies.model_parallel import resolve_mesh_shape
+from phalanx.utils.errors import MisconfigurationError
+
+pytestmark = pytest.mark.timeout(400)
+
+# Shared by the jobs (imported as `models`) and the single-process references.
+MODEL_CODE = '''
+import torch
+import phalanx
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([FeedForward(), FeedForward()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def parallelize(model, mesh):
+    """Megatron-style MLP split over 'tensor_parallel', each block and the root sharded over 'data_parallel'."""
+    for block in model.blocks:
+        parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def make_data(n=32):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class LitNet(phalanx.Module):
+    """Net under the Trainer; logs a per-sample count with reduce_fx="sum" (each sample counted once)."""
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("train_samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+        self.log("val_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def parallelize_lit(module, mesh):
+    parallelize(module.net, mesh)  # the strategy shards the LitNet root itself
+    return module
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
+
+
+def full_params(model):
+    return torch.cat([full(p) for p in model.parameters()])
+
+
+def opt_state(model, opt):
+    return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
+
+
+def one_more_step(fabric, model, opt):
+    """One Adam step on the global batch x[0:8], whatever the mesh shape (a checkpoint's continuation)."""
+    x, y = make_data()
+    dp = fabric.strategy.distributed_sampler_kwargs() or {"num_replicas": 1, "rank": 0}
+    size = 8 // dp["num_replicas"]
+    lo = size * dp["rank"]
+    opt.zero_grad()
+    fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + size]), y[lo : lo + size]))
+    opt.step()
+'''
+
+
+def _close(got: list[float], expected: torch.Tensor, atol: float = 1e-6) -> None:
+    t = torch.tensor(got, dtype=torch.float64)
+    assert t.shape == expected.shape
+    assert torch.allclose(t, expected, atol=atol), (t - expected).abs().max()
+
+
+# ---------------------------------------------------------------------- no processes needed
+def test_registered_name_and_lightning_constructor() -> None:
+    assert isinstance(resolve_strategy("model_parallel", 4), ModelParallelStrategy)
+    # Lightning's positional order, so a port is an import change.
+    strategy = ModelParallelStrategy(lambda m, mesh: m, 2, 2, False, "gloo", 60.0)
+    assert strategy.state_dict_type == "full" and strategy.backend == "gloo" and strategy.timeout == 60.0
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    assert fabric.strategy is strategy
+    assert (strategy.data_parallel_size, strategy.tensor_parallel_size) == (2, 2)
+
+
+@pytest.mark.parametrize(("dp", "tp", "devices", "nodes", "expected"), [
+    ("auto", "auto", 4, 1, (1, 4)),  # tensor parallel within the node
+    ("auto", "auto", 2, 3, (3, 2)),  # data parallel across nodes
+    (2, "auto", 4, 1, (2, 2)),
+    ("auto", 1, 4, 1, (4, 1)),
+    (2, 2, 4, 1, (2, 2)),
+])
+def test_mesh_shape(dp: Any, tp: Any, devices: int, nodes: int, expected: tuple[int, int]) -> None:
+    assert resolve_mesh_shape(dp, tp, devices, nodes) == expected
+
+
+def test_mesh_shape_refused() -> None:
+    with pytest.raises(MisconfigurationError, match=r"does not match the 4 processes .* their product must be 4"):
+        Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(data_parallel_size=3))
+    with pytest.raises(MisconfigurationError, match="tensor_parallel_size must be a positive int or 'auto', got 0"):
+        ModelParallelStrategy(tensor_parallel_size=0)
+    with pytest.raises(MisconfigurationError, match="cannot be combined with save_distributed_checkpoint=False"):
+        ModelParallelStrategy(save_distributed_checkpoint=False, async_save=True)
+
+
+def test_sampler_kwargs_are_data_parallel_before_launch() -> None:
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    strategy._world_size, strategy._rank = 4, 3  # what setup_environment sets on rank 3
+    assert strategy.distributed_sampler_kwargs() == {"num_replicas": 2, "rank": 1}
+
+
+# ---------------------------------------------------------------------- 4 ranks, 2 x 2
+EQUIVALENCE_JOB = """
+import torch
+import phalanx
+from torch.utils.data import DataLoader, TensorDataset
+from phalanx.utils.errors import GradientSyncError
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import make_model, make_data, full_params, opt_state, one_more_step, parallelize
+
+torch.set_num_threads(1)
+fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
+fabric.launch()
+mesh = fabric.strategy.device_mesh
+dp = mesh["data_parallel"].get_local_rank()
+x, y = make_data()
+ce = torch.nn.functional.cross_entropy
+
+# Data: tensor-parallel peers read the same samples, data-parallel ranks different ones.
+loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True))
+report(fabric, coords=mesh.get_coordinate(), seen=[int(i) for (b,) in loader for i in b],
+       sampler=fabric.strategy.distributed_sampler_kwargs())
+
+# A: Adam + clipping by the global norm (over both mesh dimensions), optimizer built before setup.
+model2 = make_model()
+model, opt = fabric.setup(model2, torch.optim.Adam(model2.parameters(), lr=0.01))
+norms = []
+for i in range(0, 32, 8):
+    opt.zero_grad()
+    lo = i + 4 * dp
+    fabric.backward(ce(model(x[lo : lo + 4]), y[lo : lo + 4]))
+    norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+    opt.step()
+report(fabric, a=full_params(model), a_norms=norms)
+
+# Checkpoints of the 2 x 2 run (sharded directory and full file), then one more step for reference.
+state = {"model": model, "optimizer": opt, "step": 4}
+fabric.save("ckpt", state)
+fabric.strategy.state_dict_type = "full"
+fabric.save("ckpt.pt", state)
+fabric.strategy.state_dict_type = "sharded"
+report(fabric, a_opt=opt_state(model, opt))
+one_more_step(fabric, model, opt)
+report(fabric, a_after=full_params(model))
+
+
+# B: gradient accumulation (2 micro-batches per step); the first skips the data-parallel reduce.
+model = fabric.setup_module(make_model())
+opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+skipped = []
+for i in range(0, 32, 8):
+    opt.zero_grad()
+    for j, micro in enumerate((0, 2)):
+        lo = i + 4 * dp + micro
+        with fabric.no_backward_sync(model, enabled=j == 0):
+            fabric.backward(ce(model(x[lo : lo + 2]), y[lo : lo + 2]) / 2)
+        if j == 0:
+            skipped.append(all(p.grad is None for p in model.parameters()))
+    opt.step()
+report(fabric, b=full_params(model), skipped=skipped)
+
+# Stepping after a backward that skipped the reduce must raise (as under FSDP and DDP).
+with fabric.no_backward_sync(model):
+    fabric.backward(ce(model(x[:4]), y[:4]))
+try:
+    opt.step()
+    report(fabric, step_error=None)
+except GradientSyncError as err:
+    report(fabric, step_error=str(err))
+
+# Misuse, each refused at setup with the fix (the strategy's function is swapped per case).
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from phalanx.utils.errors import MisconfigurationError
+cases = {
+    "no_fn": None,
+    "returns_other": lambda model, mesh: torch.compile(model),
+    "not_data_parallel": lambda model, mesh: fully_shard(model, mesh=mesh["tensor_parallel"]),
+    "foreign_mesh": lambda model, mesh: fully_shard(model, mesh=init_device_mesh("cpu", (4,))),
+}
+for name, fn in cases.items():
+    fabric.strategy.parallelize_fn = fn
+    try:
+        fabric.setup_module(make_model())
+        report(fabric, **{name: None})
+    except MisconfigurationError as err:
+        report(fabric, **{name: str(err)})
+"""
+
+
+def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4) -> tuple[torch.Tensor, list[float]]:
+    model = models["make_model"]()
+    x, y = models["make_data"]()
+    if opt_name == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for i in range(0, 8 * steps, 8):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8]).backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+    return models["full_params"](model), norms
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """One 4-rank 2 x 2 job: training phases, a data-split probe, and the checkpoints it saved."""
+    tmp_path = tmp_path_factory.mktemp("mp2x2")
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    return tmp_path, run_job(EQUIVALENCE_JOB, tmp_path, timeout=300).check().reports
+
+
+def test_two_by_two_training_equals_single_process(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                   models: dict[str, Any]) -> None:
+    reports = trained[1]
+    expected_a, expected_norms = _reference(models, "adam", clip=True)
+    expected_b, _ = _reference(models, "sgd", clip=False)
+    assert max(expected_norms) > 0.5  # clipping really happened
+    seen = {}
+    for rank in range(4):
+        rep = reports[rank]
+        dp, tp = rep["coords"]
+        assert rep["sampler"] == {"num_replicas": 2, "rank": dp}
+        seen[(dp, tp)] = rep["seen"]
+        _close(rep["a"], expected_a)
+        # A replicated shard counted once per replica would inflate the norm (by up to sqrt(2) here).
+        assert rep["a_norms"] == pytest.approx(expected_norms, rel=1e-5)
+        _close(rep["b"], expected_b)
+        assert rep["skipped"] == [True] * 4
+        assert "optimizer.step() was called while the gradients of Net were never reduce-scattered" in (
+            rep["step_error"] or ""
+        )
+    # The classic silent bug: split by world rank, the two tensor-parallel peers would read different data.
+    assert seen[(0, 0)] == seen[(0, 1)] and seen[(1, 0)] == seen[(1, 1)]
+    assert sorted(seen[(0, 0)] + seen[(1, 0)]) == list(range(16))
+
+
+TRAINER_JOB = """
+import torch, phalanx
+from torch.utils.data import DataLoader, TensorDataset
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import LitNet, make_data, full_params, parallelize_lit
+
+torch.set_num_threads(1)
+phalanx.seed_everything(7)
+trainer = phalanx.Trainer(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize_lit, 2, 2),
+                          max_epochs=2, enable_progress_bar=False, enable_checkpointing=False, logger=False)
+model = LitNet()
+x, y = make_data()
+trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+            DataLoader(TensorDataset(x[:20], y[:20]), batch_size=4))
+report(trainer.fabric, params=full_params(model.net), steps=trainer.global_step,
+       metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
+"""
+
+
+@pytest.mark.slow
+def test_two_by_two_trainer_fit_equals_single_process(tmp_path: Path, models: dict[str, Any]) -> None:
+    job = run_job(TRAINER_JOB, tmp_path, timeout=300).check()
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import phalanx
+
+    phalanx.seed_everything(7)
+    trainer = phalanx.Trainer(accelerator="cpu", devices=1, max_epochs=2, enable_progress_bar=False,
+                              enable_checkpointing=False, logger=False)
+    model = models["LitNet"]()
+    x, y = models["make_data"]()
+    # One process, batches of 8 = the two data-parallel ranks' batches of 4, in the same order.
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True),
+                DataLoader(TensorDataset(x[:20], y[:20]), batch_size=8))
+    single = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert single["train_samples"] == 32 and single["val_samples"] == 20
+    for rank in range(4):
+        rep = job.reports[rank]
+        assert rep["steps"] == trainer.global_step == 8
+        _close(rep["params"], models["full_params"](model.net))
+        # Every sample counted once: the tensor-parallel peers' identical logs are not added twice.
+        assert rep["metrics"] == pytest.approx(single, rel=1e-6)
+
+
+LOAD_JOB = """
+import sys, torch, phalanx
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import make_model, full_params, opt_state, one_more_step, parallelize
+
+torch.set_num_threads(1)
+dp, tp = int(sys.argv[1]), int(sys.argv[2])
+fabric = phalanx.Fabric(accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(parallelize, dp, tp))
+fabric.launch()
+for name in ("ckpt", "ckpt.pt"):
+    m = make_model()
+    model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load("SAVED/" + name, state)
+    report(fabric, **{name: full_params(model), name + ":opt": opt_state(model, opt), name + ":step": state["step"]})
+    one_more_step(fabric, model, opt)
+    report(fabric, **{name + ":after": full_params(model)})
+"""
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param((1, 2), marks=pytest.mark.slow), pytest.param((2, 1), marks=pytest.mark.slow), (1, 1),
+], ids=["1x2", "2x1", "1-process"])
+def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                     tmp_path: Path, shape: tuple[int, int]) -> None:
+    saved, reports = trained
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    job = run_job(LOAD_JOB.replace("SAVED", str(saved)), tmp_path, args=tuple(map(str, shape)), timeout=300).check()
+    ref = reports[0]
+    for rank in range(shape[0] * shape[1]):
+        rep = job.reports[rank]
+        for name in ("ckpt", "ckpt.pt"):
+            _close(rep[name], torch.tensor(ref["a"], dtype=torch.float64), atol=1e-7)
+            _close(rep[name + ":opt"], torch.tensor(ref["a_opt"], dtype=torch.float64), atol=1e-7)
+            assert rep[name + ":step"] == 4
+            # Training continues exactly as the 2 x 2 run did.
+            _close(rep[name + ":after"], torch.tensor(ref["a_after"], dtype=torch.float64))
+
+
+def test_misuse_is_refused_with_the_fix(trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    for rep in trained[1].values():
+        assert rep["no_fn"].startswith("ModelParallelStrategy has no parallelize_fn and Net is not parallelized.")
+        assert "parallelize_fn must modify the module in place" in rep["returns_other"]
+        assert "returned a different object (OptimizedModule)" in rep["returns_other"]
+        assert rep["not_data_parallel"].startswith("Parameters ['inp.weight', 'inp.bias', ")
+        assert "are not sharded over the 'data_parallel' mesh dimension" in rep["not_data_parallel"]
+        assert "inp.weight is distributed over a device mesh with dimensions None" in rep["foreign_mesh"]
+
+
+def test_two_by_two_checkpoint_loads_without_a_process_group(trained: tuple[Path, dict[int, dict[str, Any]]],
+                                                             models: dict[str, Any]) -> None:
+    from phalanx.checkpoint import read_everything
+
+    saved, reports = trained
+    expected = torch.tensor(reports[0]["a"], dtype=torch.float64)
+    fabric = Fabric(accelerator="cpu", devices=1)  # the single-device strategy: plain tensors
+    model = fabric.setup(models["make_model"]())
+    state: dict[str, Any] = {"model": model, "step": 0}
+    fabric.load(saved / "ckpt.pt", state, strict=False)
+    _close(models["full_params"](model).tolist(), expected, atol=1e-7)
+    assert state["step"] == 4
+    # The sharded directory reads as full tensors anywhere (what `phalanx consolidate` writes).
+    plain = models["make_model"]()
+    plain.load_state_dict(read_everything(saved / "ckpt")["model"])
+    _close(models["full_params"](plain).tolist(), expected, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- meta-device init
+MEMORY_JOB = """
+import resource, sys, torch, phalanx
+from torch import nn
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import FeedForward, parallelize
+
+torch.set_num_threads(1)
+
+
+class Big(nn.Module):
+    def __init__(self, d=1024, layers=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward(d) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
+fabric.launch()
+fabric.seed_everything(3)
+empty = sys.argv[1] == "meta"
+before = peak_mib()
+with fabric.init_module(empty_init=empty):
+    model = Big()
+full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+model = fabric.setup_module(model)
+after_setup = peak_mib()
+opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(fabric.strategy.distributed_sampler_kwargs()["rank"]))
+fabric.backward(model(x).pow(2).mean())
+opt.step()
+after_step = peak_mib()
+local = {n: float(p.to_local().double().sum()) for n, p in model.module.named_parameters() if n.startswith("blocks.0.")}
+report(fabric, full_mib=full_mib, setup_mib=after_setup - before, step_mib=after_step - before,
+       coords=fabric.strategy.device_mesh.get_coordinate(), local=local,
+       finite=all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()))
+"""
+
+
+@pytest.mark.slow
+def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
+    (tmp_path / "models.py").write_text(MODEL_CODE)
+    # glibc raises its mmap threshold after each large free, then keeps freed blocks (FSDP's per-block
+    # all-gather buffers) in the heap: RSS would count every block's buffers as if alive. A fixed threshold
+    # makes RSS follow live memory.
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    meta = run_job(MEMORY_JOB, tmp_path, args=("meta",), timeout=400, env=env).check().reports
+    full = meta[0]["full_mib"]
+    assert 380 < full < 420  # ~100 M float32 parameters
+    for rank in range(4):
+        rep = meta[rank]
+        assert rep["finite"]
+        # Each rank holds a quarter of the parameters (2 x 2): setup stays far below the full model,
+        # and a training step (its parameters and gradients + one block all-gathered) stays under it.
+        assert rep["setup_mib"] < 0.4 * full, rep
+        assert rep["step_mib"] < 0.9 * full, rep
+    by_coord = {tuple(meta[r]["coords"]): meta[r]["local"] for r in range(4)}
+    for dp in (0, 1):
+        a, b = by_coord[(dp, 0)], by_coord[(dp, 1)]
+        # Replicated over 'tensor_parallel' (a RowwiseParallel bias, the LayerNorm): equal on both peers.
+        for name in ("blocks.0.down.bias", "blocks.0.norm.weight", "blocks.0.norm.bias"):
+            assert a[name] == b[name], name
+        # Tensor-parallel shards come from different random streams (no repeated rows).
+        for name in ("blocks.0.up.weight", "blocks.0.down.weight"):
+            assert a[name] != b[name], name
+    # Without empty_init every rank first builds the whole model: the same measurement sees it.
+    eager = run_job(MEMORY_JOB, tmp_path, args=("eager",), timeout=400, env=env).check().reports
+    assert all(eager[rank]["setup_mib"] > 0.9 * full for rank in range(4))
+
+
+PRECISION_JOB = """
+import sys, torch, phalanx
+from phalanx.strategies import ModelParallelStrategy
+from mp import report
+from models import make_model, make_data, full_params, parallelize
+
+torch.set_num_threads(1)
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision=sys.argv[1],
+                        strategy=ModelParallelStrategy(parallelize, 1, 2))
+fabric.launch()
+m = make_model()
+model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
+x, y = make_data()
+losses = []
+for i in range(0, 32, 8):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8])
+    fabric.backward(loss)
+    fabric.clip_gradients(model, opt, max_norm=0.5)
+    opt.step()
+    losses.append(float(loss))
+report(fabric, params=full_params(model), losses=losses, dtype=str(next(model.parameters()).dtype),
+       scaler=fabric.strategy.precision.state_dict().get("scaler", {}).get("scale"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str, Any], precision: str) -> None:
+    job = run_job(PRECISION_JOB, tmp_path, args=(precision,), timeout=300).check()
+    model = models["make_model"]()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = models["make_data"]()
+    for i in range(0, 32, 8):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    expected = models["full_params"](model)
+    for rank in (0, 1):
+        rep = job.reports[rank]
+        assert rep["dtype"] == ("torch.bfloat16" if precision == "bf16-true" else "torch.float32")
+        assert (rep["scaler"] is not None) == (precision == "16-mixed")
+        got = torch.tensor(rep["params"], dtype=torch.float64)
+        assert torch.isfinite(got).all()
+        # Half-precision arithmetic: close to the float32 run, not equal.
+        assert (got - expected).abs().max() < 0.05, (got - expected).abs().max()
+    assert job.reports[0]["params"] == job.reports[1]["params"]
+

@@ -1,0 +1,125 @@
+"""The LR range test: its suggestion and plot, early stopping on divergence, and that a search
+leaves the model, RNG, trainer counters and metrics exactly as they were."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from trainer_support import Regressor, flat, loader, quiet
+
+import phalanx
+from phalanx.tuner.lr_find import LRFinderResult, Tuner
+from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.seed import capture_rng_state
+
+
+def test_suggestion_is_the_steepest_descent_and_the_plot_saves(tmp_path: Path) -> None:
+    lrs = [10 ** (-6 + 6 * i / 59) for i in range(60)]
+    # Flat, then falling fastest around 1e-3, then exploding.
+    losses = [2.0 - math.tanh(3 * (math.log10(lr) + 3)) + (lr * 50) ** 2 for lr in lrs]
+    result = LRFinderResult(lrs, losses)
+    lr = result.suggestion()
+    assert lr is not None and 5e-4 < lr < 2e-3
+    fig = result.plot()
+    fig.savefig(tmp_path / "lr.png")
+    assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
+    assert LRFinderResult([1e-3, 1e-2], [1.0, 0.5]).suggestion() is None  # too few points
+
+
+def test_lr_find_standalone_leaves_no_trace_and_sets_the_attribute() -> None:
+    phalanx.seed_everything(4)
+    trainer = phalanx.Trainer(max_epochs=1, accumulate_grad_batches=2, **quiet())
+    model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
+    before_params, before_rng = flat(model), capture_rng_state()
+    result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=30,
+                                    min_lr=1e-5, max_lr=1.0, update_attr=True)
+    assert len(result.lrs) == len(result.losses) >= 10
+    assert result.lrs == sorted(result.lrs) and result.lrs[0] == pytest.approx(1e-5)
+    assert model.lr == result.suggestion()
+    assert torch.equal(flat(model), before_params)
+    after_rng = capture_rng_state()
+    assert torch.equal(after_rng["torch"], before_rng["torch"]) and after_rng["python"] == before_rng["python"]
+    assert trainer.global_step == 0 and trainer.current_epoch == 0 and trainer.callback_metrics == {}
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    # A fit afterwards starts from the untouched weights with the suggested learning rate.
+    trainer.fit(model, loader(64, 4, shuffle=True))
+    assert trainer.global_step == 8 and trainer.optimizer.param_groups[0]["initial_lr"] == model.lr
+
+
+def test_early_stop_on_divergence_and_linear_mode() -> None:
+    trainer = phalanx.Trainer(max_epochs=1, **quiet())
+    model = Regressor(optimizer="sgd")
+    result = Tuner(trainer).lr_find(model, train_dataloaders=loader(32, 4), min_lr=1e-3, max_lr=1e4,
+                                    num_training=60)
+    assert len(result.lrs) < 60  # the loss blew up before the end
+    linear = Tuner(trainer).lr_find(model, train_dataloaders=loader(32, 4), min_lr=0.01, max_lr=0.1,
+                                    num_training=5, mode="linear", early_stop_threshold=None)
+    assert linear.lrs == pytest.approx([0.01, 0.0325, 0.055, 0.0775, 0.1])
+
+
+def test_lr_find_errors() -> None:
+    trainer = phalanx.Trainer(max_epochs=1, **quiet())
+    tuner = Tuner(trainer)
+    data = loader(16, 4)
+    with pytest.raises(MisconfigurationError, match=r"mode='cosine'"):
+        tuner.lr_find(Regressor(), train_dataloaders=data, mode="cosine")
+    with pytest.raises(MisconfigurationError, match=r"0 < min_lr < max_lr"):
+        tuner.lr_find(Regressor(), train_dataloaders=data, min_lr=1.0, max_lr=0.1)
+
+    model = Regressor()
+    del model.lr
+    with pytest.raises(MisconfigurationError, match=r"has neither"):
+        tuner.lr_find(model, train_dataloaders=data, update_attr=True)
+
+
+class OneSetupStrategy(phalanx.strategies.SingleDeviceStrategy):
+    """A single device that, like DeepSpeed, builds a model's optimizer with it, once (and records what
+    it set up and released)."""
+
+    sets_up_optimizers_separately = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_up: list[Any] = []
+        self.released: list[Any] = []
+
+    def setup_module_and_optimizers(self, module: Any, optimizers: list[Any]) -> Any:
+        self.set_up.append(module)
+        return self.setup_module(module), [super(OneSetupStrategy, self).setup_optimizer(o) for o in optimizers]
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        raise MisconfigurationError("set up with the model, once")
+
+    def release_module(self, forward_module: Any) -> None:
+        self.released.append(forward_module)
+
+
+def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -> None:
+    """DeepSpeed's case (its engine is built once from the model and the optimizer): the search runs on
+    a scratch copy that is set up and released; the module is never set up or touched, and the fit
+    after it builds its optimizer from configure_optimizers with the learning rate found."""
+    phalanx.seed_everything(4)
+    strategy = OneSetupStrategy()
+    trainer = phalanx.Trainer(max_epochs=1, strategy=strategy, **quiet())
+    model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
+    before_params, before_rng = flat(model), capture_rng_state()
+    result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=30,
+                                    min_lr=1e-5, max_lr=1.0, update_attr=True)
+    assert len(result.lrs) >= 10 and model.lr == result.suggestion()
+    assert torch.equal(flat(model), before_params) and model.counts["train_batches"] == 0
+    assert torch.equal(capture_rng_state()["torch"], before_rng["torch"])
+    scratch = strategy.set_up[0]
+    assert scratch is not model and isinstance(scratch, Regressor)
+    assert strategy.released == [scratch] and trainer.model is None and trainer.optimizers == []
+    trainer.fit(model, loader(64, 4, shuffle=True))
+    assert strategy.set_up[1] is model and trainer.optimizer.param_groups[0]["initial_lr"] == model.lr
+    # Once the model is set up with its optimizer, a search would need another: refused with the way out.
+    with pytest.raises(MisconfigurationError, match=r"Tuner.lr_find is not supported on OneSetupStrategy after this "
+                       r"Trainer set the model up: .* Call Tuner\(trainer\).lr_find\(model, ...\) before trainer.fit"):
+        Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4), num_training=5)
+    with pytest.raises(MisconfigurationError, match=r"Tuner.scale_batch_size is not supported on OneSetupStrategy"):
+        Tuner(trainer).scale_batch_size(model)
