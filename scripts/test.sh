@@ -9,5 +9,9 @@ bash scripts/setup.sh "test"
 # The layers of docs/architecture.md: import only downward, no import cycle (contracts in pyproject.toml).
 .venv/bin/lint-imports --no-cache
 MARK="not slow"
-if [ "${PHALANX_TEST_ALL:-0}" = "1" ]; then MARK=""; fi
+if [ "${PHALANX_TEST_ALL:-0}" = "1" ]; then
+  MARK=""
+  # The LitGPT port's own environments (tests/integration/test_litgpt_port.py skips, naming the script, without them).
+  bash scripts/litgpt_env.sh || echo "[test] WARNING: scripts/litgpt_env.sh failed; the LitGPT port tests will skip." >&2
+fi
 exec .venv/bin/python -m pytest -m "$MARK" "$@"

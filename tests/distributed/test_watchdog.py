@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import JOB_PYTHONPATH, REPO, assert_no_orphans, run_job, spawn_by_hand, wait_for
+from mp import JOB_PYTHONPATH, REPO, assert_no_orphans, run_job, run_logs, spawn_by_hand, wait_for
 
 from phalanx.distributed.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes, failure_summary
 from phalanx.distributed.lockstep import Lockstep, make_store_client, to_timedelta
@@ -155,7 +155,9 @@ def test_fsdp_forward_on_rank_zero_alone_while_rank_one_returns(tmp_path: Path) 
                      r"all-gather\) \(collective #\d+, called at job\.py:\d+ \(main\) on rank 0\) cannot complete: "
                      r"rank 1 has shut down \(it left the job: its script ended or its fabric\.launch function "
                      r"returned; its last operation was .*\)", rep["message"]), rep["message"]
-    assert "rank 0 is ending" in job.stderr and "model(torch.randn(1, 16))" in job.stderr
+    # The watchdog's report and the stack it shows are in rank 0's log (the launcher's summary quotes the cause).
+    log = run_logs(tmp_path)
+    assert "rank 0 is ending" in log and "model(torch.randn(1, 16))" in log, log[-3000:]
 
 
 def test_fsdp_forward_on_rank_zero_while_rank_one_waits_in_a_barrier(tmp_path: Path) -> None:
@@ -171,7 +173,7 @@ def test_fsdp_forward_on_rank_zero_while_rank_one_waits_in_a_barrier(tmp_path: P
     launcher = job.reports[0]
     assert launcher["launcher_error"] == "PhalanxError"
     assert "rank 1 exited with code 1: CollectiveMismatchError: after sampling" in launcher["message"], launcher
-    for line in job.stderr.splitlines():
+    for line in (job.stderr + run_logs(tmp_path)).splitlines():
         if "rank 0 is ending" in line:
             assert re.search(r"forward \(FSDP all-gather\) .* rank 1 failed: CollectiveMismatchError: after sampling",
                              line), line
@@ -263,9 +265,11 @@ def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> Non
     else:  # torchrun's own summary quotes the error file phalanx wrote
         assert re.search(r"error_file:.*\n.*\n?.*KeyError: 'missing_column'|KeyError: 'missing_column'", job.stderr)
         assert "traceback : KeyError: 'missing_column'" in job.stderr or "KeyError: 'missing_column'" in job.stderr
-    # Rank 0 names rank 1's error, not "a collective inside a rank-dependent branch".
+    # Rank 0 names rank 1's error, not "a collective inside a rank-dependent branch" (under phalanx run in its log:
+    # the terminal shows the cause once, at the end).
+    output = job.stderr + run_logs(tmp_path)
     assert re.search(r"barrier \(collective #\d+, .* on rank 0\) is waiting for rank\(s\) \[1\], but rank 1 failed: "
-                     r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", job.stderr), job.stderr[-3000:]
+                     r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", output), output[-3000:]
 
 
 def test_failure_summary_puts_the_recorded_first_cause_first() -> None:
@@ -280,8 +284,9 @@ def test_failure_summary_puts_the_recorded_first_cause_first() -> None:
 
     text, code = failure_summary(Err())
     assert code == 1
-    assert text == ("rank 1 exited with code 1: KeyError: 'x'; rank 0 exited with code 1: RankGoneError: ... rank 1 "
-                    "failed: KeyError: 'x'; the launcher then stopped rank(s) [2]")
+    # Rank 0's error only reports rank 1's: named as its consequence, so the cause is quoted once.
+    assert text == ("rank 1 exited with code 1: KeyError: 'x'; rank 0 exited with code 1: RankGoneError, a consequence "
+                    "of rank 1's error; the launcher then stopped rank(s) [2]")
 
 
 # ---------------------------------------------------------------- start-up and oversubscription

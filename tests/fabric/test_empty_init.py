@@ -3,7 +3,15 @@ number is drawn, so a program's own initialisation afterwards draws what it woul
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+from mp import JOB_PYTHONPATH
 from torch import nn
 
 from phalanx import Fabric
@@ -86,3 +94,36 @@ def test_materialize_meta_tensors() -> None:
         assert "NoReset holds tensors on the meta device but defines no reset_parameters()" in str(err)
     else:
         raise AssertionError("a module without reset_parameters was materialised with garbage")
+
+
+PARITY_SCRIPT = """
+import sys, json, torch
+from torch import nn
+if sys.argv[1] == "lightning":
+    from lightning.fabric import Fabric
+else:
+    from phalanx import Fabric
+fabric = Fabric(accelerator="cpu", devices=1)
+torch.manual_seed(1)
+with fabric.init_module(empty_init=True):
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+for name, p in model.named_parameters():  # the program's own initialisation, as litgpt's
+    nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+print(json.dumps([round(v, 7) for p in model.parameters() for v in p.detach().reshape(-1).tolist()]))
+"""
+
+
+def test_same_weights_as_lightning(tmp_path: Path) -> None:
+    """Where the Lightning peer is installed: the same program initialises the same weights under both."""
+    lightning_python = Path(os.environ.get("PHALANX_LIGHTNING_PYTHON", "/work/lightning-venv/bin/python"))
+    if not lightning_python.exists():
+        pytest.skip(f"the Lightning peer is not installed ({lightning_python})")
+    script = tmp_path / "init.py"
+    script.write_text(PARITY_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": JOB_PYTHONPATH}
+    ours = subprocess.run([sys.executable, str(script), "phalanx"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    theirs = subprocess.run([str(lightning_python), str(script), "lightning"], capture_output=True, text=True,
+                            timeout=120)
+    assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr[-2000:] + theirs.stderr[-2000:]
+    assert json.loads(ours.stdout.splitlines()[-1]) == json.loads(theirs.stdout.splitlines()[-1])

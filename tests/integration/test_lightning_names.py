@@ -137,3 +137,11 @@ def test_materialize_meta_tensors_under_lightning_name() -> None:
         model = nn.Linear(2, 2)
     _materialize_meta_tensors(model, torch.device("cpu"))
     assert model.weight.device.type == "cpu" and torch.isfinite(model.weight).all()
+
+
+def test_instantiate_class_builds_an_optimizer_as_litgpt_does() -> None:
+    from phalanx.cli import instantiate_class
+
+    model = nn.Linear(2, 2)
+    optimizer = instantiate_class(model.parameters(), {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.5}})
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 0.5

@@ -454,7 +454,9 @@ import phalanx
 from mp import report
 from models import make_model, make_data, full_params
 
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp", precision="16-mixed")
+from phalanx.strategies import FSDPStrategy
+
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY, precision="16-mixed")
 fabric.launch()
 x, y = make_data()
 r = fabric.global_rank
@@ -482,10 +484,21 @@ report(fabric, poisoned=step(True, clip=False), clean=step(False, clip=False),
 """
 
 
-def test_sixteen_mixed_overflow_in_one_shard_skips_every_rank(tmp_path: Path, models: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "'fsdp'",
+        # Hybrid sharding's 2-D mesh (replicate, shard) = (1, 2): the same shards, on DTensors of two dimensions.
+        pytest.param("FSDPStrategy(sharding_strategy='HYBRID_SHARD', device_mesh=(1, 2))", marks=pytest.mark.slow),
+    ],
+    ids=["fsdp", "hybrid"],
+)
+def test_sixteen_mixed_overflow_in_one_shard_skips_every_rank(
+    tmp_path: Path, models: dict[str, Any], strategy: str
+) -> None:
     """torch's GradScaler on DTensor gradients: the found-inf flag of one rank's shard reaches every
     rank, whether the gradients are unscaled by the step or earlier by clip_gradients."""
-    reps = run_job(OVERFLOW_JOB, tmp_path).check().reports
+    reps = run_job(OVERFLOW_JOB.replace("STRATEGY", strategy), tmp_path).check().reports
     for rank in (0, 1):
         for case in ("poisoned", "poisoned_clipped"):
             rep = reps[rank][case]

@@ -142,6 +142,20 @@ def test_registered_name_and_lightning_constructor() -> None:
     assert (strategy.data_parallel_size, strategy.tensor_parallel_size) == (2, 2)
 
 
+def test_not_an_fsdp_strategy_as_in_lightning() -> None:
+    # LitGPT's load_checkpoint takes its FSDP branch on isinstance(strategy, FSDPStrategy): a LoRA job under
+    # ModelParallelStrategy must not. The code is shared through the base class instead.
+    from phalanx.strategies import FSDPStrategy
+    from phalanx.strategies.fsdp.strategy import ShardedStrategy
+
+    strategy = ModelParallelStrategy()
+    assert not isinstance(strategy, FSDPStrategy) and isinstance(strategy, ShardedStrategy)
+    assert not issubclass(FSDPStrategy, ModelParallelStrategy)
+    assert (strategy.name, FSDPStrategy().name) == ("model_parallel", "fsdp")
+    with pytest.raises(MisconfigurationError, match=r"^ModelParallelStrategy takes no limit_all_gathers \(FSDPStrategy"):
+        ModelParallelStrategy(limit_all_gathers=True)
+
+
 @pytest.mark.parametrize(("dp", "tp", "devices", "nodes", "expected"), [
     ("auto", "auto", 4, 1, (1, 4)),  # tensor parallel within the node
     ("auto", "auto", 2, 3, (3, 2)),  # data parallel across nodes

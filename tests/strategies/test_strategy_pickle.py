@@ -53,6 +53,16 @@ def _configs() -> list[Any]:
         pytest.param(FSDPStrategy, {"parallelize_fn": shard_whole, "state_dict_type": "full"}, 2,
                      id="fsdp-parallelize-full", marks=fsdp),
         pytest.param(FSDPStrategy, {"async_save": True}, 2, id="fsdp-async", marks=fsdp),
+        pytest.param(FSDPStrategy, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}, 2,
+                     id="fsdp-hybrid", marks=fsdp),
+        pytest.param(FSDPStrategy, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, 2, id="fsdp-hybrid-zero2", marks=fsdp),
+        pytest.param(FSDPStrategy, {"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": False}, 2,
+                     id="fsdp-shard-grad-op", marks=fsdp),
+        pytest.param(FSDPStrategy, {"sharding_strategy": "NO_SHARD"}, 2, id="fsdp-no-shard", marks=fsdp),
+        pytest.param(FSDPStrategy, {"device_mesh": [1, 2]}, 2, id="fsdp-mesh-shape", marks=fsdp),
+        pytest.param(FSDPStrategy, {"limit_all_gathers": True, "use_orig_params": True}, 2, id="fsdp-fsdp1-args",
+                     marks=fsdp),
+        pytest.param(FSDPStrategy, {"limit_all_gathers": False}, 2, id="fsdp-no-limit-all-gathers", marks=fsdp),
         pytest.param(ModelParallelStrategy, {}, 2, id="model_parallel", marks=fsdp),
         pytest.param(ModelParallelStrategy, {"parallelize_fn": shard_whole, "data_parallel_size": 1,
                                              "tensor_parallel_size": 2, "save_distributed_checkpoint": False},
@@ -79,6 +89,8 @@ def test_every_strategy_pickles_after_fabric_selected_its_precision(
         pytest.skip(f"not a supported combination on CPU: {err}")
     clone = pickle.loads(pickle.dumps(fabric.strategy))
     assert type(clone) is cls
+    for name in ("sharding_strategy", "reshard_after_forward", "_mesh_shape", "limit_all_gathers", "use_orig_params"):
+        assert getattr(clone, name, None) == getattr(fabric.strategy, name, None)
     assert type(clone.precision) is type(fabric.strategy.precision)
 
 

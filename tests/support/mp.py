@@ -83,6 +83,13 @@ def run_job(
     return job
 
 
+def run_logs(tmp_path: Path) -> str:
+    """Every rank's stderr of the jobs run in ``tmp_path`` by phalanx's launchers (they write it to
+    ``./phalanx_logs/<run>/.../attempt_0/<rank>/stderr.log`` and show it on the terminal without tracebacks)."""
+    logs = sorted(tmp_path.glob("phalanx_logs/*/*/attempt_*/*/stderr.log"))
+    return "".join(path.read_text(errors="replace") for path in logs)
+
+
 def report(fabric: Any = None, rank: int | None = None, **values: Any) -> None:
     """Called inside a job: record JSON-able values (tensors become lists) for this rank."""
     rank = fabric.global_rank if fabric is not None else (rank or 0)

@@ -32,6 +32,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--main-port", type=int, default=None, help="port on the main node (default: free port)")
     p.add_argument("--strategy", default=None, help="overrides the script's strategy")
     p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="overrides the script's precision")
+    p.add_argument("--show-tracebacks", action="store_true",
+                   help="print every rank's stderr (tracebacks included) here, as torchrun does, instead of "
+                        "writing it to $PHALANX_LOG_DIR (default ./phalanx_logs) and showing it without "
+                        "tracebacks (also PHALANX_SHOW_TRACEBACKS=1)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_run)
@@ -65,16 +69,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "--master-addr", args.main_address,
             "--master-port", str(args.main_port or 29500),
         ]
+    from phalanx.distributed.launch import new_run_id, report_failure
+    from phalanx.distributed.runlogs import RunLogs
+
+    # The ranks' stderr goes to a log file (torch's --redirects), shown here without tracebacks; a failure
+    # ends with the log's path and the cause (see phalanx.distributed.runlogs).
+    logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None)
+    torchrun += logs.torchrun_args()
     script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
     parsed = get_args_parser().parse_args([*torchrun, args.script, *script_args])
     try:
-        run(parsed)
+        with logs:
+            run(parsed)
     except ChildFailedError as err:
-        from phalanx.distributed.launch import failure_summary
-
-        summary, code = failure_summary(err)
-        print(f"[phalanx] job failed: {summary}. See the failing rank's output above.", file=sys.stderr)
-        return code
+        return report_failure(err, logs, see_above="See the failing rank's output above.")
     return 0
 
 

@@ -7,6 +7,9 @@
   ``torch.distributed.launcher.elastic_launch`` (the engine behind torchrun): the calling process
   becomes the agent that supervises the ranks, kills the survivors when one fails, and returns the
   failing rank's exit code. There is no home-made process management here.
+* A failed job reads once: the ranks' stderr goes to a log file written by torch's agent, shown on the
+  terminal without tracebacks, and the launcher ends with the log's path and the cause
+  (:mod:`phalanx.distributed.runlogs`, :func:`failure_summary`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.distributed.runlogs import RunLogs
 from phalanx.utils.diagnostics import notice
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
 
@@ -153,9 +157,12 @@ def record_failure(error: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
+    from phalanx.distributed.callsites import describe_exception
+
     # torchelastic's error-file format (what its @record decorator writes), with the exception's own
-    # traceback: this may run in a thread or at exit, where no exception is "being handled".
-    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+    # traceback: this may run in a thread or at exit, where no exception is "being handled". The message
+    # says where the exception was raised (the user's file:line), so the launcher's summary can too.
+    data = {"message": {"message": describe_exception(error), "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
         "timestamp": str(int(time.time())),
     }}}
@@ -168,14 +175,19 @@ def record_failure(error: BaseException) -> None:
         pass
 
 
-def _launch_config(nprocs: int) -> Any:
+def new_run_id() -> str:
+    return f"phalanx-{uuid.uuid4().hex[:8]}"
+
+
+def _launch_config(nprocs: int, logs: RunLogs) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
-        run_id=f"phalanx-{uuid.uuid4().hex[:8]}",
+        run_id=logs.run_id,
+        logs_specs=logs.logs_specs(),
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
@@ -195,24 +207,102 @@ def failure_summary(err: Any) -> tuple[str, int]:
     """Words for a launcher's ChildFailedError, and the job's exit code. When one rank fails the launcher
     stops the others with SIGTERM; those are reported as stopped, so the rank that failed first stands out
     (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]"). A rank that recorded its
-    error (phalanx does, see :func:`record_failure`) is quoted: the first-failed rank's cause comes first."""
-    failures = getattr(err, "failures", {}) or {}
-    causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
-    stopped = sorted(set(failures) - set(causes))
-    parts, code = [], 0
-    order = sorted(causes.items(), key=lambda item: (_recorded(item[1]) is None, _when(item[1]), item[0]))
-    for rank, failure in order:
+    error (phalanx does, see :func:`record_failure`) is quoted: the first-failed rank's cause comes first.
+    Each cause is quoted once: ranks that failed alike are named together, and a rank whose error only
+    reports another rank's failure (a RankGoneError quoting it) is named without repeating it."""
+    stopped = sorted(set(_all_failures(err)) - set(dict(_causes(err))))
+    groups: list[tuple[list[int], str, str | None]] = []  # (ranks, how they ended, cause)
+    code = 0
+    for rank, failure in _causes(err):
         exitcode = getattr(failure, "exitcode", 1)
         if exitcode < 0:
-            part = f"rank {rank} was killed by {_signal_name(-exitcode)}"
+            how = f"killed by {_signal_name(-exitcode)}"
         else:
-            part = f"rank {rank} exited with code {exitcode}"
+            how = f"exited with code {exitcode}"
             code = code or exitcode
         cause = _recorded(failure)
-        parts.append(f"{part}: {cause}" if cause else part)
+        same = next((g for g in groups if g[1] == how and g[2] == cause), None)
+        if same is not None and cause is not None:
+            same[0].append(rank)
+            continue
+        source = next((g for g in groups if g[2] and cause and (g[2] in cause or any(
+            f"rank {r} failed: " in cause for r in g[0]))), None)
+        if source is not None and cause is not None:
+            kind = cause.split(":", 1)[0]
+            groups.append(([rank], how, f"{kind}, a consequence of rank {source[0][0]}'s error"))
+            continue
+        groups.append(([rank], how, cause))
+    parts = []
+    for ranks, how, cause in groups:
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+        verb = "was " if how.startswith("killed") and len(ranks) == 1 else "were " if how.startswith("killed") else ""
+        parts.append(f"{who} {verb}{how}: {cause}" if cause else f"{who} {verb}{how}")
     if stopped:
         parts.append(f"the launcher then stopped rank(s) {stopped}")
     return "; ".join(parts) or str(err), code or 1
+
+
+@dataclass
+class _Recorded:
+    """A rank torch's agent did not report (``launch(fn)``'s agent reports only the first process it saw
+    exit), found by the error file it wrote next to a reported rank's."""
+
+    error_file: str
+    error_file_data: dict[str, Any]
+    exitcode: int = 1  # a Python exception ends a launched rank with 1
+
+    @property
+    def timestamp(self) -> int:
+        message = self.error_file_data.get("message")
+        extra = message.get("extraInfo") if isinstance(message, dict) else None
+        try:
+            return int(extra.get("timestamp", 0)) if isinstance(extra, dict) else 0
+        except (TypeError, ValueError):
+            return 0
+
+
+def _all_failures(err: Any) -> dict[int, Any]:
+    """The agent's failures, plus the ranks that recorded an error beside them (``<attempt>/<rank>/error.json``)."""
+    failures = dict(getattr(err, "failures", {}) or {})
+    files = [getattr(f, "error_file", "") or "" for f in failures.values()]
+    if len(failures) != 1 or not files[0]:
+        return failures
+    attempt = os.path.dirname(os.path.dirname(files[0]))
+    for entry in sorted(os.listdir(attempt)) if os.path.isdir(attempt) else []:
+        path = os.path.join(attempt, entry, "error.json")
+        if entry.isdigit() and int(entry) not in failures and os.path.isfile(path):
+            try:
+                with open(path) as fh:
+                    data = json.load(fh)
+                failures[int(entry)] = _Recorded(path, data if isinstance(data, dict) else {})
+            except (OSError, ValueError):
+                continue
+    return failures
+
+
+def _causes(err: Any) -> list[tuple[int, Any]]:
+    """The ranks that failed on their own (not stopped by the launcher's SIGTERM), first-failed first: a rank
+    whose error reports another failed rank's ("rank 1 failed: ...") comes after it."""
+    failures = _all_failures(err)
+    causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
+
+    def follows(rank: int, failure: Any) -> bool:
+        text = _recorded(failure) or ""
+        return any(f"rank {other} failed: " in text for other in causes if other != rank)
+
+    return sorted(causes.items(), key=lambda item: (
+        _recorded(item[1]) is None, follows(*item), _when(item[1]), item[0]))
+
+
+def failed_logs(err: Any, logs: RunLogs) -> str:
+    """The line naming the run's log (the first-failed rank's stderr file first), or ''."""
+    files = []
+    for _, failure in _causes(err):
+        error_file = getattr(failure, "error_file", "") or ""
+        path = os.path.join(os.path.dirname(error_file), "stderr.log") if error_file else ""
+        if path and os.path.isfile(path):
+            files.append(path)
+    return logs.where(files)
 
 
 def _recorded(failure: Any) -> str | None:
@@ -253,6 +343,20 @@ _SEE_ABOVE = (
     "The failing rank's traceback is above (a rank killed by a signal, e.g. by the kernel's out-of-memory "
     "killer, leaves none)."
 )
+_SIGNAL_NOTE = "A rank killed by a signal (e.g. by the kernel's out-of-memory killer) leaves no traceback."
+
+
+def report_failure(err: Any, logs: RunLogs, see_above: str = _SEE_ABOVE) -> int:
+    """Print the end of a failed job: where its log is, then the cause (the last line). Returns the exit code."""
+    summary, code = failure_summary(err)
+    where = failed_logs(err, logs)
+    if where:
+        note = f" {_SIGNAL_NOTE}" if "killed by" in summary else ""
+        print(f"{where}{note}", file=sys.stderr)
+        print(f"[phalanx] job failed: {summary}.", file=sys.stderr, flush=True)
+    else:
+        print(f"[phalanx] job failed: {summary}. {see_above}", file=sys.stderr, flush=True)
+    return code
 
 
 def launch_script(nprocs: int) -> int:
@@ -262,12 +366,12 @@ def launch_script(nprocs: int) -> int:
 
     command = script_command()
     _threads_per_rank(nprocs)
+    logs = RunLogs(new_run_id())
     try:
-        elastic_launch(_launch_config(nprocs), sys.executable)(*command)
+        with logs:
+            elastic_launch(_launch_config(nprocs, logs), sys.executable)(*command)
     except ChildFailedError as err:
-        summary, code = failure_summary(err)
-        print(f"[phalanx] job failed: {summary}. {_SEE_ABOVE}", file=sys.stderr)
-        return code
+        return report_failure(err, logs)
     return 0
 
 
@@ -276,8 +380,18 @@ def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tu
     fabric.launch()
     try:
         result = fn(fabric, *args)
+    except Exception as err:
+        fabric._leave_job(err)  # peers waiting on this rank learn why at once, and the launcher (error file)
+        # The traceback goes to this rank's stderr (its log file when phalanx redirects it). Exiting instead
+        # of raising keeps the error file phalanx wrote (torch's @record would replace it with a message
+        # that does not say where the error was raised) and keeps torch's agent from logging the traceback
+        # a second time. The rank's exit code is 1 either way.
+        record_failure(err)  # in case the rank failed before it joined the process group
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     except BaseException as err:
-        fabric._leave_job(err)  # peers waiting on this rank learn why at once
+        fabric._leave_job(err)
         raise
     # This process stays alive until every rank has returned (the launcher collects return values), so
     # it must leave the group now: a peer still inside a collective then fails at once, naming this rank,
@@ -297,9 +411,16 @@ def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., A
             f"function; {fn!r} is a lambda or nested function."
         )
     _threads_per_rank(nprocs)
+    logs = RunLogs(new_run_id())
     try:
-        results = elastic_launch(_launch_config(nprocs), _function_entry)(factory, fn, args)
+        with logs:
+            results = elastic_launch(_launch_config(nprocs, logs), _function_entry)(factory, fn, args)
     except ChildFailedError as err:
         summary, _ = failure_summary(err)
-        raise PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}.") from err
+        where = failed_logs(err, logs)
+        error = PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}."
+                             + (f" {where.removeprefix('[phalanx] ')}" if where else ""))
+        if where:  # torch's error block (the ranks' tracebacks again) is in the log: leave it out here
+            raise error from None
+        raise error from err
     return results.get(0)

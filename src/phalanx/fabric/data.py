@@ -125,6 +125,7 @@ class FabricDataLoader:
         self._loader = loader
         self._device = device
         self._epoch = 0
+        self._open = False  # a pass has begun and not run to its end
         self._strategy = strategy
 
     @property
@@ -148,18 +149,43 @@ class FabricDataLoader:
                 sampler.set_epoch(self._epoch)
                 break
         self._epoch += 1
+        self._open = True
         strategy = self._strategy
         issued = strategy.collectives_issued() if strategy is not None else 0
         count = 0
         for batch in self._loader:
             count += 1
             yield batch if self._device is None else move_to_device(batch, self._device)
+        self._open = False
         # Only a pass that ran to its end (a `break` never gets here) and that communicated is checked.
         if strategy is not None and strategy.collectives_issued() != issued:
             check_pass_length(strategy, count)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What ``fabric.save`` keeps of the loader (as for any object with ``state_dict``): the epoch
+        of the next pass (a pass left unfinished counts as not run) and, when the wrapped loader has
+        state of its own (torchdata's ``StatefulDataLoader``, litdata's ``StreamingDataLoader``), that
+        state too. A plain ``DataLoader`` has no position to save, so a run resumed from a mid-pass
+        checkpoint begins that pass again (Lightning pickles the loader object itself and restores no
+        position either)."""
+        state: dict[str, Any] = {"epoch": self._epoch - 1 if self._open else self._epoch}
+        loader: Any = self._loader
+        if _stateful(loader):
+            state["loader"] = loader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch, self._open = int(state["epoch"]), False
+        loader: Any = self._loader
+        if "loader" in state and _stateful(loader):
+            loader.load_state_dict(state["loader"])
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def _stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def warn_iterable(loader: DataLoader[Any], rank: int) -> None:

@@ -12,9 +12,8 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,58 +21,22 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from phalanx.distributed import launch as launcher
-from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
-from phalanx.fabric import collectives as collectives_api
 from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
+from phalanx.fabric.checkpoints import CheckpointMethods
+from phalanx.fabric.collectives import CollectiveMethods
 from phalanx.fabric.compiled import unwrap_compiled
+from phalanx.fabric.connector import as_list, configured_strategy
 from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
-from phalanx.precision import canonical_precision
-from phalanx.strategies import Strategy, resolve_strategy
-from phalanx.utils.diagnostics import warn
+from phalanx.strategies import Strategy
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import SkipInit
 from phalanx.utils.seed import seed_everything as _seed_everything
-from phalanx.utils.tensors import apply_to_tensors, move_to_device
-
-if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
-
-# `phalanx run --strategy ...` passes its flags to the script's Fabric through these variables.
-_CLI_ENV = {
-    "accelerator": "PHALANX_ACCELERATOR",
-    "devices": "PHALANX_DEVICES",
-    "num_nodes": "PHALANX_NUM_NODES",
-    "strategy": "PHALANX_STRATEGY",
-    "precision": "PHALANX_PRECISION",
-}
-_DEFAULTS: dict[str, Any] = {
-    "accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "32-true",
-}
+from phalanx.utils.tensors import move_to_device
 
 
-def _apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
-    out = dict(args)
-    for key, var in _CLI_ENV.items():
-        value = os.environ.get(var)
-        if value is None:
-            continue
-        given = args[key]
-        if given != _DEFAULTS[key] and str(given) != value and not isinstance(given, Strategy):
-            env = launcher.detect_environment()
-            warn(
-                f"The code sets {key}={given!r} but the job was launched with --{key.replace('_', '-')} {value}; "
-                f"using {value}. Remove one of the two so the script says what runs.",
-                rank=env.rank if env is not None else None,
-            )
-        if isinstance(given, Strategy) and key == "strategy":
-            continue
-        out[key] = int(value) if key == "num_nodes" else value
-    return out
-
-
-class Fabric:
+class Fabric(CollectiveMethods, CheckpointMethods):
     """Scale a hand-written PyTorch loop from one CPU to many devices without changing it.
 
     Args:
@@ -124,24 +87,12 @@ class Fabric:
             "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
         }
-        args = _apply_cli_overrides(self._init_kwargs)
-        device_type = resolve_accelerator(args["accelerator"])
-        n_devices = resolve_devices(args["devices"], device_type)
-        n_nodes = int(args["num_nodes"])
-        if n_nodes < 1:
-            raise MisconfigurationError(f"num_nodes must be >= 1, got {n_nodes}.")
-        self._strategy = resolve_strategy(args["strategy"], n_devices * n_nodes)
-        self._strategy.configure(
-            device_type=device_type, devices=n_devices, num_nodes=n_nodes,
-            precision=canonical_precision(args["precision"]),
-        )
-        if lockstep is not None:
-            self._strategy.set_lockstep(lockstep)
+        self._strategy = configured_strategy(self._init_kwargs)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
         self._loss_watch = LossWatch(lambda: self.global_rank) if watch else None
-        self._loggers: list[Any] = _as_list(loggers)
-        self._callbacks: list[Any] = _as_list(callbacks)
+        self._loggers: list[Any] = as_list(loggers)
+        self._callbacks: list[Any] = as_list(callbacks)
         self._launched = False
         self._modules: list[FabricModule] = []
         # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
@@ -461,10 +412,11 @@ class Fabric:
         """Create a module directly on the device and in the precision's dtype.
 
         ``empty_init=True``, as in Lightning: skip the layers' default initialisation (you load a
-        checkpoint into the parameters or initialise them yourself). The ``torch.nn.init`` functions do
-        nothing inside the block, so parameters hold uninitialised memory and no random number is drawn:
-        your own initialisation afterwards draws exactly what it would under Lightning. Sharding strategies
-        (FSDP) create the parameters on the meta device instead and materialise them at setup."""
+        checkpoint into the parameters or initialise them yourself). The ``torch.nn.init`` initialisers of
+        the built-in layers do nothing inside the block (:class:`phalanx.utils.init.SkipInit`), so
+        parameters hold uninitialised memory and no random number is drawn: your own initialisation
+        afterwards draws exactly what it would under Lightning. Sharding strategies (FSDP) create the
+        parameters on the meta device instead and materialise them at setup."""
         self._ensure_launched()
         if not empty_init:
             return self._strategy.init_context(empty_init)
@@ -490,99 +442,6 @@ class Fabric:
                 (n + ".grad", p.grad) for n, p in raw.named_parameters() if p.grad is not None
             ]
             self._strategy.verify_in_sync(named, "gradients", rtol)
-
-    # ------------------------------------------------------------------ collectives
-    def barrier(self, name: str | None = None) -> None:
-        self._ensure_launched()
-        self._strategy.barrier(name or "barrier")
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._ensure_launched()
-        return self._strategy.broadcast(obj, src)
-
-    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-        """Gather tensors, numbers and bools (or a collection of them) from every rank. Each becomes a
-        tensor with a leading world dimension, also on one process (shape ``(1, ...)``), so code written
-        for N ranks runs unchanged on one. ``sync_grads=True`` lets gradients flow back to every rank's
-        input (as ``torch.distributed.nn.functional.all_gather``)."""
-        self._ensure_launched()
-        _no_group(group, "all_gather")
-        gather = functools.partial(collectives_api.gather, self._strategy, sync_grads=sync_grads)
-        return apply_to_tensors(collectives_api.to_tensors(data, self.device), gather)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank (index = rank), e.g. per-rank RNG states."""
-        self._ensure_launched()
-        return self._strategy.all_gather_object(obj)
-
-    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce tensors, numbers (or a collection of them) across ranks with ``reduce_op``: "mean"
-        (or "avg"), "sum", "max", "min", "product", or a ``torch.distributed.ReduceOp``. As in Lightning,
-        a tensor already on this rank's device receives the result in place and is returned. The mean
-        of an integer tensor is refused (it would be truncated); Python ints are averaged as floats."""
-        self._ensure_launched()
-        _no_group(group, "all_reduce")
-        op = collectives_api.reduce_op_name(reduce_op)
-        reduce = functools.partial(collectives_api.reduce, self._strategy, op=op)
-        return apply_to_tensors(collectives_api.to_tensors(data, self.device, float_ints=op == "mean"), reduce)
-
-    def _as_device_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device) if t.device != self.device else t
-
-    @contextlib.contextmanager
-    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
-        """Rank 0 (of the node with ``local=True``) runs the block first, e.g. to download data once."""
-        self._ensure_launched()
-        first = (self.local_rank if local else self.global_rank) == 0
-        if not first:
-            self.barrier("rank_zero_first")
-        yield
-        if first:
-            self.barrier("rank_zero_first")
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_global_zero:
-            print(*args, **kwargs)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> AsyncCheckpoint | None:
-        """Save ``state`` (modules, optimizers, stateful objects and plain values). Call it on every rank:
-        the strategy decides who writes. The write is atomic. Returns None, or the handle of a save that
-        continues in the background (``FSDPStrategy(async_save=True)``, ``ModelParallelStrategy`` too)."""
-        self._ensure_launched()
-        if filter is not None:
-            raise MisconfigurationError(
-                "fabric.save(filter=...) is not supported: a checkpoint holds whole state dicts, so that it can "
-                "always be loaded back strictly. Save a dict of the entries you want instead (e.g. "
-                "{'adapter': {k: v for k, v in model.state_dict().items() if 'lora' in k}})."
-            )
-        if not isinstance(state, Mapping):
-            raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
-        return self._strategy.save_checkpoint(path, dict(state))
-
-    def load(
-        self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Restore ``state`` in place from ``path``; returns the checkpoint entries ``state`` did not ask
-        for (or the whole checkpoint when ``state`` is None). Call it on every rank. ``strict=False``
-        loads what matches and warns what it skipped. ``weights_only`` (None means True): open only
-        tensors and plain values; pass False for a trusted file holding other objects (unpickling
-        those can run code)."""
-        self._ensure_launched()
-        return self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
-
-    def load_raw(
-        self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None
-    ) -> None:
-        """Load a plain state dict (e.g. from ``torch.save(model.state_dict())``) into one module/optimizer."""
-        self._ensure_launched()
-        self._strategy.load_raw_checkpoint(path, obj, strict, weights_only is not False)
-
-    def remove_checkpoint(self, path: str | Path) -> None:
-        """Delete a checkpoint written by ``save`` (a file or a sharded directory). Call it on every rank."""
-        self._ensure_launched()
-        self._strategy.remove_checkpoint(path)
 
     # ------------------------------------------------------------------ logging and callbacks
     def log(self, name: str, value: Any, step: int | None = None) -> None:
@@ -633,18 +492,3 @@ def _skipping_init(context: contextlib.AbstractContextManager[Any]) -> Iterator[
     with context, SkipInit():
         yield
 
-
-def _no_group(group: Any, what: str) -> None:
-    if group is not None:
-        raise MisconfigurationError(
-            f"{what}(group=...) is not supported: phalanx's collectives span all ranks (and are checked for lockstep "
-            "across them). Gather over all ranks and select the ranks you need."
-        )
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-        return list(value)
-    return [value]

@@ -52,6 +52,7 @@ class CSVLogger:
         if self._prefix:
             metrics = {f"{self._prefix}-{k}": v for k, v in metrics.items()}
         row: dict[str, Any] = {"step": step, **metrics}
+        row["step"] = step  # the column is the logging step, also when a metric is named "step" (as in Lightning)
         for key in row:
             if key not in self._columns:
                 self._columns.append(key)

@@ -2,12 +2,13 @@
 
 The failures this prevents:
 
-* ``torch.compile(model)`` before ``fabric.setup`` hands the strategy an ``OptimizedModule``: FSDP
-  shards the wrapper, a tensor-parallel plan no longer finds ``"blocks.0.attn"`` (it is now
-  ``"_orig_mod.blocks.0.attn"``), and every checkpoint key gains an ``_orig_mod.`` prefix that a
-  plain model cannot load. So phalanx refuses it and compiles *after* wrapping instead, in place
-  (``nn.Module.compile``): the module keeps its identity, its state-dict keys and the wrapper's hooks
-  (DDP's reducer, FSDP's all-gathers) are what gets compiled.
+* ``torch.compile`` applied to the wrong object: compiling before the strategy wraps or shards means FSDP
+  shards the ``OptimizedModule`` wrapper, a tensor-parallel plan no longer finds ``"blocks.0.attn"`` (it
+  is now ``"_orig_mod.blocks.0.attn"``), and every checkpoint key gains an ``_orig_mod.`` prefix. So the
+  strategy compiles *after* wrapping, in place (``nn.Module.compile``): the module keeps its identity,
+  its state-dict keys, and the wrapper's hooks (DDP's reducer, FSDP's all-gathers) are what gets
+  compiled. A model the user compiled before ``fabric.setup`` is unwrapped and re-compiled the same
+  way, with the user's options (``phalanx.fabric.compiled``).
 * Activation checkpointing is applied before the strategy wraps or shards (the order FSDPStrategy
   always used), with ``torch.distributed._composable.checkpoint``: parameter names do not change,
   unlike with ``checkpoint_wrapper``, so checkpoints stay loadable with and without it.
@@ -15,21 +16,12 @@ The failures this prevents:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
 from phalanx.utils.errors import MisconfigurationError
-
-COMPILED_BEFORE_SETUP = (
-    "fabric.setup received a module already compiled with torch.compile (an OptimizedModule). Compiling before "
-    "the strategy wraps or shards the model would compile the wrong thing and rename every parameter to "
-    "'_orig_mod.*'. Pass the plain module and let the strategy compile it after wrapping: "
-    "Strategy(compile=True) or compile={...torch.compile kwargs...} (e.g. DDPStrategy(compile=True)); under "
-    "ModelParallelStrategy you may also call module.compile() inside parallelize_fn."
-)
 
 
 def check_policy(
@@ -79,11 +71,3 @@ def compile_in_place(module: nn.Module, options: dict[str, Any] | None) -> None:
         return
     module.compile(**options)
 
-
-def refuse_compiled(module: nn.Module) -> None:
-    """Raise if ``module`` is the wrapper ``torch.compile`` returns."""
-    # Only a process that ran torch.compile has imported dynamo; importing it here would cost seconds.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(eval_frame, "OptimizedModule", None)
-    if optimized is not None and isinstance(module, optimized):
-        raise MisconfigurationError(COMPILED_BEFORE_SETUP)

@@ -38,7 +38,7 @@ from phalanx.precision import MixedPrecision, Precision
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.fsdp.gradients import local_tensor
 from phalanx.strategies.fsdp.precision import ShardedMixedPrecision
-from phalanx.strategies.fsdp.strategy import FSDPStrategy
+from phalanx.strategies.fsdp.strategy import ShardedStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utils.compat import FSDPModule, fully_shard
 from phalanx.utils.errors import MisconfigurationError
@@ -78,8 +78,11 @@ def resolve_mesh_shape(data_parallel_size: int | str, tensor_parallel_size: int 
     return dp, tp
 
 
-class ModelParallelStrategy(FSDPStrategy):
+class ModelParallelStrategy(ShardedStrategy):
     """2-D parallelism: tensor parallelism inside each data-parallel replica, FSDP across replicas.
+
+    It shares FSDPStrategy's code (:class:`~phalanx.strategies.fsdp.strategy.ShardedStrategy`) but is not an
+    FSDPStrategy, as in Lightning: ``isinstance(strategy, FSDPStrategy)`` is False.
 
     Args:
         parallelize_fn: ``fn(module, device_mesh)`` applying ``parallelize_module`` /
@@ -119,6 +122,19 @@ class ModelParallelStrategy(FSDPStrategy):
     ) -> None:
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
+        fsdp1 = sorted({"limit_all_gathers", "use_orig_params"} & kwargs.keys())
+        if fsdp1:  # FSDPStrategy's Lightning FSDP1 arguments; Lightning's ModelParallelStrategy takes none either
+            raise MisconfigurationError(
+                f"ModelParallelStrategy takes no {' or '.join(fsdp1)} (FSDPStrategy's FSDP1 arguments): FSDP2, which "
+                "parallelize_fn applies, always keeps the original parameters and bounds its all-gathers itself."
+            )
+        given = sorted({"sharding_strategy", "device_mesh"} & kwargs.keys())
+        if given:  # FSDPStrategy's options: this strategy's mesh is data_parallel_size x tensor_parallel_size
+            raise MisconfigurationError(
+                f"ModelParallelStrategy takes no {' or '.join(given)}: its mesh is (data_parallel_size, "
+                "tensor_parallel_size), and parallelize_fn decides how each dimension shards. For hybrid sharding "
+                "without tensor parallelism use FSDPStrategy(sharding_strategy='HYBRID_SHARD', device_mesh=...)."
+            )
         if async_save and not save_distributed_checkpoint:
             raise MisconfigurationError(
                 "async_save=True writes sharded checkpoints; it cannot be combined with "
@@ -204,12 +220,12 @@ class ModelParallelStrategy(FSDPStrategy):
             self._device_mesh = None
 
     # ------------------------------------------------------------------ modules
-    # FSDPStrategy.setup_module does the rest (meta check, precision, activation checkpointing, FSDP's
+    # ShardedStrategy.setup_module does the rest (meta check, precision, activation checkpointing, FSDP's
     # root, the direct-call guards, compile); these are the steps that differ.
     def _materialize(self, module: nn.Module) -> None:
         with warnings.catch_warnings():
             # torch warns that DTensor random ops are not coordinated on CPU meshes: phalanx gives each
-            # rank its own stream (FSDPStrategy._materialize) and makes replicated shards agree after.
+            # rank its own stream (ShardedStrategy._materialize) and makes replicated shards agree after.
             warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
             super()._materialize(module)
 

@@ -124,6 +124,8 @@ class Trainer(TrainerBase):
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
             precision=precision if precision is not None else "32-true",
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
+            # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
+            warn_nonfinite_loss=False,
         )
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "

@@ -7,6 +7,12 @@ itself afterwards draws *different* numbers than it would under Lightning, and t
 from the first step. :class:`SkipInit` makes the ``torch.nn.init`` functions no-ops while it is active,
 so layers keep the uninitialised memory ``torch.empty`` gave them and the random generators are left
 untouched (what Lightning's ``empty_init=True`` does on one device and under DDP).
+
+It is a ``TorchFunctionMode``, so it sees the initialisers that torch dispatches through torch-function
+handling: ``uniform_``, ``normal_``, ``kaiming_uniform_``, ``constant_``, ``zeros_`` (all that ``Linear``,
+``Embedding``, the convolutions and recurrent layers call). The others (``xavier_uniform_``,
+``orthogonal_``, ...) run, exactly as under Lightning's mode, so the random stream stays the same as
+Lightning's either way.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 
 
 class SkipInit(TorchFunctionMode):
-    """While active, every ``torch.nn.init`` function returns its tensor unchanged (no memory written,
-    no random number drawn). ``enabled=False`` makes the block a no-op, so call sites need no branch."""
+    """While active, the ``torch.nn.init`` functions it sees return their tensor unchanged (no memory
+    written, no random number drawn). ``enabled=False`` makes the block a no-op, so call sites need no branch."""
 
     def __init__(self, enabled: bool = True) -> None:
         super().__init__()

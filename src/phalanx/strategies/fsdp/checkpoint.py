@@ -6,7 +6,8 @@ shards (:mod:`phalanx.checkpoint.dcp`), runs under the lockstep guard, may overl
 save still being written (which must be finished first), and must not trigger the hint about
 ``torch.save(model.state_dict())`` meant for users. That is one concern with its own state (the
 asynchronous saves, the internal-call depth), so it is a base class of
-:class:`~phalanx.strategies.fsdp.strategy.FSDPStrategy` (and so of ModelParallelStrategy) of its own.
+:class:`~phalanx.strategies.fsdp.strategy.ShardedStrategy` (and so of FSDPStrategy and ModelParallelStrategy)
+of its own.
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor split (not only replicated) along some mesh dimension."""
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+    """Whether ``t`` is a DTensor split (not only replicated) along some mesh dimension of more than one
+    rank (NO_SHARD's mesh ``(world_size, 1)`` "shards" over a single rank: every rank holds it whole)."""
+    return isinstance(t, DTensor) and any(
+        p.is_shard() and t.device_mesh.size(dim) > 1 for dim, p in enumerate(t.placements)
+    )
 
 
 def reduce_scatter_averages(world_size: int) -> bool:
@@ -39,14 +42,28 @@ def reduce_scatter_averages(world_size: int) -> bool:
     return bool(out.item() == 1.0)
 
 
+def all_reduce_averages(world_size: int) -> bool:
+    """Whether the default process group's all-reduce with ``ReduceOp.AVG`` averages. Hybrid sharding
+    (HSDP) averages gradients across its replicas with it; a backend that refuses or sums is caught here,
+    at launch, instead of in the first backward (or never)."""
+    out = torch.full((1,), float(dist.get_rank() + 1))
+    try:
+        dist.all_reduce(out, op=dist.ReduceOp.AVG)
+    except RuntimeError:
+        return False
+    return bool(out.item() == (world_size + 1) / 2)
+
+
 def clip_grad_norm(
     params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
     """Scale the gradients so that their norm over every shard of every rank is at most ``max_norm``;
     returns that norm (a plain tensor, the same on every rank).
 
-    Gradients may live on different meshes (tensor parallel x FSDP: a parameter sharded by FSDP alone
-    is on the 1-D data-parallel mesh, a tensor-parallel one on the 2-D mesh), and torch cannot stack
+    Any mesh works, 1-D (FSDP) or 2-D (hybrid sharding, whose norm torch reduces over the shard dimension
+    and leaves replicated over the replicate one). Gradients may live on different meshes (tensor parallel
+    x FSDP: a parameter sharded by FSDP alone is on the 1-D data-parallel mesh, a tensor-parallel one on
+    the 2-D mesh), and torch cannot stack
     DTensors of different meshes into one norm. So each mesh's gradients get torch's norm (reduced
     over that mesh), and the total is the norm of those norms, which is the same number."""
     utils = torch.nn.utils
@@ -74,4 +91,4 @@ def clip_grad_norm(
     return total
 
 
-__all__ = ["clip_grad_norm", "is_sharded", "local_tensor", "reduce_scatter_averages"]
+__all__ = ["all_reduce_averages", "clip_grad_norm", "is_sharded", "local_tensor", "reduce_scatter_averages"]

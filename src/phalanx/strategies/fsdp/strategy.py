@@ -1,4 +1,5 @@
-"""Fully sharded data parallelism on torch's FSDP2 (``fully_shard`` over a 1-D DeviceMesh).
+"""Fully sharded data parallelism on torch's FSDP2 (``fully_shard`` over a 1-D DeviceMesh, or a 2-D one
+``(replicate, shard)`` for hybrid sharding).
 
 Every rank keeps only its shard of each parameter, gradient and optimizer state; a sharded unit's
 parameters are all-gathered just before its forward and backward, and its gradients are
@@ -23,8 +24,11 @@ hard to misuse:
   own norm functions on DTensor gradients), and 16-mixed skips a step on every rank when any shard
   overflowed (torch's GradScaler reduces its found-inf flag over the mesh).
 
-This module keeps the :class:`FSDPStrategy` class: setup, sharding, the optimizer, forward, backward
-and the step. Its parts live beside it: ``units`` (the sharding policy, read from the module tree),
+This module keeps the :class:`FSDPStrategy` class and its base :class:`ShardedStrategy` (setup, sharding,
+the optimizer, forward, backward and the step), which ModelParallelStrategy shares without being an
+FSDPStrategy. Its parts live beside it: ``sharding`` (Lightning's ``sharding_strategy`` and
+``device_mesh`` mapped onto FSDP2's mesh and ``reshard_after_forward``), ``units`` (the sharding policy,
+read from the module tree),
 ``guards`` (the call-order guards and their hooks), ``gradients`` (norms and averages across shards),
 ``precision`` (mixed precision on DTensors, shared with ModelParallelStrategy) and ``checkpoint`` (the
 base class answering the checkpoint layer: :mod:`phalanx.checkpoint` and :mod:`phalanx.checkpoint.dcp`).
@@ -33,6 +37,7 @@ base class answering the checkpoint layer: :mod:`phalanx.checkpoint` and :mod:`p
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -49,9 +54,23 @@ from phalanx.distributed.launch import ClusterEnvironment
 from phalanx.precision import PRECISIONS, MixedPrecision, Precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
 from phalanx.strategies.fsdp.checkpoint import FSDPCheckpointing
-from phalanx.strategies.fsdp.gradients import clip_grad_norm, is_sharded, local_tensor, reduce_scatter_averages
+from phalanx.strategies.fsdp.gradients import (
+    all_reduce_averages,
+    clip_grad_norm,
+    is_sharded,
+    local_tensor,
+    reduce_scatter_averages,
+)
 from phalanx.strategies.fsdp.guards import CallOrder, Root
 from phalanx.strategies.fsdp.precision import FSDPMixedPrecision, ShardedMixedPrecision
+from phalanx.strategies.fsdp.sharding import (
+    HYBRID_MESH_DIMS,
+    broadcast_replicas,
+    check_fsdp1_options,
+    check_mesh_object,
+    mesh_shape,
+    resolve_sharding,
+)
 from phalanx.strategies.fsdp.units import (
     is_bare_container,
     is_default_unit,
@@ -60,35 +79,19 @@ from phalanx.strategies.fsdp.units import (
     tied_weights_hint,
 )
 from phalanx.utils.compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, fully_shard
+from phalanx.utils.diagnostics import info
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 from phalanx.utils.tensors import is_metric
 
 
-class FSDPStrategy(FSDPCheckpointing):
-    """Shard parameters, gradients and optimizer state across ranks with FSDP2.
-
-    Args:
-        auto_wrap_policy: set of module classes to shard as their own units (each gets its own
-            all-gather/reduce-scatter, so only one unit's full parameters exist at a time). Default
-            (None): every element of an ``nn.ModuleList`` (the repeated blocks of a Transformer) and
-            torch's ``nn.TransformerEncoderLayer``/``DecoderLayer``. The root is always sharded too.
-        parallelize_fn: ``fn(module, mesh)`` that applies ``fully_shard`` (and anything else) itself;
-            replaces ``auto_wrap_policy``. phalanx shards the root afterwards if ``fn`` did not.
-        reshard_after_forward: free unit parameters after forward (re-gathered for backward).
-        cpu_offload: keep parameter/gradient shards and the optimizer step on the CPU.
-        activation_checkpointing_policy: set of module classes whose activations are recomputed in
-            backward instead of stored (parameter names are unchanged).
-        state_dict_type: ``"sharded"`` (a directory, every rank writes its shards) or ``"full"`` (one
-            file gathered to rank 0). ``load`` reads either.
-        compile: ``True`` or a dict of ``torch.compile`` arguments: the sharded root is compiled in place
-            after sharding.
-        async_save: ``fabric.save`` copies this rank's shards into memory, writes them in the background
-            and returns an :class:`~phalanx.checkpoint.async_sharded.AsyncCheckpoint` at once; the
-            checkpoint is published when every rank has written (sharded checkpoints only).
-        Other arguments: see :class:`~phalanx.strategies.parallel.ParallelStrategy`.
+class ShardedStrategy(FSDPCheckpointing):
+    """What :class:`FSDPStrategy` and :class:`~phalanx.strategies.model_parallel.ModelParallelStrategy` share:
+    setup, sharding, the optimizer, forward, backward, the step and (through :class:`FSDPCheckpointing`)
+    checkpoints. Neither strategy is a subclass of the other, as in Lightning: scripts tell them apart with
+    ``isinstance`` (LitGPT's ``load_checkpoint`` takes its FSDP branch for ``FSDPStrategy`` only). The
+    arguments are :class:`FSDPStrategy`'s.
     """
 
-    name: ClassVar[str] = "fsdp"
     syncs_gradients: ClassVar[bool] = True
     supports_inference_mode: ClassVar[bool] = False  # fully_shard reuses its all-gather buffers
     supports_calls_outside_forward: ClassVar[bool] = False  # parameters are gathered by the forward
@@ -99,15 +102,26 @@ class FSDPStrategy(FSDPCheckpointing):
         *,
         auto_wrap_policy: set[type[nn.Module]] | None = None,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module | None] | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         cpu_offload: bool = False,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         state_dict_type: str = "sharded",
         compile: bool | dict[str, Any] = False,
         async_save: bool = False,
+        sharding_strategy: Any = None,
+        device_mesh: tuple[int, ...] | DeviceMesh | None = None,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = True,
         **kwargs: Any,
     ) -> None:
+        note = check_fsdp1_options(limit_all_gathers, use_orig_params, kwargs)
         super().__init__(state_dict_type=state_dict_type, async_save=async_save, **kwargs)
+        self._sharding = resolve_sharding(sharding_strategy, reshard_after_forward, device_mesh)
+        #: Lightning's FSDP1 arguments, as given: FSDP2 behaves as both set to True (check_fsdp1_options).
+        self.limit_all_gathers = limit_all_gathers
+        self.use_orig_params = use_orig_params
+        if note is not None:
+            info(note, rank=int(os.environ.get("RANK", "0")))
         self.compile_options = check_compile(compile)
         hint = " For custom logic pass parallelize_fn=fn(module, mesh) and call fully_shard yourself."
         wrap_classes = check_policy(auto_wrap_policy, "auto_wrap_policy", hint)
@@ -116,8 +130,11 @@ class FSDPStrategy(FSDPCheckpointing):
             raise MisconfigurationError("Pass auto_wrap_policy or parallelize_fn, not both.")
         self.auto_wrap_policy = wrap_classes if auto_wrap_policy is not None else None
         self.parallelize_fn = parallelize_fn
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = self._sharding.reshard_after_forward
+        #: Lightning's name of the sharding asked for (upper case), or None.
+        self.sharding_strategy = self._sharding.strategy
         self.cpu_offload = cpu_offload
+        self._mesh_shape: tuple[int, ...] | None = None
         self._mesh: DeviceMesh | None = None
         self._calls = CallOrder()  # the set-up roots and the call-order guards (guards.py)
         self._stale: dict[int, weakref.ref[nn.Parameter]] = {}
@@ -129,6 +146,8 @@ class FSDPStrategy(FSDPCheckpointing):
                 f"strategy='fsdp' on CPU needs torch >= 2.7 (torch {torch.__version__}'s FSDP2 cannot run on CPU). "
                 "Upgrade torch, or use strategy='ddp' on CPU."
             )
+        # The mesh shape is checked here, before any process starts: a wrong size fails at Fabric(...).
+        self._mesh_shape = mesh_shape(self._sharding, devices, num_nodes)
         super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)
 
     def setup_environment(self, env: ClusterEnvironment | None) -> None:
@@ -142,6 +161,19 @@ class FSDPStrategy(FSDPCheckpointing):
                     f"{torch.__version__}'s sums instead, so FSDP2's gradients would be {self.world_size}x too "
                     "large. Upgrade torch (2.13 is known good), or use strategy='ddp' on CPU."
                 )
+            if self._sharding.hybrid:  # replicas average their gradients with an all-reduce
+                with self.guard.guarded("FSDP gradient-average check (gloo all-reduce)"):
+                    averages = all_reduce_averages(self.world_size)
+                if not averages:
+                    raise MisconfigurationError(
+                        f"Hybrid sharding on gloo (CPU) needs a torch whose gloo all-reduce averages (ReduceOp.AVG); "
+                        f"torch {torch.__version__}'s does not. Upgrade torch (2.13 is known good), or use "
+                        "sharding_strategy='FULL_SHARD' on CPU."
+                    )
+        if self._sharding.hybrid:
+            shape = self._mesh_shape or ()
+            with self.guard.guarded(f"setup_environment (hybrid device mesh {' x '.join(map(str, shape))})"):
+                self._init_mesh()
 
     def select_precision(self, precision: str) -> Precision:
         plugin = super().select_precision(precision)
@@ -152,10 +184,27 @@ class FSDPStrategy(FSDPCheckpointing):
     # ------------------------------------------------------------------ mesh and modules
     @property
     def mesh(self) -> DeviceMesh:
-        """The 1-D device mesh parameters are sharded over (created on first use)."""
+        """The device mesh parameters are sharded over: 1-D over every rank, or 2-D ``(replicate, shard)``
+        for hybrid sharding (created on first use, or at launch for a hybrid one)."""
         if self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            self._init_mesh()
+        assert self._mesh is not None
         return self._mesh
+
+    def _init_mesh(self) -> None:
+        given = self._sharding.device_mesh
+        if isinstance(given, DeviceMesh):
+            check_mesh_object(given, self.root_device.type)
+            self._mesh = given
+        elif self._mesh_shape is not None and len(self._mesh_shape) == 2:
+            self._mesh = init_device_mesh(self.root_device.type, self._mesh_shape, mesh_dim_names=HYBRID_MESH_DIMS)
+        else:
+            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        # Every rank is a data-parallel rank, hybrid meshes too (replicas and shards both see their own
+        # samples): split by global rank.
+        return super().distributed_sampler_kwargs()
 
     @contextlib.contextmanager
     def init_context(self, empty_init: bool | None = None) -> Iterator[None]:
@@ -248,7 +297,9 @@ class FSDPStrategy(FSDPCheckpointing):
                 fully_shard(child, **kwargs)
 
     def _after_sharding(self, module: nn.Module) -> None:
-        """Hook for subclasses: the module is sharded (and materialized), FSDP's root not yet decided."""
+        """The module is sharded (and materialized), FSDP's root not yet decided: a hybrid mesh's replicas
+        take the first replica's values. Subclasses replace this step."""
+        broadcast_replicas(module, self.mesh)
 
     def _materialize(self, module: nn.Module) -> None:
         owners = [
@@ -380,5 +431,50 @@ class FSDPStrategy(FSDPCheckpointing):
         super().verify_in_sync(kept, what, rtol, atol)
 
 
+class FSDPStrategy(ShardedStrategy):
+    """Shard parameters, gradients and optimizer state across ranks with FSDP2.
+
+    Args:
+        auto_wrap_policy: set of module classes to shard as their own units (each gets its own
+            all-gather/reduce-scatter, so only one unit's full parameters exist at a time). Default
+            (None): every element of an ``nn.ModuleList`` (the repeated blocks of a Transformer) and
+            torch's ``nn.TransformerEncoderLayer``/``DecoderLayer``. The root is always sharded too.
+        parallelize_fn: ``fn(module, mesh)`` that applies ``fully_shard`` (and anything else) itself;
+            replaces ``auto_wrap_policy``. phalanx shards the root afterwards if ``fn`` did not.
+        reshard_after_forward: free unit parameters after forward (re-gathered for backward). Default
+            True (or what ``sharding_strategy`` means; passing both differently is refused).
+        sharding_strategy: Lightning's names (strings of any case, or torch's ``ShardingStrategy``):
+            ``"FULL_SHARD"`` (the default behaviour), ``"SHARD_GRAD_OP"`` (``reshard_after_forward=False``),
+            ``"HYBRID_SHARD"`` (shard within groups, replicate across them: a 2-D mesh ``(replicate,
+            shard)``, HSDP), ``"_HYBRID_SHARD_ZERO2"`` (the same without resharding) and ``"NO_SHARD"``
+            (whole parameters on every rank: the mesh ``(world_size, 1)``).
+        device_mesh: the hybrid mesh, a shape ``(replicate, shard)`` whose product is the world size, or
+            a DeviceMesh. Default for hybrid sharding: ``(num_nodes, devices)``. A 2-D mesh without
+            ``sharding_strategy`` is hybrid sharding too (FSDP2's meaning).
+        cpu_offload: keep parameter/gradient shards and the optimizer step on the CPU.
+        activation_checkpointing_policy: set of module classes whose activations are recomputed in
+            backward instead of stored (parameter names are unchanged).
+        state_dict_type: ``"sharded"`` (a directory, every rank writes its shards) or ``"full"`` (one
+            file gathered to rank 0). ``load`` reads either.
+        compile: ``True`` or a dict of ``torch.compile`` arguments: the sharded root is compiled in place
+            after sharding.
+        async_save: ``fabric.save`` copies this rank's shards into memory, writes them in the background
+            and returns an :class:`~phalanx.checkpoint.async_sharded.AsyncCheckpoint` at once; the
+            checkpoint is published when every rank has written (sharded checkpoints only).
+        limit_all_gathers: Lightning's FSDP1 argument. True (the default) is what FSDP2 always does: it
+            all-gathers at most one unit ahead of the one computing. False is accepted with a one-line
+            note and changes nothing (FSDP2 has no CPU rate limiter to turn off).
+        use_orig_params: Lightning's FSDP1 argument. True (the default) is what FSDP2 always does (the
+            original parameters, sharded, under their own names); False (flat parameters) is refused.
+            Lightning's other FSDP1 arguments (``backward_prefetch``, ``forward_prefetch``,
+            ``mixed_precision``, ``sync_module_states``, ``param_init_fn``, ``device_id``,
+            ``ignored_modules``, ``ignored_states``, ``process_group``, ``activation_checkpointing``) are
+            refused, each with what to use instead.
+        Other arguments: see :class:`~phalanx.strategies.parallel.ParallelStrategy`.
+    """
+
+    name: ClassVar[str] = "fsdp"
+
+
 # ShardedMixedPrecision and local_tensor lived here before the split; old imports keep working.
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision", "local_tensor"]
+__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision", "ShardedStrategy", "local_tensor"]

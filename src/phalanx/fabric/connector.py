@@ -1,0 +1,78 @@
+"""Fabric's connector: its arguments and the launch environment become one configured strategy.
+
+Kept apart from the facade because this is where a job's shape is decided, and where two sources can
+disagree: the script's ``Fabric(...)`` arguments and the flags of ``phalanx run`` (passed to the script
+through ``PHALANX_*`` variables). The flags win, and a script that says otherwise is told so — never a
+silent choice between the two.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from phalanx.distributed import launch as launcher
+from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
+from phalanx.precision import canonical_precision
+from phalanx.strategies import Strategy, resolve_strategy
+from phalanx.utils.diagnostics import warn
+from phalanx.utils.errors import MisconfigurationError
+
+# `phalanx run --strategy ...` passes its flags to the script's Fabric through these variables.
+_CLI_ENV = {
+    "accelerator": "PHALANX_ACCELERATOR",
+    "devices": "PHALANX_DEVICES",
+    "num_nodes": "PHALANX_NUM_NODES",
+    "strategy": "PHALANX_STRATEGY",
+    "precision": "PHALANX_PRECISION",
+}
+_DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "32-true",
+}
+
+
+def apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
+    out = dict(args)
+    for key, var in _CLI_ENV.items():
+        value = os.environ.get(var)
+        if value is None:
+            continue
+        given = args[key]
+        if given != _DEFAULTS[key] and str(given) != value and not isinstance(given, Strategy):
+            env = launcher.detect_environment()
+            warn(
+                f"The code sets {key}={given!r} but the job was launched with --{key.replace('_', '-')} {value}; "
+                f"using {value}. Remove one of the two so the script says what runs.",
+                rank=env.rank if env is not None else None,
+            )
+        if isinstance(given, Strategy) and key == "strategy":
+            continue
+        out[key] = int(value) if key == "num_nodes" else value
+    return out
+
+
+def configured_strategy(args: dict[str, Any]) -> Strategy:
+    """The strategy ``Fabric(**args)`` runs on: flags applied, devices and nodes resolved, precision and
+    lockstep mode set (``configure`` validates the combination before any process starts)."""
+    args = apply_cli_overrides(args)
+    device_type = resolve_accelerator(args["accelerator"])
+    n_devices = resolve_devices(args["devices"], device_type)
+    n_nodes = int(args["num_nodes"])
+    if n_nodes < 1:
+        raise MisconfigurationError(f"num_nodes must be >= 1, got {n_nodes}.")
+    strategy = resolve_strategy(args["strategy"], n_devices * n_nodes)
+    strategy.configure(
+        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=canonical_precision(args["precision"])
+    )
+    if args.get("lockstep") is not None:
+        strategy.set_lockstep(args["lockstep"])
+    return strategy
+
+
+def as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        return list(value)
+    return [value]

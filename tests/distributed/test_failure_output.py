@@ -1,0 +1,245 @@
+"""A failed job reads once: through every launcher phalanx owns (``python train.py`` with
+``fabric.launch()``, ``fabric.launch(fn)``, the Trainer with ``devices=2``, ``phalanx run``) the terminal
+shows the ranks' stdout live and ends with where the log is and the cause (rank, exception, the user's
+file:line), once; the ranks' full tracebacks and stderr are in the log it names."""
+
+from __future__ import annotations
+
+import io
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mp import run_job
+
+from phalanx.distributed.launch import failure_summary
+from phalanx.distributed.runlogs import RunLogs, TracebackFilter, _Tailed
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_LINES = 20
+
+
+# ---------------------------------------------------------------- what of a rank's stderr is shown
+def _shown(lines: list[str]) -> str:
+    f = TracebackFilter()
+    return "".join(f.feed(line) for line in lines)
+
+
+def test_filter_hides_tracebacks_and_shows_everything_else() -> None:
+    plain = ["epoch 0\n", "Traceback (most recent call last):\n", '  File "job.py", line 3, in <module>\n',
+             "    main()\n", "    ^^^^^^\n", "ValueError: boom\n", "after\n"]
+    assert _shown(plain) == "epoch 0\nafter\n"
+    chained = ["[rank0]: Traceback (most recent call last):\n", '[rank0]:   File "x.py", line 1, in f\n',
+               "[rank0]: RuntimeError: Connection closed by peer\n", "\n",
+               "[rank0]: The above exception was the direct cause of the following exception:\n", "\n",
+               "[rank0]: Traceback (most recent call last):\n", '[rank0]:   File "job.py", line 9, in <module>\n',
+               "[rank0]: phalanx.utils.errors.RankGoneError: rank 1 failed\n", "[rank0]: second message line\n",
+               "[phalanx] rank 0 has waited 2s in save\n"]
+    assert _shown(chained) == "[phalanx] rank 0 has waited 2s in save\n"
+    unprefixed_chain = ["Traceback (most recent call last):\n", "  File 'a.py', line 1\n", "KeyError: 'a'\n", "\n",
+                        "During handling of the above exception, another exception occurred:\n", "\n",
+                        "Traceback (most recent call last):\n", "  File 'a.py', line 2\n", "ValueError: b\n", "ok\n"]
+    assert _shown(unprefixed_chain) == "ok\n"
+    watchdog = ["[phalanx] rank 0 is ending: RankGoneError: backward cannot complete\n",
+                "[phalanx] rank 0's main thread was blocked here:\n", '  File "job.py", line 26, in <module>\n',
+                "    fabric.backward(loss)\n"]
+    assert _shown(watchdog) == ""
+    progress = ["\r", "Epoch 0:  50%|#####     | 1/2\r", "Epoch 0: 100%|##########| 2/2\n", "warning: x\n"]
+    assert _shown(progress) == "".join(progress)
+
+
+def test_tail_shows_a_progress_bar_before_its_line_ends_but_holds_back_a_traceback(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text("")
+    tail = _Tailed(str(log))
+    with log.open("a") as fh:
+        fh.write("\rEpoch 0:  50%|#####")
+        fh.flush()
+        assert tail.pump(False) == "\r"  # the bar itself waits one poll, to see whether it grows
+        assert tail.pump(False) == "Epoch 0:  50%|#####"
+        fh.write("\rEpoch 0: 100%|##########|\nTraceback (most rec")
+        fh.flush()
+        assert tail.pump(False) == "\rEpoch 0: 100%|##########|\n"
+        assert tail.pump(False) == ""  # may start a traceback: not shown until its line ends
+        fh.write('ent call last):\n  File "job.py", line 3\nValueError: x\ndone')
+        fh.flush()
+        assert tail.pump(False) == ""
+    assert tail.pump(True) == "done"
+
+
+def test_show_tracebacks_redirects_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PHALANX_SHOW_TRACEBACKS", "1")
+    logs = RunLogs("phalanx-x", root=str(tmp_path))
+    assert logs.dir is None and logs.logs_specs() is None and logs.torchrun_args() == []
+    monkeypatch.delenv("PHALANX_SHOW_TRACEBACKS")
+    logs = RunLogs("phalanx-x", root=str(tmp_path), dst=io.StringIO())
+    assert logs.dir == str(tmp_path / "phalanx-x")
+    assert logs.torchrun_args() == ["--log-dir", logs.dir, "--redirects", "2"]
+
+
+# ---------------------------------------------------------------- the summary quotes each cause once
+class _Failure:
+    def __init__(self, exitcode: int, message: str | None, timestamp: int) -> None:
+        self.exitcode, self.timestamp, self.error_file = exitcode, timestamp, ""
+        self.error_file_data = {"message": {"message": message}} if message else {}
+
+
+def test_summary_names_ranks_that_failed_alike_together_and_a_consequence_without_its_cause() -> None:
+    cause = "ValueError: boom (raised at job.py:9 (<module>))"
+
+    class Both:
+        failures = {0: _Failure(1, cause, 11), 1: _Failure(1, cause, 10)}
+
+    text, code = failure_summary(Both())
+    assert (text, code) == (f"ranks 1 and 0 exited with code 1: {cause}", 1)
+
+    class Consequence:
+        failures = {0: _Failure(1, f"RankGoneError: barrier ... but rank 1 failed: {cause}. That error is the "
+                                     "cause", 12), 1: _Failure(1, cause, 10), 2: _Failure(-signal.SIGTERM, None, 13)}
+
+    text, _ = failure_summary(Consequence())
+    assert text == (f"rank 1 exited with code 1: {cause}; rank 0 exited with code 1: RankGoneError, a consequence "
+                    "of rank 1's error; the launcher then stopped rank(s) [2]")
+    assert text.count("job.py:9") == 1
+
+
+# ---------------------------------------------------------------- real 2-rank jobs that crash
+FABRIC_LOOP = """
+import torch, phalanx
+
+def train(fabric):
+    model = torch.nn.Linear(4, 1)
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(4):
+        print(f"rank {{fabric.global_rank}} step {{step}}", flush=True)
+        loss = model(torch.randn(8, 4)).sum()
+        if step == 2 and {who}:
+            raise ValueError(f"bad batch at step {{step}}")  # the line the summary names
+        fabric.backward(loss)
+        opt.step()
+"""
+SCRIPT = FABRIC_LOOP + """
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+train(fabric)
+"""
+FUNCTION = FABRIC_LOOP + """
+if __name__ == "__main__":
+    phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp").launch(train)
+"""
+RUN = FABRIC_LOOP + """
+fabric = phalanx.Fabric(accelerator="cpu")
+fabric.launch()
+train(fabric)
+"""
+TRAINER = """
+import torch, phalanx
+from trainer_support import Regressor, loader, quiet
+
+class Crashing(Regressor):
+    def training_step(self, batch, batch_idx):
+        print(f"rank {{self.global_rank}} batch {{batch_idx}}", flush=True)
+        if batch_idx == 2 and {who}:
+            raise ValueError(f"bad batch at step {{batch_idx}}")  # the line the summary names
+        return super().training_step(batch, batch_idx)
+
+phalanx.Trainer(devices=2, strategy="ddp", max_epochs=1, **quiet()).fit(Crashing(), loader(32, 4))
+"""
+WHO = {"rank 1": "fabric.global_rank == 1", "both ranks": "True"}
+PATHS = {"python train.py": SCRIPT, "launch(fn)": FUNCTION, "Trainer": TRAINER, "phalanx run": RUN}
+
+
+def _crash(tmp_path: Path, how: str, who: str, env: dict[str, str] | None = None) -> tuple[Any, int]:
+    code = PATHS[how].format(who=WHO[who].replace("fabric.", "self.") if how == "Trainer" else WHO[who])
+    line = next(i for i, text in enumerate(code.splitlines(), 1) if "the line the summary names" in text)
+    command = [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2"] if how == "phalanx run" else None
+    job = run_job(code, tmp_path, timeout=180, env=env, command=command)
+    return job, line
+
+
+@pytest.mark.parametrize("how", list(PATHS))
+@pytest.mark.parametrize("who", list(WHO))
+def test_a_crashed_job_shows_its_cause_once_and_the_tracebacks_are_in_the_log(tmp_path: Path, how: str,
+                                                                              who: str) -> None:
+    job, line = _crash(tmp_path, how, who)
+    out = job.output
+    assert job.returncode == 1, out[-3000:]
+    assert len(out.splitlines()) <= MAX_LINES, out
+    assert "step 1" in job.stdout or "batch 1" in job.stdout  # the ranks' stdout still reaches the terminal
+    where = f"job.py:{line}"
+    assert out.count(where) == 1, out
+    assert out.count("ValueError: bad batch at step 2") == 1, out
+    # No rank's traceback, no torch error block; fabric.launch(fn) raises in the launching process, whose own
+    # traceback (a few lines, uncaught here) ends with the cause.
+    assert out.count("Traceback (most recent") == (how == "launch(fn)"), out
+    assert "ChildFailedError" not in out and "Sending process" not in out and "[rank" not in out, out
+    if how == "launch(fn)":  # the launching process raises; its own short traceback ends with the cause
+        assert out.strip().splitlines()[-1].startswith("phalanx.utils.errors.PhalanxError: fabric.launch(train) "
+                                                       "failed: "), out
+    else:
+        assert out.strip().splitlines()[-1].startswith("[phalanx] job failed: "), out
+    first = "rank 1" if who == "rank 1" else r"ranks? [01]"
+    assert re.search(rf"{first}.* exited with code 1: ValueError: bad batch at step 2 \(raised at {where} ", out), out
+    # The log it names: every failed rank's stderr, its full traceback included.
+    named = re.search(r"Tracebacks and stderr of every rank: (\S+) \(rank (\d): (\S+?)[;)]", out)
+    assert named, out
+    run_dir = tmp_path / named.group(1)
+    assert (tmp_path / named.group(3)).is_file()
+    logs = {int(p.parent.name): p.read_text() for p in run_dir.glob("*/attempt_*/*/stderr.log")}
+    assert sorted(logs) == [0, 1], list(run_dir.rglob("*"))
+    failed = [1] if who == "rank 1" else [0, 1]
+    for rank in failed:
+        assert "Traceback (most recent call last)" in logs[rank], logs[rank]
+        assert f'line {line}, in ' in logs[rank] and "ValueError: bad batch at step 2" in logs[rank], logs[rank]
+
+
+def test_show_tracebacks_prints_them_inline(tmp_path: Path) -> None:
+    job, line = _crash(tmp_path, "python train.py", "rank 1", env={"PHALANX_SHOW_TRACEBACKS": "1"})
+    assert job.returncode == 1
+    assert "Traceback (most recent call last)" in job.stderr and f'line {line}, in ' in job.stderr
+    assert job.stderr.strip().splitlines()[-1].startswith("[phalanx] job failed: rank 1 exited with code 1: "
+                                                          "ValueError: bad batch at step 2")
+    assert not (tmp_path / "phalanx_logs").exists()
+
+
+def test_log_dir_comes_from_the_environment_and_stderr_stays_live(tmp_path: Path) -> None:
+    code = """
+import sys, torch, phalanx
+fabric = phalanx.Fabric(accelerator="cpu", devices=2)
+fabric.launch()
+print(f"stdout of rank {fabric.global_rank}", flush=True)
+print(f"stderr of rank {fabric.global_rank}", file=sys.stderr, flush=True)
+if fabric.global_rank == {rank} and {handled}:
+    try:
+        raise OSError("retrying the download")
+    except OSError:
+        import traceback
+        traceback.print_exc()
+fabric.barrier()
+"""
+    logs = tmp_path / "logs"
+    for handled in (False, True):
+        job = run_job(code.replace("{rank}", "1").replace("{handled}", str(handled)), tmp_path, timeout=180,
+                      env={"PHALANX_LOG_DIR": str(logs)})
+        job.check()
+        for rank in (0, 1):
+            assert f"stdout of rank {rank}" in job.stdout and f"stderr of rank {rank}" in job.stderr, job.output
+        assert "Traceback" not in job.output, job.output
+        files = sorted(logs.glob("phalanx-*/*/attempt_0/*/stderr.log"))
+        if not handled:  # all of it was shown: nothing is left behind
+            assert not logs.exists(), list(logs.rglob("*"))
+        else:  # the traceback the terminal left out is in rank 1's log
+            assert [p.parent.name for p in files] == ["0", "1"]
+            assert "OSError: retrying the download" in files[1].read_text()
+    assert not (tmp_path / "phalanx_logs").exists()
+
+
+def test_phalanx_run_takes_show_tracebacks() -> None:
+    from phalanx.cli.commands import build_parser
+
+    assert build_parser().parse_args(["run", "--show-tracebacks", "job.py"]).show_tracebacks is True
+    assert build_parser().parse_args(["run", "job.py"]).show_tracebacks is False
