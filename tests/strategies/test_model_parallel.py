@@ -152,7 +152,7 @@ def test_not_an_fsdp_strategy_as_in_lightning() -> None:
     assert not isinstance(strategy, FSDPStrategy) and isinstance(strategy, ShardedStrategy)
     assert not issubclass(FSDPStrategy, ModelParallelStrategy)
     assert (strategy.name, FSDPStrategy().name) == ("model_parallel", "fsdp")
-    with pytest.raises(MisconfigurationError, match=r"^ModelParallelStrategy takes no limit_all_gathers \(FSDPStrategy"):
+    with pytest.raises(MisconfigurationError, match=r"^ModelParallelStrategy takes no limit_all_gathers \(FSDP"):
         ModelParallelStrategy(limit_all_gathers=True)
 
 
