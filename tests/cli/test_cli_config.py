@@ -33,6 +33,7 @@ def last_metric(log_dir: Path, name: str) -> float:
     return float([r for r in rows if r.get(name)][-1][name])
 
 
+@pytest.mark.slow  # CI: test_phalanx_fit_on_two_processes runs the same config path
 def test_phalanx_fit_from_yaml_trains_digits_then_test_validate_predict(tmp_path: Path) -> None:
     fit = phalanx_cli("fit", "--config", str(CONFIG), "--trainer.max_epochs=3", "--model.init_args.epochs=3",
                       cwd=tmp_path)

@@ -99,6 +99,7 @@ def test_rank_frozen_in_ddp_training_ends_the_job_naming_it(tmp_path: Path) -> N
     assert detected < GUARD + 10
 
 
+@pytest.mark.slow  # CI: the same freeze is detected by hand in test_rank_frozen_in_ddp_training_ends_the_job_naming_it
 def test_frozen_rank_under_the_launcher_exits_non_zero_with_the_cause_and_no_process_left(tmp_path: Path) -> None:
     job = run_job(_frozen_job(tmp_path), tmp_path, timeout=150, env=ENV)
     assert job.returncode != 0
@@ -371,6 +372,7 @@ def test_rendezvous_releases_every_rank_and_compares_signatures() -> None:
         lock.close()
 
 
+@pytest.mark.slow  # a scaling measurement (bench/guard_scale.py reports it up to 256 ranks)
 @pytest.mark.timeout(120)
 def test_store_requests_per_guarded_op_grow_linearly_even_with_a_late_rank() -> None:
     """The guard's store traffic is O(ranks) per op, also while one rank is late (not O(ranks^2))."""

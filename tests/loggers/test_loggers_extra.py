@@ -101,6 +101,7 @@ def test_mlflow_records_metrics_hparams_and_checkpoints(
     check_mlflow_run(uri, logger, trainer)
 
 
+@pytest.mark.slow  # CI: the sqlite-store variant checks the same records
 @run_if(module="mlflow")
 def test_mlflow_against_a_real_tracking_server(tmp_path: Path) -> None:
     port = free_port()

@@ -94,6 +94,7 @@ def test_every_strategy_pickles_after_fabric_selected_its_precision(
     assert type(clone.precision) is type(fabric.strategy.precision)
 
 
+@pytest.mark.slow  # CI: tests/fabric/test_launch_matrix.py runs FSDP objects through launch(fn)
 @run_if(fsdp=True)
 @pytest.mark.timeout(200)
 def test_fsdp_object_through_launch_fn_trains_and_round_trips(tmp_path: Path) -> None:

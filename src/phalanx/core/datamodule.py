@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from phalanx.core.hooks import DataHooks
 from phalanx.core.hparams import HyperparametersMixin
 from phalanx.utils.errors import MisconfigurationError
 
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
     from phalanx.core.view import TrainerView
 
 
-class DataModule(HyperparametersMixin):
+class DataModule(HyperparametersMixin, DataHooks):
     """Optional: the data of a task in one object. Override the loaders you need.
 
     ``phalanx.LightningDataModule`` is this class."""
@@ -52,17 +51,6 @@ class DataModule(HyperparametersMixin):
 
     def predict_dataloader(self) -> Any:
         raise MisconfigurationError(f"{type(self).__name__} does not implement predict_dataloader().")
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        from phalanx.utils.tensors import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
 
     def on_exception(self, exception: BaseException) -> None: ...
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.utils.tensors import move_to_device
+
 
 class ModelHooks(nn.Module):
     """Mixed into :class:`phalanx.Module`: every hook the Trainer calls on the module, with its default."""
@@ -91,3 +93,18 @@ class ModelHooks(nn.Module):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read the entries ``on_save_checkpoint`` added."""
+
+
+class DataHooks:
+    """Lightning's ``DataHooks``, shared by :class:`phalanx.Module` and :class:`phalanx.DataModule`: how a
+    batch reaches the device. The Trainer refuses overrides of these (the Fabric moves batches itself), so
+    the defaults say what is done; they exist so that Lightning code that calls or overrides them imports."""
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return move_to_device(batch, device)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch

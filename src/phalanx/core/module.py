@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.datamodule import DataModule
-from phalanx.core.hooks import ModelHooks
+from phalanx.core.hooks import DataHooks, ModelHooks
 from phalanx.core.hparams import HyperparametersMixin
 from phalanx.core.toggling import toggle_params, untoggle_params, unwrapped
 from phalanx.utils.errors import MisconfigurationError
@@ -36,7 +36,7 @@ __all__ = ["REDUCE_FX", "DataModule", "Module", "check_reduce_fx", "no_op_hooks"
 REDUCE_FX = ("mean", "sum", "max", "min")
 
 
-class Module(HyperparametersMixin, ModelHooks):
+class Module(HyperparametersMixin, ModelHooks, DataHooks):
     """Subclass this, implement ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
 
     ``phalanx.LightningModule`` is this class: a LightningModule ports by changing its import.
@@ -377,17 +377,6 @@ class Module(HyperparametersMixin, ModelHooks):
             f"trainer.predict() needs data: pass dataloaders= or datamodule=, or implement {type(self).__name__}."
             "predict_dataloader()."
         )
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        from phalanx.utils.tensors import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
