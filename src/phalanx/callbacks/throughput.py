@@ -15,20 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.callbacks.base import Callback
-from phalanx.fabric.throughput import Throughput, get_available_flops
+from phalanx.fabric.throughput import Throughput, compute_dtype, get_available_flops
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
     from phalanx.core.view import TrainerView
-
-
-def _compute_dtype(precision: str) -> torch.dtype:
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float64 if precision.startswith("64") else torch.float32
 
 
 class ThroughputMonitor(Callback):
@@ -61,9 +53,8 @@ class ThroughputMonitor(Callback):
         if stage != "fit":
             return
         fabric = trainer.fabric
-        precision = str(getattr(fabric.strategy.precision, "name", "32-true"))
         self.throughput = Throughput(
-            available_flops=get_available_flops(fabric.device, _compute_dtype(precision)),
+            available_flops=get_available_flops(fabric.device, compute_dtype(fabric)),
             world_size=trainer.world_size, window_size=self.window_size, separator=self.separator,
         )
 

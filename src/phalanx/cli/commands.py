@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from phalanx.cli import checkpoint as checkpoint_commands
 from phalanx.precision import PRECISIONS
 
 
@@ -98,22 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_config_commands(sub)
-    for extra in _EXTRA_COMMANDS:
-        extra(sub)
+    checkpoint_commands.add_commands(sub)
     return parser
-
-
-# Subcommands contributed by other modules (e.g. `consolidate` from phalanx.checkpoint).
-_EXTRA_COMMANDS: list = []  # type: ignore[type-arg]
-
-
-def _load_extras() -> None:
-    try:
-        from phalanx.cli import checkpoint as checkpoint_cli
-    except ImportError:
-        return
-    if checkpoint_cli.add_commands not in _EXTRA_COMMANDS:
-        _EXTRA_COMMANDS.append(checkpoint_cli.add_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from phalanx.cli.config import main as config_main
 
         return config_main(argv)
-    _load_extras()
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

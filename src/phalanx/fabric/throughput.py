@@ -157,7 +157,8 @@ class Throughput:
             window.clear()
 
 
-def _compute_dtype(fabric: Fabric) -> torch.dtype:
+def compute_dtype(fabric: Fabric) -> torch.dtype:
+    """The dtype the device computes in under the Fabric's precision (which peak FLOP/s MFU divides by)."""
     name = str(getattr(fabric.strategy.precision, "name", "32-true"))
     if name.startswith("bf16"):
         return torch.bfloat16
@@ -173,7 +174,7 @@ class ThroughputMonitor(Throughput):
     metrics logged with ``compute_and_log`` through ``fabric.log_dict`` (on rank 0, as every Fabric log)."""
 
     def __init__(self, fabric: Fabric, **kwargs: Any) -> None:
-        kwargs.setdefault("available_flops", get_available_flops(fabric.device, _compute_dtype(fabric)))
+        kwargs.setdefault("available_flops", get_available_flops(fabric.device, compute_dtype(fabric)))
         super().__init__(world_size=fabric.world_size, **kwargs)
         self._fabric = fabric
         self.step = -1
