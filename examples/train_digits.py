@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from phalanx.callbacks import LearningRateFinder, ModelCheckpoint
+from phalanx.callbacks import LearningRateFinder, ModelCheckpoint, Snapshot
 from phalanx.loggers import CSVLogger, TensorBoardLogger
 
 
@@ -81,6 +81,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--out", default="runs/train_digits")
     parser.add_argument("--no-progress-bar", action="store_true")
+    # Survival: a rank that dies (kill -9, out of memory) restarts the job, which resumes from the snapshot
+    # of the last step; after a preemption (SIGTERM/SIGUSR1, exit code 75) rerun with --resume.
+    parser.add_argument("--max-restarts", type=int, default=2)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (ckpt_path='last')")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -92,7 +96,8 @@ def main() -> None:
         devices=args.devices,
         strategy="ddp",
         max_epochs=args.epochs,
-        callbacks=[finder, checkpoint, PrintEpoch()],
+        callbacks=[finder, checkpoint, Snapshot(every_n_train_steps=1), PrintEpoch()],
+        max_restarts=args.max_restarts,
         logger=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         enable_progress_bar=not args.no_progress_bar,
         log_every_n_steps=10,
@@ -106,6 +111,7 @@ def main() -> None:
         train_dataloaders=DataLoader(train_set, batch_size=32, shuffle=True),
         # 360 images split 180/180 across the ranks; every image is scored exactly once.
         val_dataloaders=DataLoader(val_set, batch_size=128),
+        ckpt_path="last" if args.resume else None,
     )
 
     accuracy = float(trainer.callback_metrics["val_acc"])

@@ -33,6 +33,10 @@ DIFFERENCES: dict[str, str] = {
     "Fabric.all_gather": "always adds the leading world dimension, also on one process (Lightning omits it when "
                          "world_size == 1), so code written for N ranks runs unchanged on one; group= is refused "
                          "(collectives span all ranks and are lockstep-checked)",
+    "Fabric.init_module": "empty_init=True under FSDP/ModelParallelStrategy materializes the meta model with the "
+                          "values one process draws on any number of ranks (each module initialized whole from the "
+                          "shared seeded state, each rank keeping its slice); Lightning on CPU lets every rank draw "
+                          "its own shard from the same state (repeated rows)",
     "Fabric.all_reduce": "the mean of an integer tensor is refused (Lightning truncates it); Python ints are "
                          "averaged as floats; group= is refused",
     "Fabric.setup": "move_to_device=False is refused when the module is not already on the rank's device (every "

@@ -272,9 +272,11 @@ def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> Non
     assert "rank-dependent branch" not in output, output[-3000:]
     named = re.search(r"barrier \(collective #\d+, .* on rank 0\) is waiting for rank\(s\) \[1\], but rank 1 failed: "
                       r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", output)
-    # phalanx run's agent may stop rank 0 before its watchdog speaks; its summary then says so, and nothing wrong
-    # was said (a race the launcher decides, seen once in a full-suite run on 2 busy cores).
-    assert named or (how == "phalanx run" and "the launcher then stopped rank(s) [0]" in output), output[-3000:]
+    # Either launcher's agent may stop rank 0 (SIGTERM) before its watchdog speaks; the summary then says so, and
+    # nothing wrong was said (a race the agent decides, seen under both launchers in full-suite runs on 2 busy cores).
+    stopped = ("the launcher then stopped rank(s) [0]" in output if how == "phalanx run"
+               else re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: -15", output) is not None)
+    assert named or stopped, output[-3000:]
 
 
 def test_failure_summary_puts_the_recorded_first_cause_first() -> None:

@@ -206,7 +206,7 @@ for name, kwargs, precision in CASES:
                       name + ":local_rows": weight.to_local().shape[0],
                       name + ":sampler": fabric.strategy.distributed_sampler_kwargs()})
     if name.startswith("hybrid") or name == "no_shard":
-        # Replicas created from different random streams (no seed, or empty_init's per-rank init) are made
+        # Replicas created from different random streams (ranks seeded differently, with empty_init too) are made
         # equal at setup: verify_in_sync compares every tensor a rank holds whole.
         in_sync = []
         for empty_init in (False, True):

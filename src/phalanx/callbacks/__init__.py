@@ -22,6 +22,7 @@ from phalanx.callbacks.extras import (
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
 from phalanx.callbacks.progress import ProgressBar
+from phalanx.callbacks.snapshot import Snapshot
 from phalanx.callbacks.throughput import ThroughputMonitor
 from phalanx.callbacks.timer import Timer
 
@@ -39,6 +40,7 @@ __all__ = [
     "ProgressBar",
     "RichModelSummary",
     "RichProgressBar",
+    "Snapshot",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",

@@ -2,7 +2,17 @@
 mismatch report). Strategies plug in through :mod:`phalanx.checkpoint.protocol`."""
 
 from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, read_file
-from phalanx.checkpoint.layer import Found, consolidate, find, load, load_raw, read_everything, remove, save
+from phalanx.checkpoint.layer import (
+    Found,
+    consolidate,
+    find,
+    latest,
+    load,
+    load_raw,
+    read_everything,
+    remove,
+    save,
+)
 
 __all__ = [
     "MARKER",
@@ -11,6 +21,7 @@ __all__ = [
     "check_plain",
     "consolidate",
     "find",
+    "latest",
     "load",
     "load_raw",
     "read_everything",

@@ -38,10 +38,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
+import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import CollectiveScope, DCPShards, plain_failure
+from phalanx.checkpoint.format import MARKER, META_KEY, read_file
 from phalanx.checkpoint.layer import _together, begin_directory, write_marker
 from phalanx.checkpoint.protocol import Host
+from phalanx.checkpoint.replace import publish_directory
 from phalanx.checkpoint.state import sort_state
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
@@ -74,7 +77,8 @@ class AsyncCheckpoint:
             except Exception as err:
                 raise storage.write_error(err, self.path, "write the shards of checkpoint") from err
             if self._publishes:
-                storage.publish_dir(self._tmp, self.path)
+                _add_shard_checksums(self._tmp)
+                publish_directory(self._tmp, self.path)
         except BaseException as err:  # kept for wait() and finish(): this thread has no caller
             if self._publishes:
                 storage.delete_now(self._tmp)
@@ -95,6 +99,14 @@ class AsyncCheckpoint:
             )
         if self.error is not None:
             raise self.error
+
+
+def _add_shard_checksums(tmp: Path) -> None:
+    """The marker is written when the save is called, the shards later: their checksums join it once
+    every rank's shards and the metadata are on disk (rank 0, before publishing)."""
+    marker = read_file(tmp / MARKER, what="Checkpoint marker")
+    marker[META_KEY]["checksums"].update(checksums.of_files(tmp, skip=[MARKER]))
+    storage.write_file(marker, tmp / MARKER, "checkpoint marker")
 
 
 def _layout(obj: Any) -> Any:

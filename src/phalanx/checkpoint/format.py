@@ -19,14 +19,17 @@ from typing import Any
 
 import torch
 
-from phalanx.utils.errors import CheckpointError
+import phalanx.checkpoint.checksums as checksums
+from phalanx.utils.errors import CheckpointError, CorruptCheckpointError
 
 META_KEY = "__phalanx__"
 #: The file inside a directory checkpoint that holds phalanx's metadata and the non-sharded entries;
 #: written last, so a directory without it is an interrupted save.
 MARKER = "phalanx_meta.pt"
 #: 2: only plain values (loads with weights_only=True); entry kinds and the shard layout recorded.
-FORMAT_VERSION = 2
+#: 3: checksums recorded (``meta["checksums"]``, :mod:`phalanx.checkpoint.checksums`) and verified on
+#: every load; files of earlier versions have none and load unverified.
+FORMAT_VERSION = 3
 
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -165,8 +168,73 @@ def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -
         ) from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{what} {path} holds a {type(ckpt).__name__}, not a dict of state.")
+    record = checksums.applies(ckpt.get(META_KEY))
+    if record is not None and record.get("entries") is not None:
+        found = checksums.check_state(ckpt, record, path)
+        if found:
+            raise corrupt(found, path.parent if path.name == MARKER else path, what)
     return ckpt
 
 
 def strip_meta(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ckpt.items() if k != META_KEY}
+
+
+# ---------------------------------------------------------------------- checksums
+_SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def earlier_checkpoint(checkpoint: Path) -> Path | None:
+    """The newest other checkpoint next to ``checkpoint`` (a file with a checkpoint suffix, or a directory
+    with a marker) written before it, else the newest other one; None if there is none. A link to
+    ``checkpoint`` itself (``last.ckpt``) does not count."""
+    checkpoint = Path(checkpoint)
+    own = 0.0
+    with contextlib.suppress(OSError):
+        own = checkpoint.stat().st_mtime
+    candidates: list[tuple[bool, float, str, Path]] = []
+    with contextlib.suppress(OSError):
+        for sibling in checkpoint.parent.iterdir():
+            if sibling.name.startswith(".") or sibling.name == checkpoint.name:
+                continue
+            with contextlib.suppress(OSError):
+                if sibling.exists() and checkpoint.exists() and sibling.samefile(checkpoint):
+                    continue
+                if (sibling.is_file() and sibling.suffix in _SUFFIXES) or (sibling / MARKER).is_file():
+                    mtime = sibling.stat().st_mtime
+                    candidates.append((mtime <= own, mtime, sibling.name, sibling))
+    return max(candidates)[3] if candidates else None
+
+
+def _described(m: checksums.Mismatch, checkpoint: Path) -> str:
+    where = "" if m.file == checkpoint else f" in {m.file}"  # a directory's file, or a marker
+    if m.entry is None and m.saved is None:
+        return f"{m.file}: {m.detail}"  # missing, or another size
+    if m.entry is None:
+        return f"bytes {m.detail} of {m.file}, which hold no tensor's data, do not match their checksum"
+    if m.key is None:
+        return f"entry {m.entry!r}{where} is not what was saved: {m.detail}"
+    return (f"tensor {m.key!r} of entry {m.entry!r}{where} does not match its checksum (crc32 "
+            f"{m.saved or 0:#010x} saved, {m.found or 0:#010x} now)")
+
+
+def corrupt(found: list[checksums.Mismatch], checkpoint: Path, what: str = "Checkpoint") -> CorruptCheckpointError:
+    """The error for a checkpoint whose bytes no longer match the checksums recorded when it was saved."""
+    more = f" (and {len(found) - 1} more mismatch{'es' if len(found) > 2 else ''})" if len(found) > 1 else ""
+    earlier = earlier_checkpoint(checkpoint)
+    advice = f"Use the previous checkpoint, {earlier}." if earlier else "Use an earlier checkpoint."
+    return CorruptCheckpointError(
+        f"{what} {checkpoint} is corrupt: {_described(found[0], checkpoint)}{more}. Its bytes changed after phalanx "
+        "saved it (a failing disk, a damaged copy), so loading it would silently give wrong values; it was refused. "
+        f"{advice}"
+    )
+
+
+def check_directory(directory: Path, meta: dict[str, Any]) -> None:
+    """Verify the shard files of a directory checkpoint against the checksums its marker recorded
+    (a marker without them, from before format 3, is not checked)."""
+    record = checksums.applies(meta)
+    if record is not None and isinstance(record.get("files"), dict):
+        found = checksums.check_files(directory, record)
+        if found:
+            raise corrupt(found, directory)

@@ -10,6 +10,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import traceback
 import uuid
@@ -18,9 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.storage as storage
-from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, make_meta, read_file, strip_meta
+from phalanx.checkpoint.format import (
+    FORMAT_VERSION,
+    MARKER,
+    META_KEY,
+    check_directory,
+    check_plain,
+    make_meta,
+    read_file,
+    strip_meta,
+)
 from phalanx.checkpoint.protocol import Host, ShardIO
+from phalanx.checkpoint.replace import is_checkpoint_file, publish_directory
 from phalanx.checkpoint.state import (
     MODULE,
     OPTIMIZER,
@@ -38,6 +50,7 @@ from phalanx.utils.errors import CheckpointError, CollectiveError
 
 FILE_LAYOUT = "file"
 DCP_LAYOUT = "torch.distributed.checkpoint"
+DEEPSPEED_LAYOUT = "deepspeed"  # phalanx.checkpoint.deepspeed_shards.LAYOUT (imported only when read)
 
 T = TypeVar("T")
 
@@ -125,6 +138,37 @@ def find(path: str | Path) -> Found | None:
     return Found(found, recovered, _incomplete(found) if found.is_dir() and not (found / MARKER).is_file() else None)
 
 
+#: What :func:`latest` counts as a checkpoint file (a directory counts when it holds the marker).
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def latest(directories: list[Path], pattern: str = "*") -> Path | None:
+    """The newest complete checkpoint in ``directories`` (files named ``*.ckpt``/``*.pt``/``*.pth``, and
+    sharded directories whose marker exists), by the time its save finished; None when there is none.
+    Hidden entries (saves in progress, the previous copy kept while one is replaced) are not candidates:
+    an interrupted save never wins over the checkpoint it was replacing. ``pattern`` (fnmatch) narrows the
+    names. No process group needed."""
+    best: tuple[float, Path] | None = None
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            if entry.name.startswith(".") or not fnmatch.fnmatch(entry.name, pattern):
+                continue
+            if entry.is_dir():
+                stamp = entry / MARKER  # written last: its time is when the save finished
+                if not stamp.is_file():
+                    continue
+            elif entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
+                stamp = entry
+            else:
+                continue
+            when = stamp.stat().st_mtime
+            if best is None or when > best[0]:
+                best = (when, entry)
+    return best[1] if best is not None else None
+
+
 def _locate_for_load(path: Path) -> Path:
     found = find(path)
     if found is None:
@@ -163,9 +207,12 @@ def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
         def write_file() -> None:
             payload = _gather(host, entries)
             if host.is_global_zero:
-                payload[META_KEY] = make_meta(host, FILE_LAYOUT, {e.key: e.kind for e in entries})
+                record = checksums.of_state(payload, FILE_LAYOUT)  # before the metadata joins the payload
+                payload[META_KEY] = make_meta(host, FILE_LAYOUT, {e.key: e.kind for e in entries}, checksums=record)
                 check_plain(payload)
-                storage.write_file(payload, path)
+                # A checkpoint of the directory layout at `path` (a run that changed strategy saves where the
+                # earlier attempt did) is replaced once this file is complete; any other directory is refused.
+                storage.write_file(payload, path, replace_dir=(path / MARKER).is_file())
 
         _together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file)
         return
@@ -187,10 +234,10 @@ def begin_directory(host: Host, path: Path) -> Path:
     the checkpoint is assembled in (a collective)."""
 
     def prepare() -> str:
-        if path.exists() and not path.is_dir():
+        if path.exists() and not path.is_dir() and not is_checkpoint_file(path):
             raise CheckpointError(
-                f"Cannot write the checkpoint directory {path}: a file exists at that path (a single-file "
-                "checkpoint?). Choose another path or remove it first."
+                f"Cannot write the checkpoint directory {path}: a file that is not a phalanx checkpoint exists "
+                "at that path; refusing to replace it. Choose another path or move the file away."
             )
         if path.is_dir() and not (path / MARKER).is_file():
             raise CheckpointError(f"{path} exists and is not a phalanx checkpoint; refusing to replace it. "
@@ -218,11 +265,14 @@ def write_marker(
         extras = _gather(host, rest)
         if host.is_global_zero:
             kinds = {e.key: e.kind for e in entries}
-            marker = {META_KEY: make_meta(host, layout, kinds, shards=info), "extras": extras}
+            record = checksums.of_state(extras, layout, within="extras")
+            if publish:  # the shards are complete; an asynchronous save adds theirs once written
+                record.update(checksums.of_files(tmp, skip=[MARKER]))
+            marker = {META_KEY: make_meta(host, layout, kinds, shards=info, checksums=record), "extras": extras}
             check_plain(marker)
             storage.write_file(marker, tmp / MARKER, "checkpoint marker")
             if publish:
-                storage.publish_dir(tmp, path)
+                publish_directory(tmp, path)
 
     name = "save: rank 0 published the checkpoint" if publish else "save: rank 0 wrote the checkpoint marker"
     _together(host, name, f"Saving {path}", write)
@@ -256,6 +306,12 @@ def _reader(host: Host | None, layout: str, path: Path) -> ShardIO:
         from phalanx.checkpoint.dcp import DCPShards
 
         io = DCPShards()
+    if io is None and layout == DEEPSPEED_LAYOUT:
+        # DeepSpeed's ZeRO partitions, merged into full state on every rank and loaded as a file would be.
+        from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
+        from phalanx.checkpoint.reshard import FullStateReader
+
+        io = DeepSpeedShards() if host is None else FullStateReader(DeepSpeedShards(), host)
     if io is None:
         raise CheckpointError(
             f"{path} holds {layout} shards, which {'this strategy' if host is None else repr(host.name)} cannot "
@@ -272,7 +328,10 @@ def read_everything(path: str | Path, weights_only: bool = True, host: Host | No
         return read_file(found, weights_only)
     marker = _read_marker(found, weights_only)
     meta = marker[META_KEY]
-    out = _reader(host, meta["layout"], found).read_all(found, meta.get("shards", {}), weights_only)
+    io = _reader(host, meta["layout"], found)
+    io.check(found, meta.get("shards", {}), [], weights_only)  # a file that could run code: that error first
+    check_directory(found, meta)
+    out = io.read_all(found, meta.get("shards", {}), weights_only)
     out.update(marker["extras"])
     out[META_KEY] = meta
     return out
@@ -293,6 +352,7 @@ def _plan(
         loadable = check_entries(entries, meta["entries"], strict, path)
         in_shards = set(info.get("sharded", []))
         io.check(found, info, [e for e in loadable if e.key in in_shards], weights_only)
+        check_directory(found, meta)  # rank 0 alone, before any rank reads a shard
         for e in of_kind(loadable, MODULE):
             _check_module(host, e, io.saved_shapes(found, info, e.key) if e.key in in_shards else extras[e.key], strict)
         plan = {
@@ -433,7 +493,9 @@ def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> 
         sd = DCPShards().read_all(src, {}, weights_only)
     else:
         sd = read_everything(src, weights_only)
-        sd[META_KEY] = {k: v for k, v in sd[META_KEY].items() if k != "shards"} | {"layout": FILE_LAYOUT}
+        record = checksums.of_state(strip_meta(sd), FILE_LAYOUT)  # the new file's (the shards were verified)
+        sd[META_KEY] = {k: v for k, v in sd[META_KEY].items() if k != "shards"} | {
+            "layout": FILE_LAYOUT, "format_version": FORMAT_VERSION, "checksums": record}
     check_plain(sd, "checkpoint")
     storage.write_file(sd, dst)
     return sd

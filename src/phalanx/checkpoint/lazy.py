@@ -8,6 +8,10 @@ memory-mapped copy-on-write, until it is touched. Each tensor comes back as a
 real tensor when a torch function receives it (``model.load_state_dict(lazy_load(path))`` copies one
 parameter at a time) or when ``_load_tensor()`` is called. Converting a checkpoint larger than memory
 therefore needs only as much memory as the tensors being worked on.
+
+A phalanx checkpoint's checksums (:mod:`phalanx.checkpoint.checksums`) are verified lazily too: the
+non-tensor values when the file is opened, each tensor when it is first loaded, which raises
+``CheckpointError`` naming the tensor if its bytes changed since the save.
 """
 
 from __future__ import annotations
@@ -19,15 +23,21 @@ from typing import Any
 
 import torch
 
+import phalanx.checkpoint.checksums as checksums
+from phalanx.checkpoint.format import META_KEY, corrupt
 from phalanx.utils.errors import CheckpointError
+
+#: How a tensor is verified when first loaded: (file, entry, key, recorded crc).
+Expected = tuple[Path, str, str, int]
 
 
 class NotYetLoadedTensor:
     """A checkpoint tensor whose data has not been read yet (see the module docstring)."""
 
-    def __init__(self, source: torch.Tensor, name: str = "") -> None:
+    def __init__(self, source: torch.Tensor, name: str = "", expected: Expected | None = None) -> None:
         self._source = source
         self._name = name
+        self._expected = expected  # cleared once verified: each tensor is hashed once
 
     # What is known without touching the data.
     @property
@@ -54,6 +64,12 @@ class NotYetLoadedTensor:
     def _load_tensor(self) -> torch.Tensor:
         """The tensor itself. Its pages are read from the file as they are used (copy-on-write: writing to
         it never changes the file)."""
+        if self._expected is not None:
+            file, entry, key, saved = self._expected
+            now = checksums.tensor_crc(self._source)
+            if now is not None and now != saved:
+                raise corrupt([checksums.Mismatch(file, entry, key, saved, now)], file)
+            self._expected = None
         return self._source
 
     @classmethod
@@ -68,7 +84,7 @@ class NotYetLoadedTensor:
 
     def __getattr__(self, name: str) -> Any:
         # Anything else a tensor has (``.T``, ``.to(dtype)``, ``.float()``...) works on the loaded tensor.
-        if name.startswith("__") or name in ("_source", "_name"):
+        if name.startswith("__") or name in ("_source", "_name", "_expected"):
             raise AttributeError(name)
         return getattr(self._load_tensor(), name)
 
@@ -89,18 +105,46 @@ def _loaded(value: Any) -> Any:
     return value
 
 
-def _wrap(value: Any, name: str) -> Any:
+def _wrap(value: Any, name: str, expected: dict[int, Expected]) -> Any:
     if isinstance(value, torch.Tensor):
-        return NotYetLoadedTensor(value, name)
+        return NotYetLoadedTensor(value, name, expected.get(id(value)))
     if isinstance(value, OrderedDict):
-        return OrderedDict((k, _wrap(v, f"{name}.{k}" if name else str(k))) for k, v in value.items())
+        return OrderedDict((k, _wrap(v, f"{name}.{k}" if name else str(k), expected)) for k, v in value.items())
     if isinstance(value, dict):
-        return {k: _wrap(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
+        return {k: _wrap(v, f"{name}.{k}" if name else str(k), expected) for k, v in value.items()}
     if isinstance(value, list):
-        return [_wrap(v, f"{name}[{i}]") for i, v in enumerate(value)]
+        return [_wrap(v, f"{name}[{i}]", expected) for i, v in enumerate(value)]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_wrap(v, f"{name}[{i}]") for i, v in enumerate(value))
+        return tuple(_wrap(v, f"{name}[{i}]", expected) for i, v in enumerate(value))
     return value
+
+
+def _expected(obj: Any, path: Path) -> dict[int, Expected]:
+    """Each tensor's recorded checksum (by the tensor's id), after checking everything but tensor data
+    now: the non-tensor values and the structure cost nothing to verify."""
+    record = checksums.applies(obj.get(META_KEY) if isinstance(obj, dict) else None)
+    if record is None or record.get("within") or not isinstance(record.get("entries"), dict):
+        return {}  # no checksums (written before format 3, or not by phalanx)
+    out: dict[int, Expected] = {}
+    problems: list[checksums.Mismatch] = []
+    for entry, rec in record["entries"].items():
+        if entry not in obj:
+            problems.append(checksums.Mismatch(path, entry, None, None, None, "the entry is missing"))
+            continue
+        now = checksums.plain_of(obj[entry])
+        if now != rec.get("plain"):
+            problems.append(checksums.Mismatch(path, entry, None, rec.get("plain"), now,
+                                               "its non-tensor values or its structure changed"))
+            continue
+        try:
+            for key, tensor, crc in checksums.expected_tensors(obj[entry], rec):
+                if crc is not None:
+                    out[id(tensor)] = (path, entry, key, crc)
+        except ValueError as err:
+            problems.append(checksums.Mismatch(path, entry, None, None, None, str(err)))
+    if problems:
+        raise corrupt(problems, path)
+    return out
 
 
 def lazy_load(path: str | Path) -> Any:
@@ -117,4 +161,4 @@ def lazy_load(path: str | Path) -> Any:
                 "with torch.load(path, weights_only=True) and save it again with torch.save."
             ) from err
         raise
-    return _wrap(obj, "")
+    return _wrap(obj, "", _expected(obj, path))

@@ -206,10 +206,12 @@ def _preallocate(fh: Any, size: int) -> bool:
     return True
 
 
-def write_file(obj: Any, path: Path, what: str = "checkpoint") -> None:
-    """``torch.save(obj, path)`` that is all-or-nothing and reports why it failed."""
+def write_file(obj: Any, path: Path, what: str = "checkpoint", replace_dir: bool = False) -> None:
+    """``torch.save(obj, path)`` that is all-or-nothing and reports why it failed. With ``replace_dir``
+    a directory at ``path`` (a checkpoint of the directory layout, as the caller checked) is replaced as
+    atomically as :func:`publish_dir` replaces one."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not replace_dir:
         raise CheckpointError(
             f"Cannot write {what} file {path}: a directory exists at that path (a sharded checkpoint?). "
             "Choose another path or remove it first."
@@ -227,7 +229,10 @@ def write_file(obj: Any, path: Path, what: str = "checkpoint") -> None:
             if reserved:
                 fh.truncate(fh.tell())  # give back what the estimate reserved beyond the data
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if path.is_dir() and not path.is_symlink():
+            _move_into_place(tmp, path, exchange=True)  # os.replace cannot put a file over a directory
+        else:
+            os.replace(tmp, path)
     except Exception as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -237,6 +242,8 @@ def write_file(obj: Any, path: Path, what: str = "checkpoint") -> None:
             tmp.unlink()
         raise
     fsync_dir(path.parent)
+    for old in path.parent.glob(f".{path.name}{_OLD}*"):
+        delete_now(old)  # the previous checkpoint of the directory layout, kept while it was replaced
 
 
 # ---------------------------------------------------------------------- directories
@@ -259,12 +266,13 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish_dir(tmp: Path, path: Path, exchange: bool = True) -> None:
+def publish_dir(tmp: Path, path: Path, exchange: bool = True, replace_file: bool = False) -> None:
     """Move the finished directory ``tmp`` to ``path``, replacing what is there; ``path`` holds a
     complete checkpoint (the old or the new one) at every instant, or, on systems without an atomic
-    exchange, the old one sits under ``.old-`` for the moment between two renames. A failure is a
-    ``CheckpointError`` naming its true cause."""
-    if os.path.lexists(path) and not path.is_dir():
+    exchange, the old one sits under ``.old-`` for the moment between two renames. A file at ``path``
+    is replaced the same way only with ``replace_file`` (the caller checked it is a checkpoint). A
+    failure is a ``CheckpointError`` naming its true cause."""
+    if os.path.lexists(path) and not path.is_dir() and not replace_file:
         raise CheckpointError(
             f"Cannot write the checkpoint directory {path}: a file exists at that path (a single-file "
             "checkpoint?). Choose another path or remove it first."

@@ -1,12 +1,15 @@
-"""``phalanx consolidate <sharded_dir> <out_file>``: one file from a sharded checkpoint.
+"""The checkpoint commands: ``phalanx ckpt inspect PATH`` and ``phalanx ckpt convert SRC DST --to ...``
+(see docs/checkpoints.md), and ``phalanx consolidate <sharded_dir> <out_file>`` (the same as
+``phalanx ckpt convert --to single`` for a sharded directory, kept for existing scripts).
 
-Runs in a single plain process (no process group, no GPU): it reads every shard and writes the
-single-file layout, which ``torch.load`` reads and any phalanx strategy loads.
+All run in one plain process (no process group, no GPU). Exit codes: 0 done, 1 the checkpoint cannot be
+read or written (the reason on one line), 2 bad arguments (argparse's own errors too).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,88 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("sharded_dir", help="checkpoint directory written by fabric.save under strategy='fsdp'")
     p.add_argument("out_file", help="file to write")
     p.set_defaults(func=_cmd_consolidate)
+    _add_ckpt(sub)
+
+
+def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ckpt = sub.add_parser("ckpt", help="inspect or convert a checkpoint (single file, sharded, DeepSpeed)",
+                          description="Inspect or convert any phalanx checkpoint in one plain process.")
+    cmds = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    trust = ("the checkpoint comes from a trusted source: allow unpickling objects other than tensors and plain "
+             "values, which can run code (phalanx's own checkpoints never need it)")
+    p = cmds.add_parser("inspect", help="what a checkpoint holds and what can load it",
+                        description="Strategy, world size, step/epoch, entries, tensors and sizes of PATH, and what "
+                                    "can load it. Reads metadata only.")
+    p.add_argument("path", help="checkpoint file or directory")
+    p.add_argument("--all", action="store_true", help="list every tensor (default: the largest --top)")
+    p.add_argument("--top", type=int, default=10, help="how many of the largest tensors to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (every tensor) for scripts")
+    p.add_argument("--trust", action="store_true", help=trust)
+    p.set_defaults(func=_cmd_inspect)
+    p = cmds.add_parser(
+        "convert", help="convert between single file, sharded (DCP) directory and safetensors",
+        description="Convert SRC (single file, sharded DCP directory or DeepSpeed directory) to DST: --to single (one "
+                    "torch.load-able file), sharded (a DCP directory fabric.load reads at any world size) or "
+                    "safetensors (DST/model.safetensors with one module's weights, for from_pretrained).")
+    p.add_argument("src", help="checkpoint to read")
+    p.add_argument("dst", help="file or directory to create (must not exist)")
+    p.add_argument("--to", required=True, choices=["single", "sharded", "safetensors"], help="target layout")
+    p.add_argument("--entry", default=None, help="safetensors: the module entry to export (default: the only one)")
+    p.add_argument("--prefix", default=None,
+                   help="safetensors: strip exactly this prefix from the weight names ('' keeps them). Default: "
+                        "wrapper prefixes (_orig_mod., _forward_module., module.) and a 'model.' every key shares")
+    p.add_argument("--config", default=None, help="safetensors: a config.json to copy next to the weights")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--trust", action="store_true", help=trust)
+    p.set_defaults(func=_cmd_convert)
+
+
+def _fail(command: str, err: Exception, code: int = 1) -> int:
+    print(f"phalanx ckpt {command}: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+    return code
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.summary import describe, render
+
+    if not Path(args.path).exists() and not Path(args.path).is_symlink():
+        return _fail("inspect", FileNotFoundError(f"no such file or directory: {args.path}"), 2)
+    if args.top < 0:
+        return _fail("inspect", ValueError("--top must be >= 0"), 2)
+    try:
+        info = describe(args.path, weights_only=not args.trust)
+    except CheckpointError as err:
+        return _fail("inspect", err)
+    print(json.dumps(info, indent=1) if args.json else render(info, None if args.all else args.top))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.convert import convert
+    from phalanx.checkpoint.summary import human
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.exists() and not src.is_symlink():
+        return _fail("convert", FileNotFoundError(f"no such file or directory: {src}"), 2)
+    if dst.exists() or dst.is_symlink():
+        return _fail("convert", FileExistsError(f"{dst} exists; convert never overwrites: remove it or choose "
+                                                "another DST"), 2)
+    if args.to != "safetensors" and (args.entry or args.prefix is not None or args.config):
+        return _fail("convert", ValueError("--entry, --prefix and --config apply to --to safetensors only"), 2)
+    try:
+        out = convert(src, dst, args.to, weights_only=not args.trust, entry=args.entry, prefix=args.prefix,
+                      config=args.config)
+    except CheckpointError as err:
+        return _fail("convert", err)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    what = (f"{out['entry']!r} ({out['tensors']} tensors; stripped {', '.join(out['stripped']) or 'no prefix'})"
+            if args.to == "safetensors" else ", ".join(out["entries"]))
+    print(f"wrote {dst} ({args.to}, {human(out['bytes'])}) from {out['source_kind']} {src}: {what}")
+    for note in out["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
 
 
 def _describe(sd: dict[str, Any]) -> str:

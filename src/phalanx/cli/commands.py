@@ -33,6 +33,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--main-port", type=int, default=None, help="port on the main node (default: free port)")
     p.add_argument("--strategy", default=None, help="overrides the script's strategy")
     p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="overrides the script's precision")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the job's processes up to this many times after one fails; a Trainer resumes "
+                        "from its newest checkpoint (default 0)")
     p.add_argument("--show-tracebacks", action="store_true",
                    help="print every rank's stderr (tracebacks included) here, as torchrun does, instead of "
                         "writing it to $PHALANX_LOG_DIR (default ./phalanx_logs) and showing it without "
@@ -46,8 +49,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if args.devices < 1 or args.num_nodes < 1:
-        print("phalanx run: --devices and --num-nodes must be >= 1", file=sys.stderr)
+    if args.devices < 1 or args.num_nodes < 1 or args.max_restarts < 0:
+        print("phalanx run: --devices and --num-nodes must be >= 1, --max-restarts >= 0", file=sys.stderr)
         return 2
     if not os.path.isfile(args.script):
         print(f"phalanx run: no such script: {args.script}", file=sys.stderr)
@@ -61,7 +64,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     }
     os.environ.update({k: v for k, v in env.items() if v is not None})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.devices)))
-    torchrun = ["--nproc-per-node", str(args.devices), "--nnodes", str(args.num_nodes), "--max-restarts", "0"]
+    torchrun = ["--nproc-per-node", str(args.devices), "--nnodes", str(args.num_nodes),
+                "--max-restarts", str(args.max_restarts)]
     if args.num_nodes == 1 and args.main_port is None:
         torchrun += ["--standalone"]
     else:
@@ -70,13 +74,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "--master-addr", args.main_address,
             "--master-port", str(args.main_port or 29500),
         ]
-    from phalanx.distributed.launch import new_run_id, report_failure
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from phalanx.distributed.launch import AGENT_SIGNALS, handle_preemption_signals_in_agent, new_run_id, report_failure
+    from phalanx.distributed.preemption import EXIT_PREEMPTED
     from phalanx.distributed.runlogs import RunLogs
 
+    handle_preemption_signals_in_agent()
     # The ranks' stderr goes to a log file (torch's --redirects), shown here without tracebacks; a failure
     # ends with the log's path and the cause (see phalanx.distributed.runlogs).
     logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None)
     torchrun += logs.torchrun_args()
+    if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
+        torchrun += ["--signals-to-handle", AGENT_SIGNALS]
     script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
     parsed = get_args_parser().parse_args([*torchrun, args.script, *script_args])
     try:
@@ -84,6 +94,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run(parsed)
     except ChildFailedError as err:
         return report_failure(err, logs, see_above="See the failing rank's output above.")
+    except SignalException as err:  # passed on to the ranks, which saved and said so (a preemption)
+        print(f"[phalanx] phalanx run received signal {err.sigval} and passed it on to the ranks.", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
 from phalanx.distributed.runlogs import RunLogs
 from phalanx.utils.diagnostics import notice
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
@@ -175,14 +176,43 @@ def record_failure(error: BaseException) -> None:
         pass
 
 
+def restart_count() -> int:
+    """How many times torch's elastic agent restarted this job's processes (0 on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def check_max_restarts(max_restarts: int) -> int:
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise MisconfigurationError(f"max_restarts={max_restarts!r}: give a whole number >= 0 (how many times the "
+                                    "launcher restarts the job's processes after one fails).")
+    return max_restarts
+
+
+#: The signals torch's agent (the launching process) passes on to the ranks: its defaults plus SIGUSR1, so
+#: SLURM's early warning reaches the ranks, which must see it to checkpoint before the kill.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def handle_preemption_signals_in_agent() -> None:
+    """For torch versions whose launcher reads the agent's signals from the environment only."""
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
+
+
 def new_run_id() -> str:
     return f"phalanx-{uuid.uuid4().hex[:8]}"
 
 
-def _launch_config(nprocs: int, logs: RunLogs) -> Any:
+def _launch_config(nprocs: int, logs: RunLogs, max_restarts: int = 0) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
+    extra: dict[str, Any] = (
+        {"signals_to_handle": AGENT_SIGNALS} if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}
+    )
     return LaunchConfig(
+        **extra,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
@@ -190,7 +220,7 @@ def _launch_config(nprocs: int, logs: RunLogs) -> Any:
         logs_specs=logs.logs_specs(),
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
@@ -346,8 +376,19 @@ _SEE_ABOVE = (
 _SIGNAL_NOTE = "A rank killed by a signal (e.g. by the kernel's out-of-memory killer) leaves no traceback."
 
 
+def preempted_summary(err: Any) -> str | None:
+    """The preemption line rank 0 recorded, when every rank that ended on its own ended preempted."""
+    causes = _causes(err)
+    if not causes or any(getattr(f, "exitcode", 1) != EXIT_PREEMPTED for _, f in causes):
+        return None
+    return next((text for _, f in causes if (text := _recorded(f))), "preempted").removeprefix("Preempted: ")
+
+
 def report_failure(err: Any, logs: RunLogs, see_above: str = _SEE_ABOVE) -> int:
     """Print the end of a failed job: where its log is, then the cause (the last line). Returns the exit code."""
+    preempted = preempted_summary(err)
+    if preempted is not None:  # not a failure: rank 0 already said it in one line; exit with its code
+        return EXIT_PREEMPTED
     summary, code = failure_summary(err)
     where = failed_logs(err, logs)
     if where:
@@ -359,19 +400,27 @@ def report_failure(err: Any, logs: RunLogs, see_above: str = _SEE_ABOVE) -> int:
     return code
 
 
-def launch_script(nprocs: int) -> int:
+def launch_script(nprocs: int, max_restarts: int = 0) -> int:
     """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     command = script_command()
     _threads_per_rank(nprocs)
+    handle_preemption_signals_in_agent()
     logs = RunLogs(new_run_id())
     try:
         with logs:
-            elastic_launch(_launch_config(nprocs, logs), sys.executable)(*command)
+            elastic_launch(_launch_config(nprocs, logs, max_restarts), sys.executable)(*command)
     except ChildFailedError as err:
         return report_failure(err, logs)
+    except SignalException as err:
+        # torch's agent forwarded the signal to the ranks and waited for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+        # 30 s by default): a Trainer or a loop asking fabric.stop_requested() saved and said so.
+        print(f"[phalanx] the launcher received {_signal_name(err.sigval)} and passed it on to the ranks.",
+              file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 
@@ -400,7 +449,9 @@ def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tu
     return result
 
 
-def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def launch_function(
+    nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...], max_restarts: int = 0
+) -> Any:
     """Run ``fn(fabric, *args)`` in ``nprocs`` processes; returns rank 0's return value."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -411,11 +462,15 @@ def launch_function(nprocs: int, factory: Callable[[], Any], fn: Callable[..., A
             f"function; {fn!r} is a lambda or nested function."
         )
     _threads_per_rank(nprocs)
+    handle_preemption_signals_in_agent()
     logs = RunLogs(new_run_id())
     try:
         with logs:
-            results = elastic_launch(_launch_config(nprocs, logs), _function_entry)(factory, fn, args)
+            results = elastic_launch(_launch_config(nprocs, logs, max_restarts), _function_entry)(factory, fn, args)
     except ChildFailedError as err:
+        preempted = preempted_summary(err)
+        if preempted is not None:  # rank 0 printed the line; end this process the same way (exit code 75)
+            raise Preempted(preempted) from None
         summary, _ = failure_summary(err)
         where = failed_logs(err, logs)
         error = PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}."

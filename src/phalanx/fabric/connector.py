@@ -16,6 +16,7 @@ from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
 from phalanx.precision import canonical_precision
 from phalanx.strategies import Strategy, resolve_strategy
+from phalanx.strategies.parallel import running_job_world_size
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 
@@ -53,9 +54,11 @@ def apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def configured_strategy(args: dict[str, Any]) -> Strategy:
-    """The strategy ``Fabric(**args)`` runs on: flags applied, devices and nodes resolved, precision and
-    lockstep mode set (``configure`` validates the combination before any process starts)."""
-    args = apply_cli_overrides(args)
+    """The strategy ``Fabric(**args)`` runs on: flags applied (not to a local Fabric inside a running job),
+    devices and nodes resolved, precision and lockstep mode set (``configure`` validates the combination
+    before any process starts)."""
+    if not _local_inside_job(args):
+        args = apply_cli_overrides(args)
     device_type = resolve_accelerator(args["accelerator"])
     n_devices = resolve_devices(args["devices"], device_type)
     n_nodes = int(args["num_nodes"])
@@ -68,6 +71,13 @@ def configured_strategy(args: dict[str, Any]) -> Strategy:
     if args.get("lockstep") is not None:
         strategy.set_lockstep(args["lockstep"])
     return strategy
+
+
+def _local_inside_job(args: dict[str, Any]) -> bool:
+    """``Fabric(devices=1)`` built while a Fabric of this process runs a larger job: local work on this rank
+    (LitGPT's merge_lora). ``phalanx run``'s flags describe the job; applied to this Fabric, ``--devices 2``
+    would make it a second job Fabric on one rank only, taking the job's process group over."""
+    return str(args["devices"]) == "1" and str(args["num_nodes"]) == "1" and running_job_world_size() > 1
 
 
 def as_list(value: Any) -> list[Any]:

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from phalanx.distributed import launch as launcher
+from phalanx.distributed.preemption import PreemptionSignals
 from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
 from phalanx.fabric.checkpoints import CheckpointMethods
@@ -28,15 +29,16 @@ from phalanx.fabric.collectives import CollectiveMethods
 from phalanx.fabric.compiled import unwrap_compiled
 from phalanx.fabric.connector import as_list, configured_strategy
 from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
+from phalanx.fabric.preemption import PreemptionMethods
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 from phalanx.strategies import Strategy
 from phalanx.utils.errors import MisconfigurationError
-from phalanx.utils.init import SkipInit
+from phalanx.utils.init import skipping_init
 from phalanx.utils.seed import seed_everything as _seed_everything
 from phalanx.utils.tensors import move_to_device
 
 
-class Fabric(CollectiveMethods, CheckpointMethods):
+class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
     """Scale a hand-written PyTorch loop from one CPU to many devices without changing it.
 
     Args:
@@ -57,6 +59,10 @@ class Fabric(CollectiveMethods, CheckpointMethods):
             ``backward`` is nan/inf, checked every few calls without a per-step device sync
             (:class:`phalanx.fabric.anomaly.LossWatch`). ``False`` (or ``PHALANX_WARN_NONFINITE_LOSS=0``)
             turns it off.
+        max_restarts: how many times the launcher phalanx starts (``fabric.launch()`` under plain ``python``)
+            restarts the job's processes after one fails (torch's elastic agent; 0: a failure ends the job).
+        preemption_signals: the signals :meth:`stop_requested` reports (default SIGTERM and SIGUSR1, or
+            ``PHALANX_PREEMPTION_SIGNALS``); ``[]`` turns preemption handling off.
     """
 
     def __init__(
@@ -72,6 +78,8 @@ class Fabric(CollectiveMethods, CheckpointMethods):
         detect_anomaly: bool = False,
         plugins: Any = None,
         warn_nonfinite_loss: bool = True,
+        max_restarts: int = 0,
+        preemption_signals: Any = None,
     ) -> None:
         if plugins is not None and plugins != []:
             raise MisconfigurationError(
@@ -86,7 +94,9 @@ class Fabric(CollectiveMethods, CheckpointMethods):
             "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
             "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
+            "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
+        self._preemption, self._stop = PreemptionSignals(preemption_signals), None
         self._strategy = configured_strategy(self._init_kwargs)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
@@ -98,7 +108,7 @@ class Fabric(CollectiveMethods, CheckpointMethods):
         # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
         # A malformed environment is reported by launch(), where it is checked against this configuration.
         try:
-            self._env = launcher.detect_environment()
+            self._env = self._strategy.job_environment(launcher.detect_environment())
         except MisconfigurationError:
             self._env = None
 
@@ -111,16 +121,17 @@ class Fabric(CollectiveMethods, CheckpointMethods):
         (this process only supervises them and exits with the job's code), and ``launch(fn, *args)``
         runs ``fn(fabric, *args)`` in N processes and returns rank 0's result.
         """
-        env = launcher.detect_environment()
+        env = self._strategy.job_environment(launcher.detect_environment())
         if env is None and self._strategy.num_processes > 1:
             if self._launched:
                 raise MisconfigurationError("fabric.launch() was already called.")
             launcher.check_cpu_processes(self._strategy.devices, self._strategy.device_type)
             if function is None:
-                sys.exit(launcher.launch_script(self._strategy.num_processes))
+                sys.exit(launcher.launch_script(self._strategy.num_processes, self._init_kwargs["max_restarts"]))
             factory = functools.partial(Fabric, **self._init_kwargs)
             target = functools.partial(function, **kwargs) if kwargs else function
-            return launcher.launch_function(self._strategy.num_processes, factory, target, args)
+            return launcher.launch_function(self._strategy.num_processes, factory, target, args,
+                                            self._init_kwargs["max_restarts"])
         self._join(env)
         return function(self, *args, **kwargs) if function is not None else None
 
@@ -135,7 +146,7 @@ class Fabric(CollectiveMethods, CheckpointMethods):
     def _ensure_launched(self) -> None:
         if self._launched:
             return
-        env = launcher.detect_environment()
+        env = self._strategy.job_environment(launcher.detect_environment())
         if env is None and self._strategy.num_processes > 1:
             raise MisconfigurationError(
                 f"This Fabric runs {self._strategy.num_processes} processes: call fabric.launch() before "
@@ -420,7 +431,7 @@ class Fabric(CollectiveMethods, CheckpointMethods):
         self._ensure_launched()
         if not empty_init:
             return self._strategy.init_context(empty_init)
-        return _skipping_init(self._strategy.init_context(empty_init))
+        return skipping_init(self._strategy.init_context(empty_init))
 
     def init_tensor(self) -> contextlib.AbstractContextManager[Any]:
         """Tensors created inside are on the device, in the precision's dtype."""
@@ -483,12 +494,6 @@ class Fabric(CollectiveMethods, CheckpointMethods):
                 finalize = getattr(logger, "finalize", None)
                 if callable(finalize):
                     finalize("failed" if failed else "success")
+        self._preemption.uninstall()
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)
-
-
-@contextlib.contextmanager
-def _skipping_init(context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
-    with context, SkipInit():
-        yield
-

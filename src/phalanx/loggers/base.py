@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from phalanx.distributed.launch import restart_count
+
 
 @runtime_checkable
 class Logger(Protocol):
@@ -12,11 +14,14 @@ class Logger(Protocol):
 
 
 def next_version(root: Path, name: str) -> int:
-    """The first unused ``version_N`` under ``root/name``."""
+    """The first unused ``version_N`` under ``root/name``; on a restarted attempt of the job (torch's
+    elastic agent restarted its processes) the newest one, so the run goes on logging where it was."""
     base = root / name
     if not base.is_dir():
         return 0
     versions = [int(p.name.split("_")[1]) for p in base.glob("version_*") if p.name.split("_")[1].isdigit()]
+    if versions and restart_count() > 0:
+        return max(versions)
     return max(versions, default=-1) + 1
 
 

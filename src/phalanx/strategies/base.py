@@ -91,6 +91,11 @@ class Strategy:
         return self.devices * self.num_nodes
 
     # ------------------------------------------------------------------ environment
+    def job_environment(self, env: ClusterEnvironment | None) -> ClusterEnvironment | None:
+        """The launched job this strategy belongs to, given the one detected (``env``): None when it runs on
+        its own. Fabric asks before reporting ranks and before ``setup_environment``."""
+        return env
+
     def setup_environment(self, env: ClusterEnvironment | None) -> None:
         if env is not None:
             # A job launched with N processes around a one-process strategy would train N independent
@@ -219,6 +224,11 @@ class Strategy:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return tensor.clone()
+
+    def max_across_ranks(self, values: list[int], name: str) -> list[int]:
+        """Element-wise maximum of a few integers over every rank of the job: a per-step agreement (e.g. on
+        a preemption stop), cheap enough to run each step. The values themselves on one process."""
+        return list(values)
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0

@@ -13,8 +13,9 @@ what goes wrong silently once a second mesh dimension exists:
   sampler phalanx builds (Fabric and Trainer) asks for it.
 * Replicas that drift. A parameter replicated along a mesh dimension (a ``RowwiseParallel`` bias, a
   LayerNorm sharded only by FSDP) must hold the same values on all its replicas. Meta-device
-  materialization draws each rank's shards from its own random stream, so after initialization
-  the replicated shards are broadcast from the first rank of that dimension.
+  materialization gives every rank the same full values (:mod:`phalanx.strategies.fsdp.materialize`),
+  but ranks seeded differently would not agree, so after initialization the replicated shards are
+  broadcast from the first rank of that dimension.
 * Gradients never averaged across data-parallel ranks. Parameters not sharded over
   ``"data_parallel"`` would be trained per rank; phalanx shards the root with ``fully_shard`` when
   ``parallelize_fn`` did not, and refuses a parameter that is still not covered.
@@ -224,8 +225,9 @@ class ModelParallelStrategy(ShardedStrategy):
     # root, the direct-call guards, compile); these are the steps that differ.
     def _materialize(self, module: nn.Module) -> None:
         with warnings.catch_warnings():
-            # torch warns that DTensor random ops are not coordinated on CPU meshes: phalanx gives each
-            # rank its own stream (ShardedStrategy._materialize) and makes replicated shards agree after.
+            # torch warns that DTensor random ops are not coordinated on CPU meshes: phalanx draws full
+            # tensors instead (fsdp/materialize.py); a reset_parameters that draws into a child's DTensor
+            # still would, and replicated shards are made to agree after.
             warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
             super()._materialize(module)
 

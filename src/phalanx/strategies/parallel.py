@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from phalanx.distributed.launch import ClusterEnvironment, check_environment, record_failure
+from phalanx.distributed.launch import ClusterEnvironment, check_environment, record_failure, restart_count
 from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
@@ -38,6 +38,16 @@ class _GroupHolder:
 
 
 _holder = _GroupHolder()
+
+
+def running_job_world_size() -> int:
+    """The world size of the job a phalanx strategy runs in this process right now (its process group is
+    up and held); 0 when there is none. A one-process Fabric created inside such a job is a deliberate
+    local one (:meth:`phalanx.strategies.single.SingleDeviceStrategy.job_environment`)."""
+    holder = _holder.strategy() if _holder.strategy is not None else None
+    if holder is None or holder._guard is None or not dist.is_initialized():
+        return 0
+    return holder.world_size
 
 
 def _default_guard_timeout() -> float:
@@ -127,9 +137,13 @@ class ParallelStrategy(Strategy):
             env.master_addr, env.master_port, env.world_size, is_master, to_timedelta(self.timeout),
             wait_for_workers=False,
         )
+        # torch's agent keeps one store for every attempt of a restarting job (TORCHELASTIC_USE_AGENT_STORE):
+        # keys scoped by attempt keep a restarted rank from reading the failed attempt's gloo addresses (it
+        # then connected to a dead port and failed, or froze) or its guard's sequence numbers and heartbeats.
+        scope = f"phalanx/attempt{restart_count()}"
         dist.init_process_group(
             backend,
-            store=PrefixStore("phalanx/pg", store),
+            store=PrefixStore(f"{scope}/pg", store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=to_timedelta(self.timeout),
@@ -148,6 +162,7 @@ class ParallelStrategy(Strategy):
             timeout=self.timeout,
             strict=self.lockstep == "strict",
             heartbeat_store=hb_store,
+            prefix=f"{scope}/lockstep",
             # NCCL's abort unblocks a collective in flight; gloo's does not (the watchdog then exits).
             abort=self._abort_group if backend == "nccl" else None,
             on_fatal=record_failure,
@@ -281,6 +296,14 @@ class ParallelStrategy(Strategy):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return self.collectives.all_reduce(tensor, op)
+
+    def max_across_ranks(self, values: list[int], name: str) -> list[int]:
+        # Unguarded (a sequence number only, like DDP's gradient all-reduce): a store round trip per step
+        # would cost more than the all-reduce; the watchdog still names a rank that never arrives.
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.root_device)
+        with self.unguarded(name):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [int(v) for v in tensor.tolist()]
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0

@@ -27,7 +27,7 @@ from phalanx import checkpoint
 from phalanx.checkpoint.format import find_unsafe
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, MisconfigurationError
 from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -141,12 +141,49 @@ def resolve(trainer: TrainerBase, ckpt_path: str | Path | None) -> Path | None:
     return Path(found) if found is not None else None
 
 
+def checkpoint_dirs(t: TrainerBase) -> list[Path]:
+    """Where a resumed or restarted fit looks for its newest state: every ModelCheckpoint folder (for the
+    default ``<root>/<name>/version_N/checkpoints``, every version's: a rerun logs into a new version), the
+    folders of callbacks that keep snapshots (``snapshot_dirpath``), and ``<default_root_dir>/checkpoints``."""
+    dirs: list[Path] = []
+    for cb in t.checkpoint_callbacks:
+        if not cb.dirpath:
+            continue
+        folder = Path(cb.dirpath)
+        dirs.append(folder)
+        if folder.name == "checkpoints" and folder.parent.name.startswith("version_"):
+            dirs += sorted(folder.parent.parent.glob("version_*/checkpoints"))
+    dirs += [Path(d) for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None))]
+    dirs.append(Path(t.default_root_dir) / "checkpoints")
+    return list(dict.fromkeys(dirs))
+
+
+def newest_resumable(t: TrainerBase, also: list[str] | None = None) -> Path | None:
+    """The newest complete checkpoint a fit can resume from: ``last*`` checkpoints (ModelCheckpoint's last,
+    the preemption checkpoint) and snapshots in :func:`checkpoint_dirs`, and the paths in ``also``. Top-k
+    checkpoints are not candidates: they may hold weights only. Rank-local: call on rank 0 and share."""
+    found = [checkpoint.latest(checkpoint_dirs(t), "last*")]
+    found += [checkpoint.latest([Path(d)]) for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None))]
+    for candidate in filter(None, also or []):
+        hit = checkpoint.find(candidate)
+        if hit is not None and hit.problem is None and not hit.recovered:
+            found.append(Path(candidate))
+    return max(filter(None, found), key=_finished_at, default=None)
+
+
+def _finished_at(path: Path) -> float:
+    stamp = path / checkpoint.MARKER if path.is_dir() else path
+    return stamp.stat().st_mtime if stamp.exists() else 0.0
+
+
 def _resolve_here(t: TrainerBase, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:
     if ckpt_path in ("last", "best"):
         attr = "last_model_path" if ckpt_path == "last" else "best_model_path"
         candidates = [getattr(cb, attr, "") for cb in t.checkpoint_callbacks]
         if ckpt_path == "last":
             candidates += [str(Path(cb.dirpath) / "last.ckpt") for cb in t.checkpoint_callbacks if cb.dirpath]
+            newest = newest_resumable(t, candidates)  # a preemption checkpoint or snapshot may be newer
+            candidates = [str(newest), *candidates] if newest is not None else candidates
         for candidate in filter(None, candidates):
             found = checkpoint.find(candidate)
             if found is None:
@@ -192,6 +229,8 @@ def restore(trainer: TrainerBase, path: str | Path) -> None:
         state[f"lr_scheduler_{i}"] = config.scheduler
     try:
         rest = t.fabric.load(path, state, strict=True)
+    except CorruptCheckpointError:
+        raise  # says what to do (use an earlier checkpoint): the hint below would mislead
     except CheckpointError as err:
         raise CheckpointError(
             f"Cannot resume training from {path}: {err} (a weights-only checkpoint, or one written with a "

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
+from phalanx.trainer import survival
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
@@ -229,6 +230,8 @@ def run_train_epoch(trainer: TrainerBase) -> None:
                 t.module.on_train_batch_end(out, batch, batch_idx)
             t.call("on_train_batch_end", out, batch, batch_idx)
         state.in_window = False
+        if boundary:
+            survival.check_preemption(t)  # every rank, same step: one all-reduce of two integers
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
         if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
             break

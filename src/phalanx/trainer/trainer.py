@@ -22,7 +22,7 @@ from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
-from phalanx.trainer import checkpointing, loops
+from phalanx.trainer import checkpointing, loops, survival
 from phalanx.trainer.assembly import make_callbacks, make_loggers
 from phalanx.trainer.base import TrainerBase
 from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
@@ -68,6 +68,10 @@ class Trainer(TrainerBase):
         default_root_dir: where logs and checkpoints go (default: the working directory).
         enable_autolog_hparams: send ``module.hparams`` to the loggers when fit starts.
         model_registry: refused (phalanx uploads nothing).
+        max_restarts: with ``devices>1`` under plain ``python``, restart the job's processes up to this many
+            times after one fails; a restarted attempt resumes from the newest checkpoint or snapshot
+            (:mod:`phalanx.trainer.survival`). A preemption signal (SIGTERM/SIGUSR1) always ends the fit with
+            a checkpoint at the next optimizer step.
         detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
             (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.fabric.anomaly` for the cost). Without it, a
             non-finite training loss still stops the run before the optimizer step (see
@@ -118,6 +122,7 @@ class Trainer(TrainerBase):
         default_root_dir: str | Path | None = None,
         enable_autolog_hparams: bool = True,
         model_registry: str | None = None,
+        max_restarts: int = 0,
     ) -> None:
         settings = resolve(dict(locals()))
         fabric = Fabric(
@@ -125,7 +130,7 @@ class Trainer(TrainerBase):
             precision=precision if precision is not None else "32-true",
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
-            warn_nonfinite_loss=False,
+            warn_nonfinite_loss=False, max_restarts=max_restarts,
         )
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
@@ -161,10 +166,11 @@ class Trainer(TrainerBase):
         self.loop_state.stop_requested = False
         self._check_manual_optimization()
         self.prepare_fit(train_dataloaders, val_dataloaders)
-        path = self._resolve_ckpt_path(ckpt_path)
+        path = self._resolve_ckpt_path(survival.resume_after_restart(self, ckpt_path))
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             checkpointing.restore(self, path)
+        survival.announce_restart(self, path)
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
             hparams = dict(module.hparams)
@@ -179,7 +185,11 @@ class Trainer(TrainerBase):
         self._sanity_check()
         self.current_stage = "train"
         self.hook("on_train_start")
-        loops.run_fit(self)
+        survival.check_preemption(self)  # starts listening; a signal during set-up stops before the first step
+        try:
+            loops.run_fit(self)
+        finally:
+            self.fabric.release_signals()  # after fit, SIGTERM ends the process again
         self.current_stage = "train"
         self.hook("on_train_end")
         self.current_stage = None

@@ -36,5 +36,10 @@ class CheckpointError(PhalanxError):
     """A checkpoint could not be written, read or matched to the objects it is loaded into."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's bytes no longer match the checksums recorded when it was saved: using an earlier
+    checkpoint is the fix, not changing the code that loads it."""
+
+
 class PhalanxWarning(UserWarning):
     """Every warning phalanx issues (filter them all with this category)."""

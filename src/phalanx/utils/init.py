@@ -17,8 +17,9 @@ Lightning's either way.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,3 +66,10 @@ def materialize_meta_tensors(module: nn.Module, device: torch.device | str) -> N
             )
         sub.to_empty(device=device, recurse=False)
         reset()
+
+
+@contextlib.contextmanager
+def skipping_init(context: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    """``context`` (a strategy's init context) with :class:`SkipInit` active inside it."""
+    with context, SkipInit():
+        yield

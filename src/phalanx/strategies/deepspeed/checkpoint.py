@@ -2,9 +2,10 @@
 
 Sharded (a directory, through the checkpoint layer): DeepSpeed's own engine checkpoint, every rank
 writing its optimizer partition; the layer adds the marker file (everything in the state that is
-not the engine's model or optimizer) and publishes the directory atomically. Resuming needs the same
-world size and ZeRO stage (DeepSpeed's partitions are laid out for them); anything else is refused
-with the way out: the full form.
+not the engine's model or optimizer) and publishes the directory atomically. DeepSpeed's own load
+takes it at the same world size and ZeRO stage (its partitions are laid out for them); at any other,
+every rank merges the partitions into full state (``phalanx.checkpoint.deepspeed_shards``) and loads
+that as it loads a single file. Other strategies read it the same way.
 
 Full (one file): float32 master weights and the optimizer state consolidated into torch's own
 layout (the one ``optimizer.state_dict()`` gives under DDP), so it loads at any world size, into any
@@ -25,9 +26,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.checkpoint.deepspeed_shards import LAYOUT, DeepSpeedShards
 from phalanx.checkpoint.protocol import Shapes
+from phalanx.checkpoint.reshard import converting
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry
-from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 
 TAG = "checkpoint"
@@ -53,6 +55,43 @@ def _gathered(params: list[nn.Parameter], modifier_rank: int | None) -> Iterator
         yield
 
 
+def _attempt(fn: Callable[..., object], *args: Any) -> Exception | None:
+    """``fn(*args)``'s failure, returned rather than raised (see ``load_full_module_state``)."""
+    try:
+        fn(*args)
+    except Exception as err:
+        return err
+    return None
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
+    target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def _partition(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of a full float32 ``value`` of ``param``: ``ceil(numel / ranks)``
+    elements, zero past the end. (DeepSpeed's own ``set_full_hp_param`` slices without that padding and
+    fails on the rank whose partition lies past the end, e.g. rank 1 of a 1-element bias on 2 ranks.)"""
+    size = param.ds_tensor.numel()  # type: ignore[attr-defined]
+    group = getattr(param, "ds_process_group", None)
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+    flat = value.detach().reshape(-1).to(torch.float32)
+    chunk = flat[rank * size : (rank + 1) * size]
+    out = torch.zeros(size, dtype=torch.float32, device=param.ds_tensor.device)  # type: ignore[attr-defined]
+    out[: chunk.numel()] = chunk
+    return out
+
+
+def _set_fp32(utils: Any, param: nn.Parameter, value: torch.Tensor) -> None:
+    """The float32 master copy of ``param`` (none for a frozen parameter: it is not in the optimizer)."""
+    if not param.requires_grad:
+        return
+    if hasattr(param, "ds_tensor"):
+        utils.safe_set_local_fp32_param(param, _partition(value, param))
+    else:
+        utils.safe_set_full_fp32_param(param, value.to(device=param.device, dtype=torch.float32))
+
+
 class DeepSpeedCheckpointIO:
     """The checkpoint side of one engine (``phalanx.checkpoint.protocol.ShardIO`` for the sharded form).
 
@@ -64,7 +103,7 @@ class DeepSpeedCheckpointIO:
         guarded / unguarded: the strategy's lockstep scopes for phases that run DeepSpeed's collectives.
     """
 
-    layout = "deepspeed"
+    layout = LAYOUT
 
     def __init__(
         self, engine: Any, optimizer: Optimizer, param_groups: list[list[nn.Parameter]], stage: int,
@@ -92,21 +131,14 @@ class DeepSpeedCheckpointIO:
         sharded = [model.key] + ([opt.key] if opt is not None else [])
         return {"sharded": sharded, "stage": self.stage, "world_size": self.world_size}
 
+    def _native(self, info: dict[str, Any]) -> bool:
+        """Whether DeepSpeed's own load can take the checkpoint: its partitions are cut for one world size
+        and stage. Any other is merged into full state (``DeepSpeedShards``) and loaded as a file is."""
+        return info.get("world_size") == self.world_size and info.get("stage") == self.stage
+
     def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
-        how = (
-            "Resume with the configuration it was saved with, or save it in the portable form: in the original "
-            "setup, use DeepSpeedStrategy(state_dict_type='full'), which loads at any world size and stage."
-        )
-        if info.get("world_size") != self.world_size:
-            raise CheckpointError(
-                f"The sharded DeepSpeed checkpoint {directory} was written by {info.get('world_size')} ranks, but this "
-                f"job has {self.world_size}; ZeRO's partitions cannot be re-cut on load. {how}"
-            )
-        if info.get("stage") != self.stage:
-            raise CheckpointError(
-                f"The sharded DeepSpeed checkpoint {directory} was written with ZeRO stage {info.get('stage')}, but "
-                f"this strategy runs stage {self.stage}. {how}"
-            )
+        if not self._native(info):
+            DeepSpeedShards().check(directory, info, entries, weights_only)
         model, opt = self._own(entries)
         for e in entries:
             if e is not model and e is not opt:
@@ -121,7 +153,17 @@ class DeepSpeedCheckpointIO:
         return None  # DeepSpeed checks its own module state on load
 
     def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
-        _, opt = self._own(entries)
+        model, opt = self._own(entries)
+        if not self._native(info):
+            loader = f"'deepspeed' ZeRO stage {self.stage} on {self.world_size} ranks"
+            with converting(directory, info, self.layout, loader):
+                # Every rank merges the partitions itself (no collective), then loads like a single file.
+                full = DeepSpeedShards().read_all(directory, info)
+                if model is not None:
+                    self.load_full_module_state(full[model.key])
+                if opt is not None:
+                    self.load_full_optimizer_state(full[opt.key])
+            return
         with self._unguarded("load (DeepSpeed engine checkpoint)"):
             loaded, _ = self.engine.load_checkpoint(
                 str(directory), tag=TAG, load_module_strict=strict, load_optimizer_states=opt is not None,
@@ -131,12 +173,7 @@ class DeepSpeedCheckpointIO:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint in {directory} (see its log above).")
 
     def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
-        diagnostics.warn(
-            f"{directory} is a sharded DeepSpeed checkpoint: reading it without state returns its other entries "
-            f"only, not the engine's {info.get('sharded')}. Load those into the set-up objects "
-            "(fabric.load(path, {'model': model, ...})), or save with state_dict_type='full' for one portable file."
-        )
-        return {}
+        return DeepSpeedShards().read_all(directory, info, weights_only)
 
     # ------------------------------------------------------------------ full form
     def _module_entries(self) -> dict[str, Any]:
@@ -170,19 +207,26 @@ class DeepSpeedCheckpointIO:
     def load_full_module_state(self, state: dict[str, Any]) -> None:
         """Write a full state dict (checked by the checkpoint layer) into the engine: the working (possibly
         bf16, possibly partitioned) parameters and the float32 master copies both, so the next step starts
-        from exactly these values."""
+        from exactly these values.
+
+        Under ZeRO-3 each parameter's gather is a collective. A rank whose own copy fails still takes part
+        in every remaining gather and raises only at the end: leaving the loop early would send it to the
+        next collective while the others wait in this one (a CollectiveMismatchError hiding the cause)."""
         utils = _utils()
+        failure: Exception | None = None
         with self._guarded("load consolidated DeepSpeed weights"), torch.no_grad():
             for key, target in self._module_entries().items():
-                if key not in state:
+                if key not in state or not isinstance(target, torch.Tensor):
                     continue
                 value = state[key]
-                if isinstance(target, nn.Parameter):
-                    with _gathered([target], 0):
-                        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
-                    utils.safe_set_full_fp32_param(target, value.to(device=target.device, dtype=torch.float32))
-                elif isinstance(target, torch.Tensor):
-                    target.copy_(value.to(device=target.device, dtype=target.dtype))
+                if not isinstance(target, nn.Parameter):
+                    failure = failure or _attempt(_copy, target, value)
+                    continue
+                with _gathered([target], 0):
+                    failure = failure or _attempt(_copy, target.data, value)
+                failure = failure or _attempt(_set_fp32, utils, target, value)
+        if failure is not None:
+            raise failure
 
     def _flat_tensors(self) -> list[torch.Tensor]:
         """This rank's flat fp32 partitions, which the wrapped torch optimizer keys its state by. (ZeRO-3
@@ -245,13 +289,19 @@ class DeepSpeedCheckpointIO:
             s.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()})
         utils = _utils()
         params = [p for g in self.param_groups for p in g]
-        with self._guarded("load consolidated DeepSpeed optimizer state"), torch.no_grad():
+        # Each rank writes its own partitions only: no collective, so a failure on one rank reaches the
+        # others through the checkpoint layer's closing exchange, never as a mismatch of collectives.
+        with torch.no_grad():
             for index, p in enumerate(params):
                 entry = per_param.get(index)
                 if entry is None or not p.requires_grad:
                     continue
                 for key in tensor_keys:
-                    utils.safe_set_full_optimizer_state(p, entry[key].to(torch.float32), key)
+                    value = entry[key].to(torch.float32)
+                    if hasattr(p, "ds_tensor"):
+                        utils.safe_set_local_optimizer_state(p, _partition(value, p), key)
+                    else:
+                        utils.safe_set_full_optimizer_state(p, value, key)
 
     def _ensure_flat_state(self, keys: list[str]) -> None:
         """Torch optimizers create their state at the first step. Before it (a fresh job resuming), create

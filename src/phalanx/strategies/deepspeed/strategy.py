@@ -41,7 +41,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.checkpoint.dcp import DCPShards
 from phalanx.checkpoint.protocol import Shapes, ShardIO
+from phalanx.checkpoint.reshard import FullStateReader
 from phalanx.precision import Precision
 from phalanx.strategies.deepspeed.checkpoint import DeepSpeedCheckpointIO
 from phalanx.strategies.deepspeed.config import PRECISION_SECTIONS, apply_precision, build_zero_config, conflict
@@ -405,6 +407,10 @@ class DeepSpeedStrategy(ParallelStrategy):
         )
 
     def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
+        if layout == DCPShards.layout:
+            # FSDP's shards (another run of this job, before it changed strategy): DeepSpeed cannot re-cut
+            # them into its flat partitions, so every rank reads them in full and loads that, as a file.
+            return FullStateReader(DCPShards(self.guard.unguarded), self)
         if layout not in (None, DeepSpeedCheckpointIO.layout) or (layout is None and self.state_dict_type == "full"):
             return None
         io = self._checkpoint_io()

@@ -217,7 +217,7 @@ def check_mesh_object(mesh: DeviceMesh, device_type: str) -> None:
 def broadcast_replicas(module: nn.Module, mesh: DeviceMesh) -> None:
     """Make the replicas of a hybrid mesh identical: every parameter shard and buffer takes the values of
     the first rank of its replicate group. ``fully_shard`` does not broadcast, so replicas created from
-    different random streams (no seed, or ``empty_init``'s per-rank initialization) would train apart."""
+    different random streams (no seed, or ranks seeded differently, ``empty_init`` too) would train apart."""
     if mesh.ndim != 2 or mesh.size(0) == 1:
         return
     group = mesh.get_group(0)

@@ -62,6 +62,7 @@ from phalanx.strategies.fsdp.gradients import (
     reduce_scatter_averages,
 )
 from phalanx.strategies.fsdp.guards import CallOrder, Root
+from phalanx.strategies.fsdp.materialize import materialize_sharded
 from phalanx.strategies.fsdp.precision import FSDPMixedPrecision, ShardedMixedPrecision
 from phalanx.strategies.fsdp.sharding import (
     HYBRID_MESH_DIMS,
@@ -209,7 +210,8 @@ class ShardedStrategy(FSDPCheckpointing):
     @contextlib.contextmanager
     def init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """``empty_init=True`` creates parameters on the meta device (no memory); ``setup`` shards
-        them and then allocates and initializes only this rank's shards (``reset_parameters``)."""
+        them, allocates this rank's shards and fills them with the values one process would give the
+        model (``reset_parameters`` module by module, see :mod:`phalanx.strategies.fsdp.materialize`)."""
         if not empty_init:
             with super().init_context(empty_init):
                 yield
@@ -302,27 +304,8 @@ class ShardedStrategy(FSDPCheckpointing):
         broadcast_replicas(module, self.mesh)
 
     def _materialize(self, module: nn.Module) -> None:
-        owners = [
-            (name or type(m).__name__, m) for name, m in module.named_modules()
-            if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
-        ]
-        missing = [name for name, m in owners if not callable(getattr(m, "reset_parameters", None))]
-        if missing:
-            raise MisconfigurationError(
-                f"Modules {missing} were created with empty_init=True but define no reset_parameters(), so "
-                "phalanx cannot initialize their shards. Add a reset_parameters() that fills their parameters "
-                "and buffers, or create the model with empty_init=False."
-            )
-        module.to_empty(device=self.root_device)
-        devices = [self.root_device] if self.root_device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            if self.root_device.type == "cpu":
-                # DTensor has no RNG tracker on CPU meshes: without this every rank would fill its
-                # shard with the same numbers (repeated rows). Streams derive from the global seed.
-                base = int(torch.randint(0, 2**31 - 1, (1,)).item())
-                torch.manual_seed(base + 1_000_003 * self.global_rank)
-            for _, m in owners:
-                m.reset_parameters()
+        # The values one process would draw, every rank keeping its slice (fsdp/materialize.py).
+        materialize_sharded(module, self.root_device)
 
     # ------------------------------------------------------------------ optimizers
     def setup_module_and_optimizers(

@@ -1,0 +1,111 @@
+"""Per-step snapshots in node-local shared memory, so a crashed rank costs at most the step in flight.
+
+Periodic disk checkpoints lose up to their interval when a rank dies; writing one to a shared file
+system every step costs too much. A snapshot is the same complete Trainer checkpoint written to
+``/dev/shm`` (memory: it outlives the processes, not the node), every ``every_n_train_steps`` steps,
+published atomically like every phalanx checkpoint (each one is complete or ignored); the newest
+``keep`` are kept. A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
+resumes from the newest complete state among snapshots and checkpoints, the same one on every rank
+(:func:`phalanx.trainer.checkpointing.newest_resumable`, decided on rank 0).
+
+The folder is named after the run's ``default_root_dir``, so a restart or a rerun of the same command
+finds it, and it is removed when the fit ends normally. A node whose shared memory is gone (rebooted,
+replaced) has no snapshot: the restart resumes from the disk checkpoint and says so. Single-node jobs
+only: on several nodes each rank could not read the snapshot another node's shared memory holds, so
+the callback turns itself off there (with a message) and the disk checkpoints apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from phalanx.callbacks.base import Callback
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.core.module import Module
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def default_dirpath(root: str | Path) -> Path:
+    """``/dev/shm/phalanx-snapshots/<hash of the run's root folder>``: the same for every attempt of a run."""
+    key = hashlib.sha1(str(Path(root).absolute()).encode()).hexdigest()[:12]
+    return SHARED_MEMORY / "phalanx-snapshots" / key
+
+
+class Snapshot(Callback):
+    """Write a complete, resumable snapshot of the fit to node-local shared memory every few steps.
+
+    Args:
+        every_n_train_steps: snapshot after every this many optimizer steps (1: after every step).
+        dirpath: where (default: under ``/dev/shm``, see :func:`default_dirpath`); any folder works, but
+            one on a network file system costs what a disk checkpoint costs.
+        keep: how many of the newest snapshots to keep (at least 1; 2 keeps one complete snapshot even
+            while the next is written).
+    """
+
+    skip_in_fast_dev_run: ClassVar[bool] = True
+
+    def __init__(self, every_n_train_steps: int = 1, dirpath: str | Path | None = None, keep: int = 2) -> None:
+        if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
+            raise MisconfigurationError(f"Snapshot(every_n_train_steps={every_n_train_steps!r}): give an int >= 1.")
+        if not isinstance(keep, int) or keep < 1:
+            raise MisconfigurationError(f"Snapshot(keep={keep!r}): keep at least 1 snapshot.")
+        self.every_n_train_steps, self.keep = every_n_train_steps, keep
+        self._given = Path(dirpath).absolute() if dirpath is not None else None
+        #: The folder in use during a fit (None when snapshots are off): where a restart looks.
+        self.snapshot_dirpath: Path | None = None
+        self._written: list[Path] = []
+        self._last_step = -1
+
+    def setup(self, trainer: Any, module: Module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.num_nodes > 1:
+            diagnostics.notice(
+                "Snapshot is off: the job spans several nodes, and a snapshot in one node's shared memory cannot be "
+                "read on the others. Restarts resume from the disk checkpoints (ModelCheckpoint).",
+                rank=trainer.global_rank,
+            )
+            return
+        folder = self._given or default_dirpath(trainer.default_root_dir)
+        if self._given is None and not os.access(SHARED_MEMORY, os.W_OK):
+            diagnostics.notice(
+                f"Snapshot is off: {SHARED_MEMORY} (node-local shared memory) is not writable here. Restarts resume "
+                "from the disk checkpoints; pass Snapshot(dirpath=...) to snapshot elsewhere.",
+                rank=trainer.global_rank,
+            )
+            return
+        self.snapshot_dirpath = folder
+        self._written = sorted(folder.glob("snapshot-step=*.ckpt")) if folder.is_dir() else []
+        self._last_step = -1
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        folder = self.snapshot_dirpath
+        due = step > 0 and step % self.every_n_train_steps == 0 and step != self._last_step
+        if folder is None or trainer.in_window or not due:
+            return
+        self._last_step = step
+        path = folder / f"snapshot-step={step:09d}.ckpt"
+        trainer.save_checkpoint(path)  # every rank; atomic: a snapshot is complete or absent
+        self._written = [p for p in self._written if p != path] + [path]
+        while len(self._written) > self.keep:
+            trainer.fabric.strategy.remove_checkpoint(self._written.pop(0))
+
+    def teardown(self, trainer: Any, module: Module, stage: str) -> None:
+        folder = self.snapshot_dirpath
+        if stage != "fit" or folder is None:
+            return
+        self.snapshot_dirpath = None
+        # Kept when the fit did not finish (a crash, a preemption): that is what a restart resumes from.
+        if not getattr(trainer, "interrupted", False) and trainer.is_global_zero:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""fabric.stop_requested / exit_preempted / latest_checkpoint, in a hand-written loop under real signals
+(2 ranks, gloo, CPU): a signal on either rank stops both at the same step, the rerun continues from the
+checkpoint, and the final weights equal an uninterrupted run's bit for bit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from mp import run_job
+from run_if import run_if
+
+from phalanx.distributed.preemption import EXIT_PREEMPTED
+
+LOOP = """
+import os, signal, sys, torch, phalanx
+from mp import report
+from trainer_support import flat
+
+strategy, signal_rank, signal_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+fabric.seed_everything(3, verbose=False)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+model, optimizer = fabric.setup(model, optimizer)
+g = torch.Generator().manual_seed(0)
+data = torch.randn(64, 4, generator=g)
+target = data.sum(1, keepdim=True).sin()
+state = {"model": model, "optimizer": optimizer, "step": 0}
+found = fabric.latest_checkpoint("ckpts")
+if found is not None:
+    fabric.load(found, state)
+    report(fabric, resumed_from=str(found), resumed_at=state["step"])
+while state["step"] < 20:
+    first = (state["step"] * 4 + fabric.global_rank * 2) % 64
+    rows = slice(first, first + 2)
+    loss = torch.nn.functional.mse_loss(model(data[rows]), target[rows])
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] += 1
+    if fabric.global_rank == signal_rank and state["step"] == signal_step and not os.path.exists("signalled"):
+        open("signalled", "w").close()
+        os.kill(os.getpid(), signal.SIGTERM)
+    if fabric.stop_requested():
+        path = f"ckpts/step-{state['step']}.ckpt"
+        fabric.save(path, state)
+        report(fabric, stopped_at=state["step"], stop=fabric.preemption.describe())
+        fabric.exit_preempted(path, step=state["step"])
+report(fabric, weights=flat(model), step=state["step"])
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=[run_if(fsdp=True), pytest.mark.slow])])
+def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(tmp_path: Path, strategy: str) -> None:
+    rank, step = random.randrange(2), random.randrange(1, 19)
+    (tmp_path / "ref").mkdir()
+    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0")).check()
+    job = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step)))
+    why = f"SIGTERM to rank {rank} after step {step}"
+    assert job.returncode == EXIT_PREEMPTED, (why, job.output[-3000:])
+    for r in (0, 1):  # both ranks stopped at the step the signal came, and agree on who got it
+        assert job.reports[r]["stopped_at"] == step, (why, job.reports)
+        assert job.reports[r]["stop"] == f"SIGTERM on rank {rank}"
+    line = f"[phalanx] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: ckpts/step-{step}.ckpt"
+    assert line in job.stderr, job.stderr[-2000:]
+    assert "Traceback" not in job.stderr
+    rerun = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step))).check()
+    assert rerun.reports[0]["resumed_at"] == step
+    assert rerun.reports[0]["weights"] == reference.reports[0]["weights"], why  # bit-identical

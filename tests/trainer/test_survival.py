@@ -1,0 +1,226 @@
+"""Runs that survive, through the Trainer, for real (2 ranks, gloo, CPU; tests/support/survival_job.py):
+a preemption signal on a random rank at a random step, a signal during a checkpoint save (and a second
+one during the preemption save), a signal to the launcher under SLURM, and kill -9 of a rank under
+max_restarts. Each run ends with weights bit-identical to an uninterrupted run, every sample trained
+on exactly once per epoch (at most one step again after a kill), and nothing hangs."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mp import JOB_PYTHONPATH, Job, run_job
+from run_if import run_if
+
+from phalanx.distributed.preemption import EXIT_PREEMPTED
+
+JOB = (Path(__file__).parents[1] / "support" / "survival_job.py").read_text()
+STEPS = 16  # 48 samples / (2 ranks x batches of 3) = 8 optimizer steps per epoch, 2 epochs
+ENV = {"PHALANX_SHOW_TRACEBACKS": "0"}
+
+STRATEGIES = [
+    "ddp",
+    pytest.param("fsdp", marks=[run_if(fsdp=True), pytest.mark.slow]),
+    pytest.param("deepspeed_stage_1", marks=[run_if(deepspeed=True), pytest.mark.slow]),
+    pytest.param("deepspeed_stage_2", marks=[run_if(deepspeed=True), pytest.mark.slow]),
+    pytest.param("deepspeed_stage_3", marks=[run_if(deepspeed=True), pytest.mark.slow]),
+]
+
+_references: dict[str, list[float]] = {}
+
+
+def job(folder: Path, *args: str, timeout: float = 180) -> Job:
+    folder.mkdir(exist_ok=True)
+    return run_job(JOB, folder, timeout=timeout, env=ENV, args=args)
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory, strategy: str) -> list[float]:
+    """The uninterrupted run's final weights (one run per strategy per session)."""
+    if strategy not in _references:
+        ref = job(tmp_path_factory.mktemp(f"reference-{strategy}"), strategy, "--fresh").check()
+        assert ref.reports[0]["step"] == STEPS
+        _references[strategy] = ref.reports[0]["weights"]
+    return _references[strategy]
+
+
+def seen(folder: Path) -> collections.Counter[tuple[int, int]]:
+    """How often each (epoch, sample) was trained on, over every attempt and rank."""
+    lines = [line for r in (0, 1) for line in (folder / f"seen{r}.txt").read_text().splitlines() if line]
+    return collections.Counter((int(line.split()[0]), int(line.split()[1])) for line in lines)
+
+
+def assert_each_sample_once(folder: Path, again: int = 0) -> None:
+    counts = seen(folder)
+    assert set(counts) == {(e, i) for e in (0, 1) for i in range(48)}, "a sample was never trained on"
+    extra = sum(n - 1 for n in counts.values())
+    assert extra <= again, f"{extra} samples trained on more than once (allowed: {again})"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sigterm_on_a_random_rank_and_step_then_rerun(tmp_path: Path, tmp_path_factory: Any, strategy: str) -> None:
+    expected = reference(tmp_path_factory, strategy)
+    rank, step = random.randrange(2), random.randrange(1, STEPS)
+    why = f"{strategy}: SIGTERM to rank {rank} at step {step}"
+    first = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step))
+    assert first.returncode == EXIT_PREEMPTED, (why, first.output[-3000:])
+    line = (f"[phalanx] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: "
+            f"{Path('run', 'checkpoints', 'last.ckpt')}")
+    assert line in first.stderr, (why, first.stderr[-3000:])
+    assert "Traceback" not in first.stderr and "SignalException" not in first.stderr
+    second = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step)).check()
+    assert second.reports[0]["step"] == STEPS
+    assert second.reports[0]["weights"] == expected, why  # bit-identical
+    assert_each_sample_once(tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_signal_during_a_save_and_again_during_the_preemption_save(tmp_path: Path, tmp_path_factory: Any) -> None:
+    expected = reference(tmp_path_factory, "ddp")
+    # Step 4's periodic checkpoint is being written when SIGTERM arrives on rank 1: the save completes, the
+    # ranks stop at that boundary; a second SIGTERM while the preemption checkpoint is written changes nothing.
+    first = job(tmp_path, "ddp", "--interrupt", "SIGTERM", "--rank", "1", "--step", "4", "--in-save", "--twice")
+    assert first.returncode == EXIT_PREEMPTED, first.output[-3000:]
+    assert (tmp_path / "twice").exists()  # the second signal did arrive during the save
+    assert "[phalanx] preempted at step 4 by SIGTERM on rank 1" in first.stderr, first.stderr[-3000:]
+    second = job(tmp_path, "ddp", "--interrupt", "SIGTERM", "--rank", "1", "--step", "4").check()
+    assert second.reports[0]["weights"] == expected
+    assert_each_sample_once(tmp_path)
+
+
+def _fake_scontrol(folder: Path) -> Path:
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {folder / 'scontrol.log'}\n")
+    script.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.timeout(600)
+def test_sigusr1_to_the_launcher_under_slurm_checkpoints_and_requeues(tmp_path: Path, tmp_path_factory: Any) -> None:
+    expected = reference(tmp_path_factory, "ddp")
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "reports").mkdir()
+    env = {**os.environ, **ENV, "PHALANX_TEST_OUT": str(tmp_path / "reports"), "PYTHONPATH": JOB_PYTHONPATH,
+           "SLURM_JOB_ID": "4242", "PATH": f"{_fake_scontrol(tmp_path)}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "job.py", "ddp"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "seen0.txt").exists() or len((tmp_path / "seen0.txt").read_text().split()) < 12:
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended or never started training"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)  # the launching process only, as SLURM's --signal=B:USR1 does
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "by SIGUSR1 on rank 0;" in stderr, stderr[-3000:]  # the agent passed it on to both ranks
+    assert "[phalanx] SLURM job 4242 requeued" in stderr
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]  # once, by rank 0
+    assert "Traceback" not in stderr
+    env.pop("SLURM_JOB_ID")
+    rerun = job(tmp_path, "ddp").check()
+    assert rerun.reports[0]["weights"] == expected
+    assert_each_sample_once(tmp_path)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
+    tmp_path: Path, tmp_path_factory: Any, strategy: str
+) -> None:
+    expected = reference(tmp_path_factory, strategy)
+    rank, step = random.randrange(2), random.randrange(1, STEPS)
+    why = f"{strategy}: kill -9 of rank {rank} at step {step}"
+    done = job(tmp_path, strategy, "--interrupt", "KILL", "--rank", str(rank), "--step", str(step), "--max-restarts",
+               "1", "--snapshot", "--fresh").check()
+    assert (tmp_path / "killed").exists(), why
+    assert "Restart 1 of at most 1 after a rank failed: resumed from " in done.stderr, (why, done.stderr[-3000:])
+    assert f"snapshot-step={step:09d}.ckpt at step {step}" in done.stderr, why  # nothing recomputed
+    assert done.reports[0]["weights"] == expected, why
+    assert_each_sample_once(tmp_path)
+    shm = Path(done.reports[0]["ckpt_path"]).parent
+    assert not shm.exists(), "the snapshots outlived the run"
+
+
+def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) -> None:
+    # No ModelCheckpoint, no Snapshot: the restarted attempt trains from step 0 and says why, never silently.
+    code = """
+    import os, phalanx
+    from trainer_support import Regressor, loader, quiet
+    class Die:
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and trainer.global_rank == 1 and not os.path.exists("died"):
+                open("died", "w").close()
+                os._exit(3)
+    trainer = phalanx.Trainer(**quiet(devices=2, strategy="ddp", max_steps=4, max_restarts=1, callbacks=[Die()]))
+    trainer.fit(Regressor(), loader(32, 4))
+    """
+    done = run_job(code, tmp_path, timeout=180, env=ENV).check()
+    assert "This is restart 1 of the job, and no checkpoint to resume from was found" in done.stderr, done.stderr
+    assert "training starts again from step 0" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_chaos_fifty_random_interruptions_in_a_row(tmp_path: Path, tmp_path_factory: Any) -> None:
+    """50 runs, each hit by a random interruption (SIGTERM or SIGUSR1 to a rank, then a rerun; or kill -9
+    under max_restarts with snapshots) at a random step: each completes identical, none hangs."""
+    rng = random.Random()
+    strategies = ["ddp", "fsdp"]
+    for i in range(50):
+        strategy, kind = rng.choice(strategies), rng.choice(["SIGTERM", "SIGUSR1", "KILL"])
+        rank, step = rng.randrange(2), rng.randrange(1, STEPS)
+        expected = reference(tmp_path_factory, strategy)
+        folder = tmp_path / f"run{i}"
+        why = f"run {i}: {strategy}, {kind} to rank {rank} at step {step}"
+        start = time.monotonic()
+        args = (strategy, "--interrupt", kind, "--rank", str(rank), "--step", str(step))
+        if kind == "KILL":
+            final = job(folder, *args, "--max-restarts", "1", "--snapshot", "--fresh", timeout=240)
+        else:
+            first = job(folder, *args, timeout=240)
+            assert first.returncode == EXIT_PREEMPTED, (why, first.output[-2000:])
+            final = job(folder, *args, timeout=240)
+        assert final.returncode == 0, (why, final.output[-3000:])
+        assert final.reports[0]["weights"] == expected, why
+        assert_each_sample_once(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"{why}: ok in {time.monotonic() - start:.1f} s")
+
+
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--max-restarts", "1"],
+    "phalanx run": [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2", "--max-restarts", "1"],
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow  # the Trainer's own launcher restarts on torch's agent store too (the default-tier kill test)
+@pytest.mark.parametrize("repeat", [0, 1, 2])
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_kill_9_under_torchrun_and_phalanx_run_restarts(
+    tmp_path: Path, tmp_path_factory: Any, launcher: str, repeat: int
+) -> None:
+    # Restarted ranks share the agent's store with the failed attempt: they must neither read its stale keys
+    # (they used to connect to a dead port, or freeze) nor start from step 0.
+    expected = reference(tmp_path_factory, "ddp")
+    step = random.randrange(1, STEPS)
+    done = run_job(JOB, tmp_path, timeout=300, env=ENV, command=LAUNCHERS[launcher],
+                   args=("ddp", "--interrupt", "KILL", "--rank", "1", "--step", str(step), "--snapshot", "--fresh"))
+    assert done.returncode == 0, (launcher, step, done.output[-4000:])
+    assert (tmp_path / "killed").exists()
+    assert done.reports[0]["weights"] == expected, (launcher, step)
+    assert_each_sample_once(tmp_path)
