@@ -9,7 +9,9 @@ once per epoch over both attempts and end with the weights of one uninterrupted 
 to float32 rounding. The job (tests/support/topology_job.py) runs many pairs per process start: the
 saves and the loads of one world size share a job, a pair whose world size changes loads in a later job.
 
-The default tier runs the pairs of reported failures; the rest of the matrix is ``slow``.
+The default tier runs the pairs of reported failures; the rest of the matrix is ``slow``, as are the pairs of
+ModelParallelStrategy (``model_parallel@4``: 2 data-parallel x 2 tensor-parallel ranks, a per-rank batch of 2)
+to and from FSDP, DDP, one process and ZeRO-1, and those of ZeRO-1 (``deepspeed_stage_1@2``) with DDP and FSDP.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _ranks(topology: str) -> int:
 
 
 def _needs(*topologies: str) -> dict[str, bool]:
-    return {"fsdp": any(t.startswith("fsdp") for t in topologies),
+    return {"fsdp": any(t.startswith(("fsdp", "model_parallel")) for t in topologies),
             "deepspeed": any(t.startswith("deepspeed") for t in topologies)}
 
 
@@ -209,3 +211,47 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                             for pair in REST])
 def test_matrix(matrix: dict[str, Any], save: str, load: str) -> None:
     check_pair(matrix, save, load)
+
+
+# ---------------------------------------------------------------------- tensor parallel x FSDP, and ZeRO-1
+# model_parallel@4 is a 2 (data-parallel) x 2 (tensor-parallel) mesh: 4 ranks on a 2-core machine, so slow. Its
+# per-rank batch is 2 (tensor-parallel peers share a batch), so the global batch is 4 as everywhere.
+# model_parallel_full@4 saves one full file (save_distributed_checkpoint=False) instead of DCP shards.
+MODEL_PARALLEL = [("fsdp@2", "model_parallel@4"), ("ddp@2", "model_parallel@4"),
+                  ("model_parallel@4", "fsdp@2"), ("model_parallel@4", "single@1"),
+                  ("model_parallel_full@4", "fsdp@2"), ("fsdp@2", "model_parallel_full@4"),
+                  ("deepspeed_stage_1@2", "model_parallel@4"), ("model_parallel@4", "deepspeed_stage_1@2")]
+STAGE_1 = [("deepspeed_stage_1@2", "ddp@2"), ("ddp@2", "deepspeed_stage_1@2"),
+           ("deepspeed_stage_1@2", "fsdp@2"), ("fsdp@2", "deepspeed_stage_1@2")]
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_matrix(tmp_path_factory.mktemp("model_parallel"), [p for p in MODEL_PARALLEL if _runnable(p)])
+
+
+@pytest.fixture(scope="module")
+def stage_1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_matrix(tmp_path_factory.mktemp("stage_1"), [p for p in STAGE_1 if _runnable(p)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first runs the fixture's jobs (4-rank starts on 2 cores); the others only check
+@pytest.mark.parametrize(("save", "load"), [pytest.param(*pair, marks=run_if(**_needs(*pair)), id=tag(*pair))
+                                            for pair in MODEL_PARALLEL])
+def test_model_parallel_resumes_from_and_into_fsdp(model_parallel: dict[str, Any], save: str, load: str) -> None:
+    check_pair(model_parallel, save, load)
+    # The resumed run saved over the other's checkpoint in its own layout, recorded as its strategy's.
+    last = Path(model_parallel["load:" + tag(save, load)]["folder"]) / "last.ckpt"
+    name = load.split("@")[0]
+    assert last.is_dir() == (name not in ("single", "model_parallel_full"))
+    saved_by = "deepspeed" if name.startswith("deepspeed") else name.removesuffix("_full")
+    assert checkpoint.read_everything(last)["__phalanx__"]["strategy"] == saved_by
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("save", "load"), [pytest.param(*pair, marks=run_if(**_needs(*pair)), id=tag(*pair))
+                                            for pair in STAGE_1])
+def test_deepspeed_stage_1_resumes_on_another_topology(stage_1: dict[str, Any], save: str, load: str) -> None:
+    check_pair(stage_1, save, load)

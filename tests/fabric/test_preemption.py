@@ -1,6 +1,7 @@
-"""fabric.stop_requested / exit_preempted / latest_checkpoint, in a hand-written loop under real signals
-(2 ranks, gloo, CPU): a signal on either rank stops both at the same step, the rerun continues from the
-checkpoint, and the final weights equal an uninterrupted run's bit for bit."""
+"""fabric.stop_requested / exit_preempted / latest_checkpoint / save_snapshot, in a hand-written loop under
+real signals and kills (2 ranks, gloo, CPU): a signal on either rank stops both at the same step and the
+rerun continues from the checkpoint; kill -9 of a rank under Fabric(max_restarts=1) resumes from the per-step
+snapshot; the final weights equal an uninterrupted run's bit for bit."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import os, signal, sys, torch, phalanx
 from mp import report
 from trainer_support import flat
 
-strategy, signal_rank, signal_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+strategy, signal_rank, signal_step, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy, max_restarts=1 if mode == "kill" else 0)
 fabric.launch()
 fabric.seed_everything(3, verbose=False)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -29,10 +30,10 @@ g = torch.Generator().manual_seed(0)
 data = torch.randn(64, 4, generator=g)
 target = data.sum(1, keepdim=True).sin()
 state = {"model": model, "optimizer": optimizer, "step": 0}
-found = fabric.latest_checkpoint("ckpts")
+found = fabric.latest_checkpoint("ckpts", fabric.snapshot_dir)
 if found is not None:
     fabric.load(found, state)
-    report(fabric, resumed_from=str(found), resumed_at=state["step"])
+    report(fabric, resumed_from=str(found), resumed_at=state["step"], attempt=fabric.restart_count)
 while state["step"] < 20:
     first = (state["step"] * 4 + fabric.global_rank * 2) % 64
     rows = slice(first, first + 2)
@@ -41,25 +42,36 @@ while state["step"] < 20:
     optimizer.step()
     optimizer.zero_grad()
     state["step"] += 1
-    if fabric.global_rank == signal_rank and state["step"] == signal_step and not os.path.exists("signalled"):
-        open("signalled", "w").close()
-        os.kill(os.getpid(), signal.SIGTERM)
+    if mode == "kill":
+        fabric.save_snapshot(state, state["step"])  # per step, in /dev/shm: a restart loses nothing
+    if fabric.global_rank == signal_rank and state["step"] == signal_step:
+        if mode == "kill" and fabric.restart_count == 0:
+            os._exit(9)  # like kill -9: no cleanup at all
+        if mode == "signal" and not os.path.exists("signalled"):
+            open("signalled", "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
     if fabric.stop_requested():
         path = f"ckpts/step-{state['step']}.ckpt"
         fabric.save(path, state)
         report(fabric, stopped_at=state["step"], stop=fabric.preemption.describe())
         fabric.exit_preempted(path, step=state["step"])
-report(fabric, weights=flat(model), step=state["step"])
+report(fabric, weights=flat(model), step=state["step"], snapshots=str(fabric.snapshot_dir))
 """
+
+STRATEGIES = [
+    "ddp",
+    pytest.param("fsdp", marks=[run_if(fsdp=True), pytest.mark.slow]),
+    *(pytest.param(f"deepspeed_stage_{n}", marks=[run_if(deepspeed=True), pytest.mark.slow]) for n in (1, 2, 3)),
+]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=[run_if(fsdp=True), pytest.mark.slow])])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(tmp_path: Path, strategy: str) -> None:
     rank, step = random.randrange(2), random.randrange(1, 19)
     (tmp_path / "ref").mkdir()
-    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0")).check()
-    job = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step)))
+    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0", "none")).check()
+    job = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step), "signal"))
     why = f"SIGTERM to rank {rank} after step {step}"
     assert job.returncode == EXIT_PREEMPTED, (why, job.output[-3000:])
     for r in (0, 1):  # both ranks stopped at the step the signal came, and agree on who got it
@@ -68,6 +80,21 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(
     line = f"[phalanx] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: ckpts/step-{step}.ckpt"
     assert line in job.stderr, job.stderr[-2000:]
     assert "Traceback" not in job.stderr
-    rerun = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step))).check()
+    rerun = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step), "signal")).check()
     assert rerun.reports[0]["resumed_at"] == step
     assert rerun.reports[0]["weights"] == reference.reports[0]["weights"], why  # bit-identical
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kill_9_under_max_restarts_resumes_from_the_snapshot(tmp_path: Path, strategy: str) -> None:
+    rank, step = random.randrange(2), random.randrange(1, 19)
+    (tmp_path / "ref").mkdir()
+    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0", "none")).check()
+    job = run_job(LOOP, tmp_path, timeout=180, args=(strategy, str(rank), str(step), "kill"))
+    why = f"{strategy}: kill -9 of rank {rank} after step {step}"
+    assert job.returncode == 0, (why, job.output[-3000:])
+    assert job.reports[0]["attempt"] == 1 and job.reports[0]["resumed_at"] == step, (why, job.reports)
+    assert "snapshot-step=" in job.reports[0]["resumed_from"]
+    assert job.reports[0]["weights"] == reference.reports[0]["weights"], why  # bit-identical, no step lost
+    assert not Path(job.reports[0]["snapshots"]).exists()  # removed when the job ended well

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from mp import REPO
+
+from phalanx.checkpoint import snapshots
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -88,3 +93,43 @@ val_loader = DataLoader(TensorDataset(x[1500:], y[1500:]), batch_size=64)
     assert proc.returncode == 0, proc.stderr[-3000:]
     best = float(proc.stdout.split("best", 1)[1].split()[0].strip("tensor(),"))
     assert best > 0.85, proc.stdout[-2000:]  # 0.91-0.92 measured; chance is 0.1
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks torch's agent started)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_main_job_survives_kill_9_of_a_rank(tmp_path: Path) -> None:
+    """The main job restarts by itself after kill -9 of a rank, resumes from its per-step snapshot and ends
+    with the same accuracy as an uninterrupted run."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    args = ("--epochs", "4", "--no-progress-bar")
+    plain = _run("train_digits.py", tmp_path / "a", *args)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    expected = plain.stdout.split("final validation accuracy ")[1].split(" ")[0]
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train_digits.py"), *args], cwd=tmp_path / "b",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = snapshots.default_dir(tmp_path / "b" / "runs" / "train_digits")
+    deadline = time.monotonic() + 300
+    while not any(int(p.name.split("=")[1].split(".")[0]) >= 30 for p in snapshots.existing(folder)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended before step 30"
+        time.sleep(0.05)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Restart 1 of at most 2 after a rank failed: resumed from" in stderr, stderr[-3000:]
+    assert stdout.split("final validation accuracy ")[1].split(" ")[0] == expected

@@ -3,8 +3,13 @@ module, which holds no tests itself.
 
 One process set (1, 2 or 4 ranks) runs a list of steps given as JSON on the command line, so several
 save/load pairs share one start-up. A topology is ``strategy@ranks`` (``single@1``, ``ddp@2``,
-``fsdp@2``, ``deepspeed_stage_2@2``, ``deepspeed_stage_3@2``, ``ddp@4``); every one trains with the
-same global batch (``GLOBAL_BATCH`` = ranks x per-rank batch), so the runs agree to float32 rounding.
+``fsdp@2``, ``deepspeed_stage_1@2`` .. ``deepspeed_stage_3@2``, ``ddp@4``, ``model_parallel@4``,
+``model_parallel_full@4``); every one trains with the same global batch (``GLOBAL_BATCH`` = data-parallel
+ranks x per-rank batch), so the runs agree to float32 rounding. ``model_parallel@4`` is
+ModelParallelStrategy on a 2 x 2 mesh (the MLP's layers split over "tensor_parallel", FSDP over
+"data_parallel"): its tensor-parallel peers read the same batch, so its per-rank batch is
+GLOBAL_BATCH / 2, as on 2 ranks; ``model_parallel_full@4`` saves one full file
+(``save_distributed_checkpoint=False``) instead of DCP shards.
 
 Steps:
 * ``["fit", topology, dir, max_steps, resume, tag]``: a Trainer fit of ``EPOCHS`` epochs (stopped
@@ -36,6 +41,7 @@ GLOBAL_BATCH = 4  # 8 steps per epoch on every topology
 EPOCHS = 2
 SAVE_EVERY = 5
 FABRIC_STEPS = 3
+TENSOR_PARALLEL = 2  # model_parallel@4: 2 data-parallel x 2 tensor-parallel ranks
 
 
 #: DeepSpeed's default buckets hold 5e8 elements: on the CPU each ZeRO engine keeps ~2 GB, and a job that
@@ -44,9 +50,32 @@ SMALL_BUCKETS = {"reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20, "s
                  "stage3_max_live_parameters": 2**20}
 
 
+def parallelize(module: nn.Module, mesh: Any) -> nn.Module:
+    """ModelParallelStrategy's parallelize_fn for ``Recorder``: Megatron's MLP split (first layer by
+    columns, last by rows) over "tensor_parallel", FSDP over "data_parallel" (the root: the strategy)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    target = getattr(module, "net", module)
+    parallelize_module(target, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(target, mesh=mesh["data_parallel"])
+    return module
+
+
+def data_parallel_ranks(topology: str) -> int:
+    """How many different batches one step trains on (tensor-parallel peers share one)."""
+    name, ranks = topology.split("@")
+    return int(ranks) // TENSOR_PARALLEL if name.startswith("model_parallel") else int(ranks)
+
+
 def parse(topology: str) -> tuple[Any, int]:
     """The Trainer's/Fabric's strategy argument and the number of ranks."""
     name, ranks = topology.split("@")
+    if name.startswith("model_parallel"):  # model_parallel_full: one full file, gathered on rank 0
+        from phalanx.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(parallelize, tensor_parallel_size=TENSOR_PARALLEL,
+                                     save_distributed_checkpoint=not name.endswith("_full")), int(ranks)
     if name.startswith("deepspeed_stage_"):
         from phalanx.strategies.deepspeed import DeepSpeedStrategy
 
@@ -109,13 +138,18 @@ def fit(topology: str, directory: str, max_steps: int | None, resume: bool, tag:
         num_sanity_val_steps=0, deterministic=True,
     )
     module = Recorder()
-    data = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // ranks, shuffle=True)
+    data = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // data_parallel_ranks(topology), shuffle=True)
     try:
         trainer.fit(module, data, ckpt_path="last" if resume else None)
     except Exception as err:  # reported: the other pairs of this job still run
         report(trainer.fabric, **{tag: {"error": f"{type(err).__name__}: {err}"}})
         return
-    seen = [pair for part in trainer.fabric.all_gather_object(module.seen) for pair in part]
+    parts = trainer.fabric.all_gather_object(module.seen)
+    peers = ranks // data_parallel_ranks(topology)  # rank r is at (r // peers, r % peers) on the mesh
+    if any(part != parts[r - r % peers] for r, part in enumerate(parts)):
+        report(trainer.fabric, **{tag: {"error": "tensor-parallel peers trained on different samples"}})
+        return
+    seen = [pair for part in parts[::peers] for pair in part]
     report(trainer.fabric, **{tag: {"seen": seen, "step": trainer.global_step, "folder": directory,
                                     "weights": full_weights(trainer.fabric, module)}})
 

@@ -17,34 +17,25 @@ the callback turns itself off there (with a message) and the disk checkpoints ap
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from phalanx.callbacks.base import Callback
+from phalanx.checkpoint import snapshots
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
 
-SHARED_MEMORY = Path("/dev/shm")
-
-
-def default_dirpath(root: str | Path) -> Path:
-    """``/dev/shm/phalanx-snapshots/<hash of the run's root folder>``: the same for every attempt of a run."""
-    key = hashlib.sha1(str(Path(root).absolute()).encode()).hexdigest()[:12]
-    return SHARED_MEMORY / "phalanx-snapshots" / key
-
-
 class Snapshot(Callback):
     """Write a complete, resumable snapshot of the fit to node-local shared memory every few steps.
 
     Args:
         every_n_train_steps: snapshot after every this many optimizer steps (1: after every step).
-        dirpath: where (default: under ``/dev/shm``, see :func:`default_dirpath`); any folder works, but
+        dirpath: where (default: under ``/dev/shm``, see :func:`phalanx.checkpoint.snapshots.default_dir`,
+            named after the run's ``default_root_dir``); any folder works, but
             one on a network file system costs what a disk checkpoint costs.
         keep: how many of the newest snapshots to keep (at least 1; 2 keeps one complete snapshot even
             while the next is written).
@@ -74,16 +65,16 @@ class Snapshot(Callback):
                 rank=trainer.global_rank,
             )
             return
-        folder = self._given or default_dirpath(trainer.default_root_dir)
-        if self._given is None and not os.access(SHARED_MEMORY, os.W_OK):
+        folder = self._given or snapshots.default_dir(trainer.default_root_dir)
+        if not snapshots.usable(folder):
             diagnostics.notice(
-                f"Snapshot is off: {SHARED_MEMORY} (node-local shared memory) is not writable here. Restarts resume "
+                f"Snapshot is off: {folder} cannot be written (no node-local shared memory here?). Restarts resume "
                 "from the disk checkpoints; pass Snapshot(dirpath=...) to snapshot elsewhere.",
                 rank=trainer.global_rank,
             )
             return
         self.snapshot_dirpath = folder
-        self._written = sorted(folder.glob("snapshot-step=*.ckpt")) if folder.is_dir() else []
+        self._written = snapshots.existing(folder)
         self._last_step = -1
 
     def on_train_batch_end(
@@ -95,7 +86,7 @@ class Snapshot(Callback):
         if folder is None or trainer.in_window or not due:
             return
         self._last_step = step
-        path = folder / f"snapshot-step={step:09d}.ckpt"
+        path = snapshots.path_for(folder, step)
         trainer.save_checkpoint(path)  # every rank; atomic: a snapshot is complete or absent
         self._written = [p for p in self._written if p != path] + [path]
         while len(self._written) > self.keep:

@@ -81,6 +81,9 @@ def _walk(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]], parts:
         for k, v in value.items():
             _walk(v, f"{path}.{k}" if path else str(k), tensors, parts)
     elif isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN for v in value):  # e.g. an RNG state's 625 ints: one part, not 625 calls
+            parts.append(f"{path}:{kind.__name__}:{value!r}")
+            return
         parts.append(f"{path}:{kind.__name__}:{len(value)}")
         for i, v in enumerate(value):
             _walk(v, f"{path}[{i}]", tensors, parts)

@@ -183,7 +183,7 @@ def _expected_size(obj: Any, previous: Path) -> int:
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            stack.extend(v for v in item if isinstance(v, (torch.Tensor, dict, list, tuple)))
     return sum(seen.values())
 
 

@@ -39,8 +39,9 @@ def _loadable_by(kind: str, meta: dict[str, Any]) -> list[str]:
     if kind == PLAIN_DCP:
         return ["torch.distributed.checkpoint (dcp.load, format_utils.dcp_to_torch_save)",
                 "phalanx ckpt convert --to single | sharded | safetensors"]
-    return [f"fabric.load(path, state) under DeepSpeed with {shards.get('world_size')} ranks at ZeRO stage "
-            f"{shards.get('stage')} only",
+    return [f"fabric.load(path, state) under any strategy and world size (natively under DeepSpeed with "
+            f"{shards.get('world_size')} ranks at ZeRO stage {shards.get('stage')}; elsewhere ZeRO's partitions are "
+            "merged on load)",
             "DeepSpeed's zero_to_fp32 (model weights)",
             "phalanx ckpt convert --to single | sharded | safetensors (ZeRO's partitions merged: weights and "
             "optimizer state; then any strategy and world size)"]

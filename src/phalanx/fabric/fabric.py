@@ -96,7 +96,7 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
-        self._preemption, self._stop = PreemptionSignals(preemption_signals), None
+        self._preemption, self._stop, self._snapshot_folders = PreemptionSignals(preemption_signals), None, {}
         self._strategy = configured_strategy(self._init_kwargs)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
@@ -495,5 +495,6 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
                 if callable(finalize):
                     finalize("failed" if failed else "success")
         self._preemption.uninstall()
+        self._drop_snapshots(failed)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

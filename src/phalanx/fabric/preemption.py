@@ -9,12 +9,14 @@ finds where to continue with ``fabric.latest_checkpoint(directory)``.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from phalanx import checkpoint
+from phalanx.checkpoint import snapshots
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
 
@@ -28,20 +30,12 @@ class PreemptionMethods:
     _strategy: Strategy
     _preemption: PreemptionSignals
     _stop: Stop | None
+    _snapshot_folders: dict[Path, list[Path]]
 
     if TYPE_CHECKING:
         def _ensure_launched(self) -> None: ...
-
-        @property
-        def global_rank(self) -> int: ...
-
-        @property
-        def world_size(self) -> int: ...
-
-        @property
-        def is_global_zero(self) -> bool: ...
-
-        def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+        def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> Any: ...
+        def remove_checkpoint(self, path: str | Path) -> None: ...
 
     def stop_requested(self) -> bool:
         """True on every rank, at the same call, once any rank received a preemption signal (SIGTERM or
@@ -56,7 +50,8 @@ class PreemptionMethods:
         if self._stop is not None:
             return True
         self._preemption.install()
-        self._stop = self._preemption.agree(self.global_rank, self.world_size, self._agree_across_ranks)
+        self._stop = self._preemption.agree(self._strategy.global_rank, self._strategy.world_size,
+                                            self._agree_across_ranks)
         return self._stop is not None
 
     def release_signals(self) -> None:
@@ -87,7 +82,7 @@ class PreemptionMethods:
                    + (" from it" if checkpoint_path is not None else "") + ".")
         error = Preempted(message)
         record_failure(error)  # what torch's launcher (and phalanx's) quotes for this rank
-        if self.is_global_zero:
+        if self._strategy.global_rank == 0:
             print(f"[phalanx] {message}", file=sys.stderr, flush=True)
             if stop is not None and checkpoint_path is not None:
                 requeue_slurm_job(lambda line: print(f"[phalanx] {line}", file=sys.stderr, flush=True))
@@ -98,12 +93,42 @@ class PreemptionMethods:
         sharded directory whose save finished; None when there is none. Interrupted saves are skipped.
         With more than one process, rank 0 decides and every rank gets its answer (call it on every rank)."""
         dirs = [Path(directory), *map(Path, more)]
-        if self.world_size > 1:
+        if self._strategy.num_processes > 1:
             self._ensure_launched()
-            found = checkpoint.latest(dirs) if self.is_global_zero else None
-            answer = self.broadcast(str(found) if found is not None else None)
+            found = checkpoint.latest(dirs) if self._strategy.global_rank == 0 else None
+            answer = self._strategy.broadcast(str(found) if found is not None else None)
             return Path(answer) if answer is not None else None
         return checkpoint.latest(dirs)
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """Where :meth:`save_snapshot` writes by default: node-local shared memory, one folder per script and
+        working directory (the same for every attempt of the run)."""
+        return snapshots.default_dir(Path.cwd(), sys.argv[0] if sys.argv and sys.argv[0] else "python")
+
+    def save_snapshot(self, state: dict[str, Any], step: int, directory: str | Path | None = None,
+                      keep: int = 2) -> Path:
+        """Save ``state`` as the snapshot of ``step`` (default: in :attr:`snapshot_dir`) and keep only the newest
+        ``keep``: per-step state in memory for restarts, so a crashed rank costs at most the step in flight.
+        Call it on every rank. Resume with ``fabric.latest_checkpoint(checkpoint_dir, fabric.snapshot_dir)``.
+        The folder is removed when the job ends without an error."""
+        folder = Path(directory) if directory is not None else self.snapshot_dir
+        path = snapshots.path_for(folder, step)
+        self.save(path, state)
+        # What this job wrote, the same list on every rank (a listing of the folder could differ between ranks
+        # while rank 0 deletes, and removing is a collective). An earlier attempt's go with the folder at the end.
+        written = self._snapshot_folders.setdefault(folder, [])
+        written[:] = [p for p in written if p != path] + [path]
+        while len(written) > keep:
+            self.remove_checkpoint(written.pop(0))
+        return path
+
+    def _drop_snapshots(self, failed: bool) -> None:
+        """At the end of the job: snapshots are only for restarting a run that did not finish."""
+        if not failed and self._strategy.global_rank == 0:
+            for folder in self._snapshot_folders:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._snapshot_folders.clear()
 
     @property
     def restart_count(self) -> int:

@@ -101,7 +101,10 @@ def save(trainer: TrainerBase, path: str | Path, weights_only: bool = False) -> 
             state[f"lr_scheduler_{i}"] = config.scheduler
         loop = t.loop_state
         done = loop.epoch_finished
-        state["loops"] = loop.state_dict(t.world_size, t.train_samples_per_batch)
+        per_batch, sampler = t.train_samples_per_batch, t.train_sampler
+        replicas = sampler.num_replicas if sampler is not None else 0
+        layout = (replicas, per_batch // replicas if replicas else 0, t.accumulate_grad_batches)
+        state["loops"] = loop.state_dict(t.world_size, per_batch, layout)
         state["callbacks"] = {key: cb.state_dict() for key, cb in callback_keys(t.callbacks)}
         if t.datamodule is not None:
             state["datamodule"] = t.datamodule.state_dict()
@@ -261,8 +264,13 @@ def restore(trainer: TrainerBase, path: str | Path) -> None:
                            "not.", rank=t.global_rank)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
     load_metric_states(t.module, mine.get("metrics"))
+    batches, samples = t.loop_state.batches_done, int(loops.get("samples_consumed", 0))
+    replicas, batch_size = int(loops.get("data_replicas", 0)), int(loops.get("batch_size", 0))
     t.set_resume_state({
-        "batches_done": t.loop_state.batches_done, "samples": int(loops.get("samples_consumed", 0)),
+        "batches_done": batches, "samples": samples,
+        # The saved global batch (older checkpoints: derived from the position), for loops.resume_start.
+        "samples_per_batch": replicas * batch_size or (samples // batches if batches else 0),
+        "layout": (replicas, batch_size, int(loops.get("accumulate_grad_batches", 1))) if replicas else None,
         "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
         "results": mine["results"],
     })

@@ -4,7 +4,8 @@
   every rank and for every world size), pads it to a multiple of the world size and gives rank ``r``
   every ``W``-th index. Two ranks with batch ``B`` therefore see exactly the samples one process
   with batch ``2B`` sees, and a resumed run can skip the samples already consumed without reading
-  them.
+  them, whatever the global batch size of either run (a position at or past the last real sample
+  leaves nothing: the padding is never trained on after a resume).
 * Evaluation: :class:`EvalBatchSampler` gives rank ``r`` the indices ``r, r+W, ...`` with no
   padding (each sample scored once), cut into the same number of batches on every rank, so
   strategies whose forward communicates (FSDP, DDP buffer broadcast) stay in lockstep.
@@ -57,6 +58,10 @@ class TrainSampler(Sampler[int]):
             order: list[int] = torch.randperm(self.length, generator=gen).tolist()
         else:
             order = list(range(self.length))
+        if self.skip >= self.length:
+            # Every real sample of the epoch was consumed (a checkpoint after its last batch): what is left
+            # is padding at most, and training on it would repeat samples already trained on.
+            return []
         # Pad before skipping, then again after: every rank gets the same count in both cases.
         padded = _pad(order, self.num_replicas)
         return _pad(padded[self.skip:], self.num_replicas) if self.skip else padded
@@ -72,8 +77,10 @@ class TrainSampler(Sampler[int]):
 
     def __len__(self) -> int:
         # What _order() yields per rank, without drawing the permutation: pad, skip, pad again.
+        if self.skip >= self.length:
+            return 0
         padded = math.ceil(self.length / self.num_replicas) * self.num_replicas
-        return math.ceil(max(0, padded - self.skip) / self.num_replicas)
+        return math.ceil((padded - self.skip) / self.num_replicas)
 
 
 class EvalBatchSampler(Sampler[list[int]]):

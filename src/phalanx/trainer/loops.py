@@ -39,6 +39,7 @@ from phalanx.trainer import survival
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
+from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import move_to_device
 
@@ -58,7 +59,9 @@ def windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> I
     """``(batch_idx, batch, window_size, is_boundary)`` for each batch from ``start``.
 
     With a known length the window sizes are computed; without one, each window is read ahead so
-    the size of the last (partial) window is known before its first backward.
+    the size of the last (partial) window is known before its first backward. Windows end at
+    multiples of ``n``; a ``start`` inside a window (a resume with another global batch size) makes
+    the first window shorter, as the epoch's last one may be.
     """
     if total is not None and n == 1:
         # No accumulation: every batch is its own window. Built from C iterators (no Python frame per
@@ -75,8 +78,9 @@ def _windows(iterator: Iterator[Any], start: int, total: int | None, n: int) -> 
             except StopIteration:
                 return
             first = batch_idx - batch_idx % n
-            size = min(n, total - first)
-            yield batch_idx, batch, size, batch_idx + 1 == first + size
+            end = min(first + n, total)
+            # A resume at another batch size may start inside a window: that window is shorter.
+            yield batch_idx, batch, end - max(first, start), batch_idx + 1 == end
         return
     batch_idx = start
     while True:
@@ -167,29 +171,90 @@ def _bar_refresh_rate(trainer: TrainerBase) -> int:
     return min(rates) if rates else 0
 
 
+def resume_start(trainer: TrainerBase, resume: dict[str, Any]) -> int:
+    """The batch a resumed epoch continues at, in batches of this run's size (``batches_done`` is set to it).
+
+    The saved position is global: ``samples`` of the epoch's order (the same for every world size). With
+    the checkpoint's global batch size the batch is the saved one; with another, the run continues at
+    that sample, so its batches are counted from there: ``start`` is the epoch's batch count at this size
+    minus the batches left, and the first batch begins at the saved sample even where that is not a
+    multiple of this run's batch (then the first accumulation window is shorter, see :func:`windows`).
+    """
+    t, state = trainer, trainer.loop_state
+    start, samples = int(resume["batches_done"]), int(resume["samples"])
+    saved, ours = int(resume.get("samples_per_batch") or 0), t.train_samples_per_batch
+    sampler, total = t.train_sampler, t.num_training_batches
+    if sampler is None or not saved or not (samples or start):
+        return start  # (the user's own sampler: the loop re-reads and discards ``start`` batches)
+    if saved != ours:
+        skip = sampler.skip
+        sampler.skip = 0
+        full = len(t.train_dataloader)
+        sampler.skip = samples
+        start = max(0, full - len(t.train_dataloader))
+        sampler.skip = skip
+        state.batches_done = min(start, total) if total is not None else start
+    state.samples_offset = samples - state.batches_done * ours  # so the next checkpoint counts the true position
+    return start
+
+
+def say_batch_change(trainer: TrainerBase, resume: dict[str, Any], start: int) -> None:
+    """Rank 0's one message when the checkpoint's samples per optimizer step differ from this run's."""
+    t, state, sampler = trainer, trainer.loop_state, trainer.train_sampler
+    samples, saved, ours = int(resume["samples"]), int(resume.get("samples_per_batch") or 0), t.train_samples_per_batch
+    layout, n, total = resume.get("layout"), t.accumulate_grad_batches, t.num_training_batches
+    if sampler is None or not saved or not (samples or start) or (saved == ours and (layout is None or layout[2] == n)):
+        return
+    if layout:
+        replicas_then, batch_then, n_then = layout
+        how = (f"{saved * n_then} samples per optimizer step ({_ranks(replicas_then)} x batch {batch_then} x "
+               f"accumulation {n_then})")
+    else:
+        how = f"{saved} samples per batch"
+    replicas = sampler.num_replicas
+    ours_how = f"{ours * n} ({_ranks(replicas)} x batch {ours // replicas} x accumulation {n})"
+    if total is not None and start >= total:
+        at = f"the epoch's {total} batches at the new size are done"
+    else:
+        at = f"batch {start} of {total} at the new size" if total is not None else f"batch {start} at the new size"
+        if samples % ours:
+            at += ", the first one starting at that sample"
+    diagnostics.notice(
+        f"The checkpoint was written with {how} and this run takes {ours_how}: it continues at sample {samples} "
+        f"of epoch {state.current_epoch} ({at}); global_step continues from {state.global_step}, each further step "
+        f"consuming {ours * n} samples.", rank=t.global_rank)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
 def run_train_epoch(trainer: TrainerBase) -> None:
     t = trainer
     state, settings = t.loop_state, t.settings
     resume = t.take_resume_state()
-    start = resume["batches_done"] if resume else 0
+    mid = resume is not None and (resume["batches_done"] > 0 or resume["samples"] > 0)  # resuming mid-epoch
     if resume is not None:
-        restore_rng_state(resume["epoch_rng"] if start > 0 and resume["epoch_rng"] else resume["rng"])
+        restore_rng_state(resume["epoch_rng"] if mid and resume["epoch_rng"] else resume["rng"])
     state.epoch_start_rng = capture_rng_state()
     results = t.results["train"]
     results.reset()
-    if start > 0 and resume is not None and resume.get("results") is not None:
+    if mid and resume is not None and resume.get("results") is not None:
         results.load_state_dict(resume["results"], t.module)
     t.reload_dataloaders_if_due()
+    start = resume_start(t, resume) if resume is not None else 0  # before the hooks: they may read batches_done
     t.module.train()
     t.module.on_train_epoch_start()
     t.call("on_train_epoch_start")
+    if resume is not None:
+        say_batch_change(t, resume, start)  # after the hooks: a callback may set this epoch's accumulation
     if t.train_sampler is not None:
         t.train_sampler.skip = resume["samples"] if resume else 0
     iterator = start_epoch(t.fabric, t.train_dataloader, state.current_epoch)
     if t.train_sampler is None:
         for _ in range(start):  # the user's own sampler: re-read and discard what was consumed
             next(iterator, None)
-    if resume is not None and start > 0:
+    if mid and resume is not None:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
     board, fabric = t.metric_board, t.fabric
@@ -237,7 +302,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
             break
     del iterator
     t.step_plan = None
-    if not seen and start == 0:
+    if not seen and not mid:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
     if _val_due_at_epoch_end(t):
@@ -251,7 +316,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", state.current_epoch + 1, t.callback_metrics)
     t.call("on_train_epoch_end")
     state.current_epoch += 1
-    state.batches_done = 0
+    state.batches_done = state.samples_offset = 0
     state.epoch_finished = False
 
 

@@ -27,24 +27,35 @@ class LoopState:
     epoch_finished: bool = False  # the epoch's batches ran; its end-of-epoch hooks run now
     in_window: bool = False  # inside a gradient-accumulation window (no checkpoint may be taken)
     epoch_start_rng: dict[str, Any] | None = None  # this rank's RNG states when the epoch began
+    # Samples consumed minus batches_done x this run's global batch: nonzero only in an epoch resumed from
+    # a checkpoint of another batch size at a sample that is no multiple of this one (loops.resume_start).
+    samples_offset: int = 0
 
-    def state_dict(self, world_size: int, samples_per_batch: int) -> dict[str, Any]:
+    def state_dict(
+        self, world_size: int, samples_per_batch: int, layout: tuple[int, int, int] = (0, 0, 1)
+    ) -> dict[str, Any]:
         """The counters a checkpoint stores (its ``"loops"`` entry). A checkpoint taken while an epoch's
-        end hooks run counts that epoch as done, so resuming starts the next one."""
+        end hooks run counts that epoch as done, so resuming starts the next one. ``layout``: the data
+        ranks, the batch size and the accumulation that made ``samples_per_batch`` (0 where unknown), so
+        a run with another global batch size can say how its steps relate to these."""
         done = self.epoch_finished
+        replicas, batch_size, accumulate = layout
         return {
             "epoch": self.current_epoch + 1 if done else self.current_epoch,
             "batches_done": 0 if done else self.batches_done,
             "global_step": self.global_step,
             "should_stop": self.stop_requested,  # the request as made (the minimums apply after resuming too)
             "world_size": world_size,
-            "samples_consumed": 0 if done else self.batches_done * samples_per_batch,
+            "samples_consumed": 0 if done else max(0, self.batches_done * samples_per_batch + self.samples_offset),
+            "data_replicas": replicas,
+            "batch_size": batch_size,
+            "accumulate_grad_batches": accumulate,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back what :meth:`state_dict` stored."""
         self.current_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
-        self.batches_done = int(state["batches_done"])
+        self.batches_done, self.samples_offset = int(state["batches_done"]), 0
         self.stop_requested = bool(state["should_stop"])
         self.epoch_finished = self.in_window = False
 

@@ -320,7 +320,7 @@ def train_batch(
     live = plan.live
     state = plan.state
     window = t.window_losses
-    if batch_idx % t.accumulate_grad_batches == 0:
+    if batch_idx % t.accumulate_grad_batches == 0 or not window:  # a window's first micro-batch (see windows())
         window.clear()
         if "on_before_zero_grad" in live:
             t.hook("on_before_zero_grad", optimizer)

@@ -48,11 +48,13 @@ def capture_rng_state() -> dict[str, Any]:
     """Snapshot every generator this process uses; :func:`restore_rng_state` puts it back exactly.
 
     Only tensors and plain Python values, so a checkpoint holding it opens with
-    ``torch.load(weights_only=True)`` (NumPy's state array is stored as a list of ints)."""
+    ``torch.load(weights_only=True)``. The Mersenne Twister states (625 and 624 words) are int64 tensors:
+    as lists, their ~1250 ints were most of the objects a checkpoint pickles (and checks) at every save."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, words, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+        "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
@@ -62,11 +64,13 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    py = state["python"]  # the words: a tensor, or a list or tuple in older checkpoints
+    words = py[1].tolist() if isinstance(py[1], torch.Tensor) else py[1]
+    random.setstate((py[0], tuple(int(w) for w in words), py[2]))
     npy = state["numpy"]
     if isinstance(npy, dict):
-        np.random.set_state((npy["kind"], np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+        keys = npy["keys"].numpy() if isinstance(npy["keys"], torch.Tensor) else npy["keys"]
+        np.random.set_state((npy["kind"], np.array(keys, dtype=np.uint32), npy["pos"], npy["has_gauss"],
                              npy["cached_gaussian"]))
     else:  # written by phalanx 0.1: NumPy's own tuple
         np.random.set_state(npy)
