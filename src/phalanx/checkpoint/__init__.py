@@ -6,13 +6,13 @@ from phalanx.checkpoint.layer import (
     Found,
     consolidate,
     find,
-    latest,
     load,
     load_raw,
     read_everything,
     remove,
     save,
 )
+from phalanx.checkpoint.snapshots import latest
 
 __all__ = [
     "MARKER",

@@ -10,7 +10,6 @@ checkpoint).
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import traceback
 import uuid
@@ -136,37 +135,6 @@ def find(path: str | Path) -> Found | None:
         return None
     found, recovered = located
     return Found(found, recovered, _incomplete(found) if found.is_dir() and not (found / MARKER).is_file() else None)
-
-
-#: What :func:`latest` counts as a checkpoint file (a directory counts when it holds the marker).
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
-
-
-def latest(directories: list[Path], pattern: str = "*") -> Path | None:
-    """The newest complete checkpoint in ``directories`` (files named ``*.ckpt``/``*.pt``/``*.pth``, and
-    sharded directories whose marker exists), by the time its save finished; None when there is none.
-    Hidden entries (saves in progress, the previous copy kept while one is replaced) are not candidates:
-    an interrupted save never wins over the checkpoint it was replacing. ``pattern`` (fnmatch) narrows the
-    names. No process group needed."""
-    best: tuple[float, Path] | None = None
-    for directory in directories:
-        if not directory.is_dir():
-            continue
-        for entry in directory.iterdir():
-            if entry.name.startswith(".") or not fnmatch.fnmatch(entry.name, pattern):
-                continue
-            if entry.is_dir():
-                stamp = entry / MARKER  # written last: its time is when the save finished
-                if not stamp.is_file():
-                    continue
-            elif entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
-                stamp = entry
-            else:
-                continue
-            when = stamp.stat().st_mtime
-            if best is None or when > best[0]:
-                best = (when, entry)
-    return best[1] if best is not None else None
 
 
 def _locate_for_load(path: Path) -> Path:
