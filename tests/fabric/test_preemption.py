@@ -34,6 +34,7 @@ found = fabric.latest_checkpoint("ckpts", fabric.snapshot_dir)
 if found is not None:
     fabric.load(found, state)
     report(fabric, resumed_from=str(found), resumed_at=state["step"], attempt=fabric.restart_count)
+fabric.stop_requested()  # start listening before the first step (until the first call, SIGTERM ends the process)
 while state["step"] < 20:
     first = (state["step"] * 4 + fabric.global_rank * 2) % 64
     rows = slice(first, first + 2)
@@ -58,6 +59,18 @@ while state["step"] < 20:
 report(fabric, weights=flat(model), step=state["step"], snapshots=str(fabric.snapshot_dir))
 """
 
+_references: dict[str, list[float]] = {}
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory, strategy: str) -> list[float]:
+    """The uninterrupted run's final weights (one run per strategy per session)."""
+    if strategy not in _references:
+        folder = tmp_path_factory.mktemp(f"reference-{strategy}")
+        job = run_job(LOOP, folder, timeout=120, args=(strategy, "-1", "0", "none")).check()
+        _references[strategy] = job.reports[0]["weights"]
+    return _references[strategy]
+
+
 STRATEGIES = [
     "ddp",
     pytest.param("fsdp", marks=[run_if(fsdp=True), pytest.mark.slow]),
@@ -67,10 +80,11 @@ STRATEGIES = [
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(tmp_path: Path, strategy: str) -> None:
+def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, strategy: str
+) -> None:
     rank, step = random.randrange(2), random.randrange(1, 19)
-    (tmp_path / "ref").mkdir()
-    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0", "none")).check()
+    expected = reference(tmp_path_factory, strategy)
     job = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step), "signal"))
     why = f"SIGTERM to rank {rank} after step {step}"
     assert job.returncode == EXIT_PREEMPTED, (why, job.output[-3000:])
@@ -82,19 +96,20 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(
     assert "Traceback" not in job.stderr
     rerun = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step), "signal")).check()
     assert rerun.reports[0]["resumed_at"] == step
-    assert rerun.reports[0]["weights"] == reference.reports[0]["weights"], why  # bit-identical
+    assert rerun.reports[0]["weights"] == expected, why  # bit-identical
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_kill_9_under_max_restarts_resumes_from_the_snapshot(tmp_path: Path, strategy: str) -> None:
+def test_kill_9_under_max_restarts_resumes_from_the_snapshot(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, strategy: str
+) -> None:
     rank, step = random.randrange(2), random.randrange(1, 19)
-    (tmp_path / "ref").mkdir()
-    reference = run_job(LOOP, tmp_path / "ref", timeout=120, args=(strategy, "-1", "0", "none")).check()
+    expected = reference(tmp_path_factory, strategy)
     job = run_job(LOOP, tmp_path, timeout=180, args=(strategy, str(rank), str(step), "kill"))
     why = f"{strategy}: kill -9 of rank {rank} after step {step}"
     assert job.returncode == 0, (why, job.output[-3000:])
     assert job.reports[0]["attempt"] == 1 and job.reports[0]["resumed_at"] == step, (why, job.reports)
     assert "snapshot-step=" in job.reports[0]["resumed_from"]
-    assert job.reports[0]["weights"] == reference.reports[0]["weights"], why  # bit-identical, no step lost
+    assert job.reports[0]["weights"] == expected, why  # bit-identical, no step lost
     assert not Path(job.reports[0]["snapshots"]).exists()  # removed when the job ended well

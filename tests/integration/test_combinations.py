@@ -38,7 +38,7 @@ def _cases() -> list[Any]:
 # The fast suite (CI) runs every strategy and both precisions, each multi-rank strategy in one of them;
 # the cases below repeat a strategy's path in its other precision and run with PHALANX_TEST_ALL=1
 # (they cost ~50 s of the 2-CPU CI box's 15-minute budget).
-SLOW = {("ddp", "bf16-mixed"), ("fsdp", "32-true"), ("deepspeed_stage_2", "32-true"),
+SLOW = {("single", "bf16-mixed"), ("ddp", "bf16-mixed"), ("fsdp", "32-true"), ("deepspeed_stage_2", "32-true"),
         ("deepspeed_stage_3", "bf16-mixed")}
 
 

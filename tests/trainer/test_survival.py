@@ -154,6 +154,8 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
     assert not shm.exists(), "the snapshots outlived the run"
 
 
+@pytest.mark.slow  # a message only; the restart machinery itself runs in the default-tier kill test
+@pytest.mark.timeout(300)
 def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) -> None:
     # No ModelCheckpoint, no Snapshot: the restarted attempt trains from step 0 and says why, never silently.
     code = """
