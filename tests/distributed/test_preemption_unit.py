@@ -142,3 +142,12 @@ def test_the_launcher_reads_a_preempted_job_as_such() -> None:
     Err.failures[1] = Failure(1, "KeyError: 'x'")  # a real failure is reported as one
     assert preempted_summary(Err()) is None
     assert isinstance(Preempted("m"), SystemExit) and str(Preempted("m")) == "m"
+
+
+def test_an_op_without_a_call_site_is_described_without_an_empty_one() -> None:
+    from phalanx.distributed.heartbeat import OpState
+
+    unguarded = OpState(seq=17, name="stop_requested", phase="collective", site="", since=0.0)
+    assert unguarded.here(1) == "stop_requested (collective #17, on rank 1)"
+    guarded = OpState(seq=3, name="barrier", phase="rendezvous", site="job.py:7 (<module>)", since=0.0)
+    assert guarded.here(0) == "barrier (collective #3, called at job.py:7 (<module>) on rank 0)"

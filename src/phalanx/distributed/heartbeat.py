@@ -45,7 +45,8 @@ class OpState:
 
     def here(self, rank: int, where: str | None = None) -> str:
         at = where if where is not None else self.site
-        return f"{self.name} (collective #{self.seq}, called at {at} on rank {rank})"
+        called = f"called at {at} " if at else ""  # unguarded ops (DDP's all-reduce) record no call site
+        return f"{self.name} (collective #{self.seq}, {called}on rank {rank})"
 
 
 @dataclass(frozen=True)
