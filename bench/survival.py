@@ -1,12 +1,14 @@
 """What surviving interruptions costs: signal-to-exit, restart-to-first-step, and snapshots per step.
 
-    python bench/survival.py [--steps 40] [--sizes main,large]
+    python bench/survival.py [--steps 150] [--reps 5] [--only-snapshots]
 
 Each case runs a real 2-rank Trainer fit (DDP, gloo, CPU) under ``python job.py`` (phalanx's launcher):
 
-* **snapshot cost**: the median step time with ``Snapshot(every_n_train_steps=1)`` against without, for
-  the main job's model (the digits MLP, 64-128-10) and a larger MLP (``--large-hidden``, Adam: the
-  snapshot holds weights and two moments);
+* **snapshot cost**: the median step time with ``Snapshot(every_n_train_steps=1)`` against without
+  (runs alternated, the median over ``--reps``), and the time rank 0 spends in the snapshot call, for the
+  main job (examples/train_digits.py's model, data, batch size and checkpointing) and a larger MLP
+  (``--large-hidden``, Adam: the snapshot holds weights and two moments, ~30 MB per rank, copied in the
+  background while the next step computes);
 * **signal to exit**: SIGTERM to the launching process (or to rank 1) after step 5, until the launcher
   has exited with code 75 and the checkpoint is complete;
 * **restart to first step**: SIGKILL of rank 1 after step 5 under ``max_restarts=1`` with snapshots,
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PARAMS: dict[int, int] = {}  # parameters of each case's model, as its job reported them
 
 JOB = textwrap.dedent('''
     import json, os, sys, time, torch, phalanx
@@ -36,18 +39,37 @@ JOB = textwrap.dedent('''
     from torch.utils.data import DataLoader, TensorDataset
 
     hidden, steps, snapshot, restarts = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    EXAMPLES = sys.argv[5]
 
     class Clock:
         """Rank 0 appends (attempt, step, time) after each optimizer step, before the other callbacks run."""
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             with open(f"pid{trainer.global_rank}", "w") as fh:
                 fh.write(str(os.getpid()))
+            if trainer.global_rank == 0 and not os.path.exists("params"):
+                with open("params", "w") as fh:
+                    fh.write(str(sum(p.numel() for p in module.parameters())))
             if trainer.global_rank == 0:
                 with open("clock.jsonl", "a") as fh:
                     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
                     fh.write(json.dumps([attempt, trainer.global_step, time.time()]) + "\\n")
 
-    class MLP(phalanx.Module):
+    class LM(phalanx.Module):  # a small GPT-style language model: 8 sequences of 128 tokens per rank and step
+        def __init__(self, width):
+            super().__init__()
+            self.embed, self.pos = nn.Embedding(1024, width), nn.Parameter(torch.zeros(128, width))
+            layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+            self.head = nn.Linear(width, 1024)
+        def training_step(self, batch, batch_idx):
+            tokens = batch[0]
+            mask = nn.Transformer.generate_square_subsequent_mask(127)
+            h = self.blocks(self.embed(tokens[:, :-1]) + self.pos[:127], mask=mask, is_causal=True)
+            return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens[:, 1:].flatten())
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+    class MLP(phalanx.Module):  # the larger model
         def __init__(self):
             super().__init__()
             self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
@@ -58,20 +80,47 @@ JOB = textwrap.dedent('''
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
+    class TimedSnapshot(phalanx.callbacks.Snapshot):
+        """Records how long each snapshot call takes on this rank (the direct cost, free of run-to-run noise)."""
+        took = []
+        def on_train_batch_end(self, trainer, *args):
+            start = time.perf_counter()
+            super().on_train_batch_end(trainer, *args)
+            self.took.append(time.perf_counter() - start)
+            if trainer.global_step == steps:
+                with open(f"snapshot{trainer.global_rank}.json", "w") as fh:
+                    json.dump(self.took[5:], fh)
+
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
-    callbacks = [Clock()] + ([phalanx.callbacks.Snapshot(every_n_train_steps=snapshot)] if snapshot else [])
+    callbacks = [Clock()] + ([TimedSnapshot(every_n_train_steps=snapshot)] if snapshot else [])
+    if hidden == 0:  # the main job: examples/train_digits.py's model, data, batch size and checkpointing
+        sys.path.insert(0, EXAMPLES)
+        from train_digits import DigitsClassifier, digits_datasets
+        phalanx.seed_everything(42, verbose=False)
+        train_set, val_set = digits_datasets()
+        model = DigitsClassifier(epochs=1000)
+        loaders = (DataLoader(train_set, batch_size=32, shuffle=True), DataLoader(val_set, batch_size=128))
+        callbacks.append(phalanx.callbacks.ModelCheckpoint(dirpath="ckpts", monitor="val_acc", mode="max",
+                                                           save_last=True))
+    elif hidden < 0:
+        data = TensorDataset(torch.randint(0, 1024, (2048, 128)))
+        model, loaders = LM(-hidden), (DataLoader(data, batch_size=8, shuffle=True), None)
+    else:
+        data = TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
+        model, loaders = MLP(), (DataLoader(data, batch_size=32, shuffle=True), None)
     trainer = phalanx.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, logger=False,
-                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                              callbacks=callbacks, max_restarts=restarts, default_root_dir="run")
-    trainer.fit(MLP(), DataLoader(data, batch_size=32, shuffle=True))
+                              enable_progress_bar=False, enable_model_summary=False,
+                              enable_checkpointing=hidden == 0, callbacks=callbacks, max_restarts=restarts,
+                              default_root_dir="run")
+    trainer.fit(model, *loaders)
 ''')
 
 
 def _start(folder: Path, hidden: int, steps: int, snapshot: int, restarts: int) -> subprocess.Popen[bytes]:
     (folder / "job.py").write_text(JOB)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PHALANX_SHOW_TRACEBACKS": "0"}
-    return subprocess.Popen([sys.executable, "job.py", str(hidden), str(steps), str(snapshot), str(restarts)],
+    return subprocess.Popen([sys.executable, "job.py", str(hidden), str(steps), str(snapshot), str(restarts),
+                             str(REPO / "examples")],
                             cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -94,15 +143,18 @@ def _wait_step(folder: Path, proc: subprocess.Popen[bytes], step: int, attempt: 
         time.sleep(0.005)
 
 
-def step_time(hidden: int, steps: int, snapshot: int) -> float:
-    """Mean step time after warm-up (the mean, so a snapshot every n steps counts once per n steps)."""
+def step_time(hidden: int, steps: int, snapshot: int) -> tuple[float, float]:
+    """The median step time after warm-up (robust to the validation passes between epochs), and the median
+    time rank 0 spent in the snapshot call (0 without snapshots)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         proc = _start(folder, hidden, steps, snapshot, 0)
         if proc.wait(timeout=600) != 0:
             raise RuntimeError(proc.stderr.read().decode()[-2000:] if proc.stderr else "failed")
         times = [t for _, _, t in _clock(folder)][5:]  # after warm-up
-        return statistics.mean(b - a for a, b in itertools.pairwise(times))
+        PARAMS[hidden] = int((folder / "params").read_text())
+        spent = json.loads((folder / "snapshot0.json").read_text()) if snapshot else [0.0]
+        return statistics.median(b - a for a, b in itertools.pairwise(times)), statistics.median(spent)
 
 
 def signal_to_exit(hidden: int, target: str) -> float:
@@ -115,7 +167,8 @@ def signal_to_exit(hidden: int, target: str) -> float:
         os.kill(pid, signal.SIGTERM)
         code = proc.wait(timeout=300)
         took = time.time() - start
-        if code != 75 or not (folder / "run" / "checkpoints" / "last.ckpt").exists():
+        written = folder / ("ckpts" if hidden == 0 else "run/checkpoints") / "last.ckpt"
+        if code != 75 or not written.exists():
             raise RuntimeError(f"exit {code}: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
         return took
 
@@ -134,21 +187,36 @@ def restart_to_first_step(hidden: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--large-hidden", type=int, default=1536)
+    p.add_argument("--reps", type=int, default=3, help="runs of each case, alternated; medians are reported")
+    p.add_argument("--only-snapshots", action="store_true", help="skip the signal and restart timings")
     args = p.parse_args()
-    sizes = {"main job (64-128-10)": 128, f"larger MLP (64-{args.large_hidden}-10)": args.large_hidden}
-    print(f"torch {__import__('torch').__version__}, {os.cpu_count()} CPU cores, 2 ranks (DDP, gloo)\n")
-    print("| model | params | step (ms) | with Snapshot every step (ms) | cost | every 10 steps (ms) | cost |")
+    sizes = {"main job (examples/train_digits.py)": 0,
+             f"larger MLP (64-{args.large_hidden}-{args.large_hidden}-10, Adam, batch 32)": args.large_hidden,
+             "GPT-style LM (4 layers, width 256, AdamW, 8 x 128 tokens)": -256}
+    print(f"torch {__import__('torch').__version__}, {os.cpu_count()} CPU cores, 2 ranks (DDP, gloo), "
+          f"median of {args.reps} alternated runs\n")
+    print("| model | params | step (ms) | with Snapshot every step (ms) | step cost | time in the snapshot call "
+          "(ms) | its share of the step |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, hidden in sizes.items():
-        params = 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
-        plain, every, tenth = (step_time(hidden, args.steps, n) for n in (0, 1, 10))
-        print(f"| {name} | {params / 1e6:.2f} M | {plain * 1e3:.1f} | {every * 1e3:.1f} | "
-              f"{(every / plain - 1) * 100:+.1f} % | {tenth * 1e3:.1f} | {(tenth / plain - 1) * 100:+.1f} % |")
+        plain, every, spent = [], [], []
+        steps = args.steps if hidden >= 0 else max(30, args.steps // 5)  # the LM's step is ~100x longer
+        for _ in range(args.reps):
+            plain.append(step_time(hidden, steps, 0)[0])
+            step, call = step_time(hidden, steps, 1)
+            every.append(step)
+            spent.append(call)
+        p0, p1, c = statistics.median(plain), statistics.median(every), statistics.median(spent)
+        params = PARAMS[hidden]
+        print(f"| {name} | {params / 1e6:.2f} M | {p0 * 1e3:.2f} | {p1 * 1e3:.2f} | {(p1 / p0 - 1) * 100:+.1f} % | "
+              f"{c * 1e3:.3f} | {c / p0 * 100:.1f} % |")
+    if args.only_snapshots:
+        return
     print("\n| event | model | seconds |")
     print("| --- | --- | ---: |")
-    for name, hidden in sizes.items():
+    for name, hidden in list(sizes.items())[:2]:
         for target, who in (("launcher", "the launcher"), ("rank", "rank 1")):
             took = signal_to_exit(hidden, target)
             print(f"| SIGTERM to {who} -> exit 75, checkpoint written | {name} | {took:.2f} |")

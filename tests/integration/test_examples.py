@@ -123,7 +123,7 @@ def test_main_job_survives_kill_9_of_a_rank(tmp_path: Path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = snapshots.default_dir(tmp_path / "b" / "runs" / "train_digits")
     deadline = time.monotonic() + 300
-    while not any(int(p.name.split("=")[1].split(".")[0]) >= 30 for p in snapshots.existing(folder)):
+    while not any(step >= 30 for step in snapshots.complete_steps(folder)):
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before step 30"
         time.sleep(0.05)
     ranks = _children(proc.pid)

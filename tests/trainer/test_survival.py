@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -147,9 +148,17 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
                "1", "--snapshot", "--fresh").check()
     assert (tmp_path / "killed").exists(), why
     assert "Restart 1 of at most 1 after a rank failed: resumed from " in done.stderr, (why, done.stderr[-3000:])
-    assert f"snapshot-step={step:09d}.ckpt at step {step}" in done.stderr, why  # nothing recomputed
+    # The restart resumed from the snapshot of the step the rank died after, or (its copy overlaps the next
+    # step, and the rank died right after the callback) the one before: at most one step recomputed. Shared-memory
+    # snapshots are named by a reference; under DeepSpeed they are checkpoint files.
+    resumed = re.search(r"snapshot-step=(\d+)(\.ckpt)? at step (\d+)\b", done.stderr)
+    if resumed is None:  # step 1's snapshot was the one in flight: nothing to resume from, and it says so
+        assert step == 1 and "training starts again from step 0" in done.stderr, (why, done.stderr[-3000:])
+    else:
+        assert int(resumed[1]) == int(resumed[3]) in (step - 1, step), (why, done.stderr[-3000:])
     assert done.reports[0]["weights"] == expected, why
-    assert_each_sample_once(tmp_path)
+    # Every sample once, but those of the recomputed step (global batch: 2 ranks x 3).
+    assert_each_sample_once(tmp_path, again=6 * (step - (int(resumed[1]) if resumed else 0)))
     shm = Path(done.reports[0]["ckpt_path"]).parent
     assert not shm.exists(), "the snapshots outlived the run"
 

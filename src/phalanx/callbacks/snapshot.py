@@ -1,10 +1,13 @@
 """Per-step snapshots in node-local shared memory, so a crashed rank costs at most the step in flight.
 
 Periodic disk checkpoints lose up to their interval when a rank dies; writing one to a shared file
-system every step costs too much. A snapshot is the same complete Trainer checkpoint written to
-``/dev/shm`` (memory: it outlives the processes, not the node), every ``every_n_train_steps`` steps,
-published atomically like every phalanx checkpoint (each one is complete or ignored); the newest
-``keep`` are kept. A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
+system every step costs too much. A snapshot holds what a Trainer checkpoint holds, but each rank copies
+its own part into ``/dev/shm`` (memory: it outlives the processes, not the node) with plain memory copies
+and no collective (:mod:`phalanx.checkpoint.rank_snapshot`), every ``every_n_train_steps`` steps; each is
+complete or ignored, and the newest ``keep`` are kept. (Under DeepSpeed, whose state only its engine can
+read, a snapshot is a checkpoint written through the engine, and costs what one costs.)
+
+A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
 resumes from the newest complete state among snapshots and checkpoints, the same one on every rank
 (:func:`phalanx.trainer.checkpointing.newest_resumable`, decided on rank 0).
 
@@ -17,7 +20,6 @@ the callback turns itself off there (with a message) and the disk checkpoints ap
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,20 +41,24 @@ class Snapshot(Callback):
             one on a network file system costs what a disk checkpoint costs.
         keep: how many of the newest snapshots to keep (at least 1; 2 keeps one complete snapshot even
             while the next is written).
+        overlap: copy the parameters and optimizer state in the background while the next batch runs
+            forward and backward (the optimizer waits for the copy before it steps). A rank killed
+            before the copy ends loses that snapshot, so a restart recomputes at most one more step.
+            ``False``: copied before the callback returns.
     """
 
     skip_in_fast_dev_run: ClassVar[bool] = True
 
-    def __init__(self, every_n_train_steps: int = 1, dirpath: str | Path | None = None, keep: int = 2) -> None:
+    def __init__(self, every_n_train_steps: int = 1, dirpath: str | Path | None = None, keep: int = 2,
+                 overlap: bool = True) -> None:
         if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
             raise MisconfigurationError(f"Snapshot(every_n_train_steps={every_n_train_steps!r}): give an int >= 1.")
         if not isinstance(keep, int) or keep < 1:
             raise MisconfigurationError(f"Snapshot(keep={keep!r}): keep at least 1 snapshot.")
-        self.every_n_train_steps, self.keep = every_n_train_steps, keep
+        self.every_n_train_steps, self.keep, self.overlap = every_n_train_steps, keep, overlap
         self._given = Path(dirpath).absolute() if dirpath is not None else None
         #: The folder in use during a fit (None when snapshots are off): where a restart looks.
         self.snapshot_dirpath: Path | None = None
-        self._written: list[Path] = []
         self._last_step = -1
 
     def setup(self, trainer: Any, module: Module, stage: str) -> None:
@@ -74,7 +80,6 @@ class Snapshot(Callback):
             )
             return
         self.snapshot_dirpath = folder
-        self._written = snapshots.existing(folder)
         self._last_step = -1
 
     def on_train_batch_end(
@@ -86,11 +91,7 @@ class Snapshot(Callback):
         if folder is None or trainer.in_window or not due:
             return
         self._last_step = step
-        path = snapshots.path_for(folder, step)
-        trainer.save_checkpoint(path)  # every rank; atomic: a snapshot is complete or absent
-        self._written = [p for p in self._written if p != path] + [path]
-        while len(self._written) > self.keep:
-            trainer.fabric.strategy.remove_checkpoint(self._written.pop(0))
+        trainer.save_snapshot(folder, self.keep, self.overlap)  # every rank, its own part; complete or ignored
 
     def teardown(self, trainer: Any, module: Module, stage: str) -> None:
         folder = self.snapshot_dirpath
@@ -98,5 +99,5 @@ class Snapshot(Callback):
             return
         self.snapshot_dirpath = None
         # Kept when the fit did not finish (a crash, a preemption): that is what a restart resumes from.
-        if not getattr(trainer, "interrupted", False) and trainer.is_global_zero:
-            shutil.rmtree(folder, ignore_errors=True)
+        if not getattr(trainer, "interrupted", False):
+            trainer.fabric.remove_snapshots(folder)

@@ -108,3 +108,8 @@ class Host(Protocol):
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         """The module's name for messages and its full state-dict keys -> shapes."""
         ...
+
+    def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
+        """This rank's part of a module's (``kind="module"``) or optimizer's state, without communicating:
+        its tensors share memory with the live ones (a shard stays a DTensor)."""
+        ...

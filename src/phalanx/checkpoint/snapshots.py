@@ -1,10 +1,13 @@
 """Where to resume from: the newest complete checkpoint in some folders (:func:`latest`), and where per-step
 snapshots live (shared by ``callbacks.Snapshot`` for the Trainer and ``fabric.save_snapshot`` for Fabric).
 
-A snapshot is an ordinary phalanx checkpoint (atomic: complete or absent) written to node-local shared
-memory, which outlives the processes but not the node. The folder is derived from something that stays the
-same across attempts of one run (the Trainer's ``default_root_dir``; the Fabric script and working
-directory), so a restarted or rerun attempt finds it.
+A snapshot lives in node-local shared memory, which outlives the processes but not the node. Each rank
+writes its own slots (:mod:`phalanx.checkpoint.rank_snapshot`); the snapshot of a step exists once every
+rank's metadata for it does, and is named by a *reference*, ``<folder>/snapshot-step=NNNNNNNNN``, a path
+that ``fabric.load``, ``checkpoint.find`` and :func:`latest` accept like a checkpoint's. (A strategy that
+cannot snapshot in memory writes ordinary checkpoint files named ``snapshot-step=NNNNNNNNN.ckpt``.)
+The folder is derived from something that stays the same across attempts of one run (the Trainer's
+``default_root_dir``; the Fabric script and working directory), so a restarted or rerun attempt finds it.
 """
 
 from __future__ import annotations
@@ -12,12 +15,18 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from phalanx.checkpoint.format import MARKER
+from phalanx.checkpoint.protocol import Host
+from phalanx.checkpoint.rank_snapshot import DATA, RankSnapshots, read_header
+from phalanx.checkpoint.snapshot_format import load_module_local, load_optimizer_local, plain_values
+from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
+from phalanx.utils.errors import CheckpointError
 
 SHARED_MEMORY = Path("/dev/shm")
-PATTERN = "snapshot-step=*.ckpt"
 
 
 def default_dir(*key: str | Path) -> Path:
@@ -38,25 +47,121 @@ def path_for(folder: Path, step: int) -> Path:
     return folder / f"snapshot-step={step:09d}.ckpt"
 
 
-def existing(folder: Path) -> list[Path]:
-    """The snapshots in ``folder``, oldest first (the step is in the name, zero-padded)."""
-    return sorted(folder.glob(PATTERN)) if folder.is_dir() else []
+REFERENCE = re.compile(r"snapshot-step=(\d+)")
+
+
+def reference(folder: Path, step: int) -> Path:
+    """The path that names the snapshot of ``step`` in ``folder`` (complete once every rank wrote its part)."""
+    return folder / f"snapshot-step={step:09d}"
+
+
+def is_reference(path: str | Path) -> bool:
+    path = Path(path)
+    return REFERENCE.fullmatch(path.name) is not None and not path.exists()
+
+
+def complete_steps(folder: Path) -> dict[int, tuple[int, float]]:
+    """The steps whose snapshot every rank finished: step -> (number of ranks, when the last one finished).
+    Reads each slot's header only."""
+    seen: dict[tuple[int, int], dict[int, float]] = {}
+    if not folder.is_dir():
+        return {}
+    for entry in folder.iterdir():
+        m = DATA.fullmatch(entry.name)
+        header = read_header(entry) if m else None
+        if header is not None and header.rank == int(m["rank"]):  # type: ignore[index]
+            seen.setdefault((header.step, header.world_size), {})[header.rank] = header.finished
+    out: dict[int, tuple[int, float]] = {}
+    for (step, world), ranks in seen.items():
+        if set(ranks) == set(range(world)):
+            out[step] = (world, max(ranks.values()))
+    return out
+
+
+def finished_at(path: Path) -> float:
+    """When the save of the checkpoint or snapshot at ``path`` finished (0.0 if it is not complete)."""
+    if is_reference(path):
+        m = REFERENCE.fullmatch(path.name)
+        return complete_steps(path.parent).get(int(m[1]), (0, 0.0))[1] if m else 0.0
+    stamp = path / MARKER if path.is_dir() else path
+    try:
+        return stamp.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def problem_with(path: Path) -> str | None:
+    """Why the snapshot ``path`` names cannot be resumed from, or None."""
+    m = REFERENCE.fullmatch(path.name)
+    if m is None:
+        return f"{path} does not name a snapshot"
+    if int(m[1]) in complete_steps(path.parent):
+        return None
+    return (f"not every rank finished its snapshot of step {int(m[1])} in {path.parent} (a rank was stopped while "
+            "writing it, or this node's shared memory was cleared)")
+
+
+def write(host: Host, writer: RankSnapshots, step: int, state: dict[str, Any]) -> Path:
+    """This rank's part of the snapshot of ``step`` (no collective); returns the snapshot's reference."""
+    extra = {"strategy": host.name, "precision": host.precision.state_dict()}
+    writer.write(step, state, extra, host.local_state)
+    return reference(writer.folder, step)
+
+
+def restore(host: Host, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Put this rank's part of the snapshot ``path`` names into ``state``; return what ``state`` did not ask for."""
+    problem = problem_with(path)
+    if problem is not None:
+        raise CheckpointError(f"Cannot load the snapshot {path}: {problem}.")
+    step = int(REFERENCE.fullmatch(path.name)[1])  # type: ignore[index]
+    saved, extra = RankSnapshots(path.parent, host.global_rank, host.world_size).read(step)
+    if extra.get("strategy") != host.name:
+        raise CheckpointError(f"The snapshot {path} was written under strategy {extra.get('strategy')!r}; this job "
+                              f"runs {host.name!r}. A snapshot resumes the same topology only: resume from a disk "
+                              "checkpoint.")
+    entries = sort_state(state)
+    absent = [e.key for e in entries if e.key not in saved]
+    if strict and absent:
+        raise CheckpointError(f"The snapshot {path} has no {absent}; it holds {sorted(saved)}.")
+    for e in entries:
+        if e.key not in saved:
+            continue
+        value = saved[e.key]
+        if e.kind == MODULE:
+            load_module_local(e.obj, host.local_state(MODULE, e.obj, None), value, strict)
+        elif e.kind == OPTIMIZER:
+            load_optimizer_local(e.obj, value)
+        elif e.kind == STATEFUL:
+            e.obj.load_state_dict(plain_values(value))
+        else:
+            state[e.key] = plain_values(value)
+    if extra.get("precision"):
+        host.precision.load_state_dict(extra["precision"])
+    return {k: plain_values(v) for k, v in saved.items() if k not in state}
 
 
 #: What :func:`latest` counts as a checkpoint file (a directory counts when it holds the marker).
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 
 
-def latest(directories: list[Path], pattern: str = "*") -> Path | None:
+def latest(directories: list[Path], pattern: str = "*", world_size: int | None = None) -> Path | None:
     """The newest complete checkpoint in ``directories`` (files named ``*.ckpt``/``*.pt``/``*.pth``, and
-    sharded directories whose marker exists), by the time its save finished; None when there is none.
+    sharded directories whose marker exists, snapshots every rank finished), by the time its save finished;
+    None when there is none.
     Hidden entries (saves in progress, the previous copy kept while one is replaced) are not candidates:
     an interrupted save never wins over the checkpoint it was replacing. ``pattern`` (fnmatch) narrows the
-    names. No process group needed."""
+    names. ``world_size``: only snapshots written by that many ranks (one resumes its own topology only).
+    No process group needed."""
     best: tuple[float, Path] | None = None
     for directory in directories:
         if not directory.is_dir():
             continue
+        for step, (world, when) in complete_steps(directory).items():
+            ref = reference(directory, step)
+            if world_size not in (None, world) or not fnmatch.fnmatch(ref.name, pattern):
+                continue
+            if best is None or when > best[0]:
+                best = (when, ref)
         for entry in directory.iterdir():
             if entry.name.startswith(".") or not fnmatch.fnmatch(entry.name, pattern):
                 continue

@@ -45,6 +45,9 @@ class CheckpointMethods:
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
         return self._strategy.save_checkpoint(path, dict(state))
 
+    if TYPE_CHECKING:
+        def _settle_snapshots(self) -> None: ...
+
     def load(
         self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
         weights_only: bool | None = None,
@@ -55,6 +58,7 @@ class CheckpointMethods:
         tensors and plain values; pass False for a trusted file holding other objects (unpickling
         those can run code)."""
         self._ensure_launched()
+        self._settle_snapshots()  # a snapshot copied in the background is complete before anything is loaded
         return self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
 
     def load_raw(

@@ -9,6 +9,7 @@ finds where to continue with ``fabric.latest_checkpoint(directory)``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import time
@@ -17,8 +18,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from phalanx import checkpoint
 from phalanx.checkpoint import snapshots
+from phalanx.checkpoint.rank_snapshot import RankSnapshots
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.strategies import Strategy
@@ -30,7 +34,9 @@ class PreemptionMethods:
     _strategy: Strategy
     _preemption: PreemptionSignals
     _stop: Stop | None
-    _snapshot_folders: dict[Path, list[Path]]
+    #: Per folder: this rank's shared-memory slots, or the checkpoint snapshots written (a list; empty when
+    #: shared-memory snapshots were turned off after a failed write).
+    _snapshot_folders: dict[Path, RankSnapshots | list[Path]]
 
     if TYPE_CHECKING:
         def _ensure_launched(self) -> None: ...
@@ -93,12 +99,14 @@ class PreemptionMethods:
         sharded directory whose save finished; None when there is none. Interrupted saves are skipped.
         With more than one process, rank 0 decides and every rank gets its answer (call it on every rank)."""
         dirs = [Path(directory), *map(Path, more)]
+        self._settle_snapshots()
         if self._strategy.num_processes > 1:
             self._ensure_launched()
-            found = checkpoint.latest(dirs) if self._strategy.global_rank == 0 else None
+            world = self._strategy.world_size
+            found = checkpoint.latest(dirs, world_size=world) if self._strategy.global_rank == 0 else None
             answer = self._strategy.broadcast(str(found) if found is not None else None)
             return Path(answer) if answer is not None else None
-        return checkpoint.latest(dirs)
+        return checkpoint.latest(dirs, world_size=1)
 
     @property
     def snapshot_dir(self) -> Path:
@@ -107,27 +115,97 @@ class PreemptionMethods:
         return snapshots.default_dir(Path.cwd(), sys.argv[0] if sys.argv and sys.argv[0] else "python")
 
     def save_snapshot(self, state: dict[str, Any], step: int, directory: str | Path | None = None,
-                      keep: int = 2) -> Path:
-        """Save ``state`` as the snapshot of ``step`` (default: in :attr:`snapshot_dir`) and keep only the newest
-        ``keep``: per-step state in memory for restarts, so a crashed rank costs at most the step in flight.
-        Call it on every rank. Resume with ``fabric.latest_checkpoint(checkpoint_dir, fabric.snapshot_dir)``.
-        The folder is removed when the job ends without an error."""
-        folder = Path(directory) if directory is not None else self.snapshot_dir
+                      keep: int = 2, overlap: bool = True) -> Path | None:
+        """Snapshot ``state`` at ``step`` (default: in :attr:`snapshot_dir`), keeping the newest ``keep``: per-step
+        state in node-local memory for restarts, so a crashed rank costs at most the step in flight.
+
+        Call it on every rank at the same step, between optimizer steps. Each rank copies its own part (a
+        shard stays a shard) into shared memory: no collective, no pickling of tensors, so it is cheap enough
+        for every step (bench/survival.py). The snapshot of a step counts once every rank has written it.
+        With ``overlap`` the parameters and optimizer state are copied in the background during the next
+        forward and backward (each optimizer waits for the copy before it steps; see
+        :class:`phalanx.checkpoint.rank_snapshot.RankSnapshots`); ``overlap=False`` copies before returning.
+        Resume with ``fabric.load(fabric.latest_checkpoint(checkpoint_dir, fabric.snapshot_dir), state)``: the
+        newest complete state among checkpoints and snapshots, on the same topology (same strategy and
+        ranks, same node). Returns the snapshot's reference (a path ``fabric.load`` accepts), or None when
+        this rank could not write it (the message says why; restarts then use the disk checkpoints). The
+        folder is removed when the job ends without an error."""
+        folder = (Path(directory) if directory is not None else self.snapshot_dir).absolute()
+        strategy = self._strategy
+        if not strategy.snapshots_in_memory:
+            return self._snapshot_as_checkpoint(folder, state, step, keep)
+        kept = self._snapshot_folders.get(folder)
+        if kept is None:
+            kept = RankSnapshots(folder, strategy.global_rank, strategy.world_size, keep, overlap)
+            self._snapshot_folders[folder] = kept
+        if not isinstance(kept, RankSnapshots):
+            return None  # turned off on this rank after a failed write
+        kept.overlap = overlap
+        try:
+            return snapshots.write(strategy, kept, step, state)
+        except CheckpointError:
+            raise  # the state itself cannot be snapshotted: the same on every rank, and the user's to fix
+        except (OSError, RuntimeError) as err:  # no room in shared memory, a mapping refused; not a bad state
+            # This rank's earlier snapshots stay: a step counts only where every rank completed it, which the
+            # ranks still writing soon overwrite, so a restart resumes from the newest state all ranks share.
+            with contextlib.suppress(Exception):
+                kept.close()
+            self._snapshot_folders[folder] = []
+            diagnostics.warn(f"Snapshots in {folder} are off on rank {strategy.global_rank}: writing the one of step "
+                             f"{step} failed ({type(err).__name__}: {err}). Restarts resume from the disk checkpoints.",
+                             rank=strategy.global_rank)
+            return None
+
+    def _snapshot_as_checkpoint(self, folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
+        """A strategy whose state only its engine can read and write snapshots through checkpoint files."""
+        written = self._snapshot_folders.setdefault(folder, [])
+        if isinstance(written, RankSnapshots):
+            raise MisconfigurationError(f"{folder} holds shared-memory snapshots; give checkpoint snapshots another "
+                                        "folder.")
+        if not written and self._strategy.global_rank == 0:
+            diagnostics.notice(f"Snapshots under strategy {self._strategy.name!r} are checkpoints written through its "
+                               "engine (collectives and a file per snapshot), not shared-memory copies: take them less "
+                               "often than every step if the step time matters.")
         path = snapshots.path_for(folder, step)
         self.save(path, state)
         # What this job wrote, the same list on every rank (a listing of the folder could differ between ranks
         # while rank 0 deletes, and removing is a collective). An earlier attempt's go with the folder at the end.
-        written = self._snapshot_folders.setdefault(folder, [])
         written[:] = [p for p in written if p != path] + [path]
         while len(written) > keep:
             self.remove_checkpoint(written.pop(0))
         return path
 
+    def _settle_snapshots(self) -> None:
+        """Every snapshot copy in flight on this rank is complete (an error surfaces at the next snapshot)."""
+        for kept in self._snapshot_folders.values():
+            if isinstance(kept, RankSnapshots):
+                kept.wait(keep_errors=True)
+
+    def remove_snapshots(self, directory: str | Path | None = None) -> None:
+        """Delete the snapshots in ``directory`` (default: :attr:`snapshot_dir`) once this rank's last copy is
+        complete: each rank removes its own part, the last one the folder (no collective)."""
+        folder = (Path(directory) if directory is not None else self.snapshot_dir).absolute()
+        kept = self._snapshot_folders.pop(folder, None)
+        if isinstance(kept, RankSnapshots):
+            try:
+                kept.remove()
+            except Exception as err:  # the job's own outcome matters more than a failed last snapshot
+                diagnostics.warn(f"The last snapshot in {folder} failed on rank {kept.rank}: {err}", rank=kept.rank)
+        elif self._strategy.global_rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def _drop_snapshots(self, failed: bool) -> None:
-        """At the end of the job: snapshots are only for restarting a run that did not finish."""
-        if not failed and self._strategy.global_rank == 0:
-            for folder in self._snapshot_folders:
-                shutil.rmtree(folder, ignore_errors=True)
+        """At the end of the job: snapshots are only for restarting a run that did not finish, so they are
+        removed after a success and completed (for the restart) after a failure."""
+        for folder, kept in list(self._snapshot_folders.items()):
+            if not failed:
+                self.remove_snapshots(folder)
+            elif isinstance(kept, RankSnapshots):
+                try:
+                    kept.close()
+                except Exception as err:
+                    diagnostics.warn(f"The last snapshot in {folder} failed on rank {kept.rank}: {err}",
+                                     rank=kept.rank)
         self._snapshot_folders.clear()
 
     @property

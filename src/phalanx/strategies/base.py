@@ -274,6 +274,13 @@ class Strategy:
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         return type(module).__name__, plain_shapes(module)
 
+    #: Whether per-step snapshots can be taken rank by rank in shared memory (``local_state`` below);
+    #: a strategy whose state lives inside an engine's own buffers writes them as checkpoints instead.
+    snapshots_in_memory: ClassVar[bool] = True
+
+    def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
+        return obj.state_dict()  # type: ignore[no-any-return]
+
     def release_module(self, forward_module: nn.Module) -> None:
         """Free what setup built for a module the caller no longer uses (see ``Fabric.release``)."""
 

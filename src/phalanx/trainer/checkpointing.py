@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ import torch
 
 from phalanx import checkpoint
 from phalanx.checkpoint.format import find_unsafe
+from phalanx.checkpoint.snapshots import finished_at
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, MisconfigurationError
@@ -83,12 +84,30 @@ def plain_hparams(value: Any, where: str = "hparams") -> Any:
 
 def save(trainer: TrainerBase, path: str | Path, weights_only: bool = False) -> None:
     """Write a checkpoint (call on every rank; rank 0 writes, atomically)."""
+    trainer.fabric.save(path, _state(trainer, weights_only, gather=True, what="trainer.save_checkpoint()"))
+
+
+def snapshot(trainer: TrainerBase, folder: Path, keep: int, overlap: bool = True,
+             rng: Callable[[], dict[str, Any]] = capture_rng_state) -> Path | None:
+    """This step's snapshot in ``folder`` (every rank; see ``fabric.save_snapshot``). In shared memory each rank
+    keeps its own RNG and metric state, so nothing is gathered; a strategy that snapshots through checkpoint
+    files gathers them as a checkpoint does."""
+    t = trainer
+    gather = not t.fabric.strategy.snapshots_in_memory
+    state = _state(t, False, gather=gather, what="A snapshot", rng=rng)
+    return t.fabric.save_snapshot(state, t.global_step, folder, keep=keep, overlap=overlap)
+
+
+def _state(trainer: TrainerBase, weights_only: bool, gather: bool, what: str,
+           rng: Callable[[], dict[str, Any]] = capture_rng_state) -> dict[str, Any]:
+    """Everything a checkpoint holds. ``rank_states``: every rank's (``gather``, a collective) or only this
+    rank's, at its index (a snapshot, which each rank writes for itself)."""
     t = trainer
     if t.model is None:
-        raise MisconfigurationError("trainer.save_checkpoint() needs a model: call it during or after fit/validate.")
+        raise MisconfigurationError(f"{what} needs a model: call it during or after fit/validate.")
     if t.in_window:
         raise MisconfigurationError(
-            "trainer.save_checkpoint() was called inside a gradient-accumulation window: the gradients accumulated "
+            f"{what} was called inside a gradient-accumulation window: the gradients accumulated "
             "so far are not part of a checkpoint, so resuming would not match. Save after an optimizer step "
             "(e.g. when trainer.global_step changes), as ModelCheckpoint does."
         )
@@ -109,18 +128,21 @@ def save(trainer: TrainerBase, path: str | Path, weights_only: bool = False) -> 
         if t.datamodule is not None:
             state["datamodule"] = t.datamodule.state_dict()
         own = {
-            "rng": capture_rng_state(),
+            "rng": rng(),
             "epoch_rng": None if done else loop.epoch_start_rng,
             "results": None if done else t.results["train"].state_dict(),
             "metrics": metric_states(t.module),  # torchmetrics state: not in state_dict (non-persistent)
         }
-        state["rank_states"] = t.fabric.all_gather_object(own)
+        if gather:
+            state["rank_states"] = t.fabric.all_gather_object(own)
+        else:
+            state["rank_states"] = [own if r == t.global_rank else None for r in range(t.world_size)]
     for cb in t.callbacks:
         hook = getattr(cb, "on_save_checkpoint", None)
         if callable(hook):
             hook(t, t.module, state)
     t.module.on_save_checkpoint(state)
-    t.fabric.save(path, state)
+    return state
 
 
 def resolve(trainer: TrainerBase, ckpt_path: str | Path | None) -> Path | None:
@@ -166,17 +188,13 @@ def newest_resumable(t: TrainerBase, also: list[str] | None = None) -> Path | No
     the preemption checkpoint) and snapshots in :func:`checkpoint_dirs`, and the paths in ``also``. Top-k
     checkpoints are not candidates: they may hold weights only. Rank-local: call on rank 0 and share."""
     found = [checkpoint.latest(checkpoint_dirs(t), "last*")]
-    found += [checkpoint.latest([Path(d)]) for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None))]
+    found += [checkpoint.latest([Path(d)], world_size=t.world_size)
+              for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None))]
     for candidate in filter(None, also or []):
         hit = checkpoint.find(candidate)
         if hit is not None and hit.problem is None and not hit.recovered:
             found.append(Path(candidate))
-    return max(filter(None, found), key=_finished_at, default=None)
-
-
-def _finished_at(path: Path) -> float:
-    stamp = path / checkpoint.MARKER if path.is_dir() else path
-    return stamp.stat().st_mtime if stamp.exists() else 0.0
+    return max(filter(None, found), key=finished_at, default=None)
 
 
 def _resolve_here(t: TrainerBase, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:

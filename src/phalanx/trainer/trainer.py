@@ -28,7 +28,7 @@ from phalanx.trainer.base import TrainerBase
 from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
-from phalanx.utils.seed import capture_rng_state, restore_rng_state
+from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
 
 
 class Trainer(TrainerBase):
@@ -136,6 +136,7 @@ class Trainer(TrainerBase):
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
                              "logging and checkpointing are off.", rank=fabric.global_rank)
         super().__init__(settings, fabric, make_callbacks(callbacks, settings, max_time), resolve_profiler(profiler))
+        self._snapshot_rng = RngCapture()  # per-step snapshots reuse NumPy's state while it is untouched
 
     # ------------------------------------------------------------------ public entry points
     def fit(
@@ -300,6 +301,13 @@ class Trainer(TrainerBase):
                 "(atomically, to a local or mounted path). Remove storage_options."
             )
         checkpointing.save(self, filepath, bool(weights_only))
+
+    def save_snapshot(self, dirpath: str | Path, keep: int = 2, overlap: bool = True) -> Path | None:
+        """Snapshot everything needed to resume into ``dirpath`` (node-local shared memory; call on every rank
+        between optimizer steps): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
+        ``fit(ckpt_path=...)`` accepts, or None when this rank could not write it. ``overlap``: see
+        ``fabric.save_snapshot``."""
+        return checkpointing.snapshot(self, Path(dirpath), keep, overlap, self._snapshot_rng)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return checkpointing.resolve(self, ckpt_path)

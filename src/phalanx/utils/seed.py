@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 from typing import Any
@@ -50,17 +51,47 @@ def capture_rng_state() -> dict[str, Any]:
     Only tensors and plain Python values, so a checkpoint holding it opens with
     ``torch.load(weights_only=True)``. The Mersenne Twister states (625 and 624 words) are int64 tensors:
     as lists, their ~1250 ints were most of the objects a checkpoint pickles (and checks) at every save."""
+    return RngCapture()()
+
+
+def _numpy_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, words, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _numpy_words() -> bytes | None:
+    """The raw Mersenne Twister state (key and position) of NumPy's global generator, read in place; None
+    where NumPy does not expose it."""
+    try:
+        return ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address, 624 * 4 + 4)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+class RngCapture:
+    """:func:`capture_rng_state` for every step (snapshots). NumPy's ``get_state()`` is most of the cost and
+    the global NumPy generator is seldom used during training, so its state is read again only when its
+    raw words changed, or when it held a cached Gaussian (which a call can consume without touching the
+    words); otherwise the previous capture is the state, exactly."""
+
+    def __init__(self) -> None:
+        self._words: bytes | None = None
+        self._numpy: dict[str, Any] | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        words = _numpy_words()
+        if words is None or words != self._words or self._numpy is None or self._numpy["has_gauss"]:
+            self._numpy, self._words = _numpy_state(), words
+        version, python, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "python": (version, torch.from_numpy(np.array(python, dtype=np.int64)), gauss),
+            "numpy": self._numpy,
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:

@@ -151,6 +151,9 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "deepspeed"
     syncs_gradients: ClassVar[bool] = True
+    #: The fp32 master weights and optimizer partitions live in the engine's flat buffers, which only its
+    #: own save/load reach: a per-step snapshot is a checkpoint written through the engine.
+    snapshots_in_memory: ClassVar[bool] = False
     supports_inference_mode: ClassVar[bool] = False  # ZeRO-3 gathers parameters into reused buffers
     supports_calls_outside_forward: ClassVar[bool] = False  # the engine owns backward and the step
     sets_up_optimizers_separately: ClassVar[bool] = False  # one engine from the model and its optimizer

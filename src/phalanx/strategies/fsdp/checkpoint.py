@@ -117,6 +117,11 @@ class FSDPCheckpointing(ParallelStrategy):
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
         self.scatter_optimizer_state(module, optimizer, state, from_rank0=False)
 
+    def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
+        """This rank's shards (DTensors), no all-gather: what a per-step snapshot copies."""
+        with self.internal_state_dict():
+            return obj.state_dict()  # type: ignore[no-any-return]
+
     # ------------------------------------------------------------------ the checkpoint layer's view
     def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
         if layout is None and self.state_dict_type == "full":

@@ -1,0 +1,380 @@
+"""Per-rank snapshots in shared memory: what each rank holds, copied where it outlives the process, with
+no collective and no serialisation of the model's tensors.
+
+A per-step snapshot written like a checkpoint (gather to rank 0, pickle, checksum, atomic file) cost
+1.5-4x the step it protected (bench/survival.py), so nobody could afford to take one every step. Here
+each rank keeps ``keep`` slot files in node-local shared memory (``/dev/shm``), mapped once and reused:
+``[header | metadata | tensors]``. A write is memory copies only (no system call once mapped), in an
+order that makes it safe against ``kill -9`` at any instruction:
+
+1. the header's first word is cleared (the slot stops counting as a snapshot);
+2. the model's and optimizer's tensors (a DTensor's local shard: nothing is gathered) are copied into the
+   slot, and the metadata (structure, plain values, small tensors; :mod:`.snapshot_format`) beside them;
+3. the header is written, its first word last.
+
+A slot therefore holds a complete snapshot or none, and the other slot keeps the previous step while
+one is rewritten. The header names the step, the rank and the number of ranks, so the newest step that
+*every* rank completed is found by reading the headers (:mod:`phalanx.checkpoint.snapshots`): what a
+restart resumes from, on every rank the same. Opening one runs no code (see :mod:`.snapshot_format`).
+
+Restoring needs the same topology (the same strategy and number of ranks on the same node), which is
+what a restart has; a run resumed elsewhere uses the disk checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phalanx.checkpoint.snapshot_format import (
+    LocalShard,
+    Table,
+    dump_metadata,
+    extend,
+    flatten,
+    load_metadata,
+    offsets,
+    unflatten,
+)
+from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError
+
+VERSION = 1
+#: Below this many bytes of tensors the copy is made before ``write`` returns: a background thread would
+#: cost more in handing over than the copy itself (the copy releases the GIL; everything else holds it).
+OVERLAP_BYTES = 1 << 20
+DATA = re.compile(r"r(?P<rank>\d+)-k(?P<slot>\d+)\.data")
+MAGIC = b"PHXSNAP1"  # the header's first word, written last: the slot vouches for its contents
+_HEADER = struct.Struct("<8sqqqqqqd")  # magic, version, step, world size, rank, metadata length, data offset, time
+_HEADER_SIZE = 64
+_PAGE = 4096
+
+
+def data_name(rank: int, slot: int) -> str:
+    return f"r{rank:05d}-k{slot}.data"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A complete slot: which step of which rank (of how many), and when its write finished."""
+
+    step: int
+    world_size: int
+    rank: int
+    meta_length: int
+    data_offset: int
+    finished: float
+
+
+def read_header(path: Path) -> Header | None:
+    """The header of the slot file ``path``, or None unless it holds a complete snapshot (no mapping)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, step, world, rank, length, offset, finished = _HEADER.unpack(raw)
+    if magic != MAGIC or version != VERSION or step < 0:
+        return None
+    return Header(step, world, rank, length, offset, finished)
+
+
+class _Slot:
+    """One file of node-local shared memory, mapped while this process writes to it:
+
+    ``[header (64 bytes) | metadata (pickle) | tensors, each 64-byte aligned]``
+
+    The header's first word (:data:`MAGIC`) is cleared before anything else of the slot is rewritten and
+    written after everything else, so the file vouches for exactly what it holds. No system call is made
+    once the slot is mapped: a write is memory copies only.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.buffer: torch.Tensor | None = None
+        self.bytes: Any = None  # a NumPy view of the same memory, for the header and metadata
+        self.views: list[torch.Tensor] = []
+        self.table: Table = []
+        self.ends: list[int] = []  # where each view ends in the file
+        self.meta_room = self.data_offset = 0
+        self.step = -1
+
+    def prepare(self, table: Table, meta_length: int) -> None:
+        """Map the file large enough for ``table`` and metadata of ``meta_length`` bytes; views of the tensors.
+        The views of an unchanged leading part of the table are kept: the parameters and optimizer state come
+        first and keep their shapes, while a metric accumulator near the end grows every step."""
+        if self.buffer is not None and meta_length <= self.meta_room:
+            same = 0
+            for now, before in zip(table, self.table):
+                if now != before:
+                    break
+                same += 1
+            if same == len(table) == len(self.table):
+                return
+            start = self.ends[same - 1] if same else self.data_offset
+            views, ends = extend(self.buffer, table[same:], start)
+            if not ends or ends[-1] <= self.buffer.numel():
+                self.views, self.ends = self.views[:same] + views, self.ends[:same] + ends
+                self.table = list(table)
+                return
+        room = -(-(2 * meta_length + _PAGE) // _PAGE) * _PAGE  # grows rarely: the metadata barely changes
+        data_offset = _HEADER_SIZE + room
+        need = data_offset + offsets(table)[1]
+        size = need + max(1 << 16, need >> 4)  # room for accumulators that grow during an epoch
+        if self.buffer is None or self.buffer.numel() < need:
+            # Reserve the memory now (ENOSPC is an error here), not on the first copy (SIGBUS on a full tmpfs).
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.posix_fallocate(fd, 0, size)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
+            self.bytes = self.buffer.numpy()
+        self.invalidate()
+        self.views, self.ends = extend(self.buffer, table, data_offset)
+        self.table, self.meta_room, self.data_offset = list(table), room, data_offset
+
+    def invalidate(self) -> None:
+        if self.bytes is not None:
+            self.bytes[:8] = 0
+        self.step = -1
+
+    def vouch(self, step: int, world: int, rank: int, body: bytes) -> None:
+        end = _HEADER_SIZE + len(body)
+        self.bytes[_HEADER_SIZE:end] = np.frombuffer(body, dtype=np.uint8)
+        header = _HEADER.pack(MAGIC, VERSION, step, world, rank, len(body), self.data_offset, time.time())
+        self.bytes[8:_HEADER.size] = np.frombuffer(header[8:], dtype=np.uint8)
+        self.bytes[:8] = np.frombuffer(MAGIC, dtype=np.uint8)  # last
+        self.step = step
+
+
+class _Worker:
+    """One daemon thread that runs one job at a time. (A ThreadPoolExecutor's future costs the training thread
+    more than the copy of a small model it stands for.)"""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="phalanx-snapshot", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except BaseException as err:
+                self._error = err
+            finally:
+                self._idle.set()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._idle.clear()
+        self._jobs.put(job)
+
+    def result(self) -> None:
+        """Wait for the job in flight; raise what it raised."""
+        self._idle.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class TornSnapshot(RuntimeError):
+    """A tensor copied in the background changed before its copy finished; that snapshot was not kept."""
+
+
+class RankSnapshots:
+    """This rank's snapshot slots in ``folder``: :meth:`write` one step, :meth:`read` one back.
+
+    With ``overlap`` (the default) a write returns once the state is *captured*: the plain values and
+    the skeleton, and a private copy of every tensor that can change before the next optimizer step
+    (buffers, which a forward pass updates, metric accumulators, RNG states). The parameters and the
+    optimizer's state change only in ``optimizer.step()``, so they are copied by a background thread while
+    the next batch's forward and backward run, and every optimizer in the state waits for that copy
+    before it steps (a step pre-hook). A tensor changed anyway meanwhile (in place, outside
+    ``optimizer.step()``) is caught by its version counter: that snapshot is dropped, with a warning, and
+    later ones are copied before ``write`` returns. A rank killed mid-copy loses that snapshot, never
+    the previous one: at most one more step is recomputed.
+    """
+
+    def __init__(self, folder: Path, rank: int, world_size: int, keep: int = 2, overlap: bool = True) -> None:
+        if keep < 1:
+            raise ValueError("keep at least 1 snapshot")
+        self.folder, self.rank, self.world_size = Path(folder), rank, world_size
+        self.overlap = overlap  #: may change between writes
+        self._torn = False  # a background copy was torn once: copy before returning from then on
+        self._slots = [_Slot(self.folder / data_name(rank, k)) for k in range(keep)]
+        self._scanned = False
+        self._worker: _Worker | None = None
+        self._pending = False
+        self._error: BaseException | None = None  # from a write that failed in the background
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+
+    def _scan(self) -> None:
+        """Adopt what an earlier attempt left: the next write goes to the slot with the oldest step, never
+        over the one a restart resumed from."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for slot in self._slots:
+            header = read_header(slot.path)
+            slot.step = header.step if header is not None and header.world_size == self.world_size else -1
+        self._scanned = True
+
+    # ------------------------------------------------------------------ writing
+    def write(self, step: int, state: dict[str, Any], extra: dict[str, Any],
+              local_state: Callable[[str, Any, Any], Any]) -> None:
+        """Snapshot this rank's ``state`` (modules and optimizers as ``local_state(kind, obj, module)`` gives
+        them, objects with ``state_dict`` as it gives them, plain values as they are) and ``extra`` (plain)
+        into the slot with the oldest step. Raises what made the previous background write fail."""
+        self.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if not self._scanned:
+            self._scan()
+        tensors: list[torch.Tensor] = []
+        table: Table = []
+        stable: list[bool] = []  # changes only in optimizer.step(): may be copied in the background
+        skeleton: dict[str, Any] = {}
+        for e in sort_state(state):
+            start = len(tensors)
+            if e.kind == MODULE:
+                skeleton[e.key] = flatten(local_state(e.kind, e.obj, e.module), tensors, table)
+                buffers = {b.data_ptr() for b in e.obj.buffers()}
+                stable += [t.data_ptr() not in buffers for t in tensors[start:]]
+            elif e.kind == OPTIMIZER:
+                skeleton[e.key] = flatten(local_state(e.kind, e.obj, e.module), tensors, table)
+                stable += [True] * (len(tensors) - start)
+                if id(e.obj) not in self._hooks:
+                    self._hooks[id(e.obj)] = e.obj.register_step_pre_hook(self._before_step)
+            else:  # the rest is small and changes shape (accumulators): in the metadata, copied now
+                skeleton[e.key] = flatten(e.obj.state_dict() if e.kind == STATEFUL else e.obj, None, table)
+        payload = {"version": VERSION, "table": table, "state": skeleton, "extra": flatten(extra, None, table)}
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        overlap = self.overlap and not self._torn and size >= OVERLAP_BYTES
+        if overlap:  # the buffers a forward pass changes are copied now
+            with torch.no_grad():
+                sources = [t if keep else t.clone() for t, keep in zip(tensors, stable)]
+            versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep]
+        else:
+            sources, versions = tensors, []
+        # Pickled here: in another thread it would hold the GIL this thread needs (no overlap, only switching).
+        body = dump_metadata(payload)
+        if overlap:
+            if self._worker is None:
+                self._worker = _Worker()
+            self._worker.submit(lambda: self._commit(step, body, table, sources, versions))
+            self._pending = True
+        else:
+            self._commit(step, body, table, sources, versions)
+
+    def _commit(self, step: int, body: bytes, table: Table, sources: list[torch.Tensor],
+                versions: list[tuple[torch.Tensor, int]]) -> None:
+        slot = min(self._slots, key=lambda s: s.step)
+        slot.invalidate()  # 1. the slot no longer vouches for its contents
+        slot.prepare(table, len(body))
+        if sources:  # 2. copy
+            with torch.no_grad():
+                torch._foreach_copy_(slot.views, sources)
+        changed = next((i for i, (t, seen) in enumerate(versions) if t._version != seen), None)
+        if changed is not None:
+            raise TornSnapshot(f"a parameter or optimizer state (tensor {changed} of the snapshot of step {step}) "
+                               "was changed in place outside optimizer.step() while it was being copied")
+        slot.vouch(step, self.world_size, self.rank, body)  # 3. the metadata, then the header's first word
+
+    def _before_step(self, *_: Any) -> None:
+        self.wait(keep_errors=True)  # an error surfaces at the next write, not inside optimizer.step()
+
+    def wait(self, keep_errors: bool = False) -> None:
+        """Until the write in flight is complete (or has failed)."""
+        if not self._pending or self._worker is None:
+            return
+        self._pending = False
+        try:
+            self._worker.result()
+        except TornSnapshot as err:
+            self._torn = True
+            diagnostics.warn(f"Rank {self.rank}'s snapshot was dropped: {err}. Snapshots in {self.folder} are "
+                             "copied before the call returns from now on.", rank=self.rank)
+        except BaseException as err:
+            if not keep_errors:
+                raise
+            self._error = err
+
+    def close(self) -> None:
+        """Finish the write in flight and let go of the optimizers and the worker thread."""
+        try:
+            self.wait()
+        finally:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+
+    # ------------------------------------------------------------------ reading
+    def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's ``(state, extra)`` of ``step``: tensors in memory of their own (the slot will be
+        rewritten), a DTensor's shard as a :class:`LocalShard`."""
+        found = [(slot, h) for slot in self._slots if (h := read_header(slot.path)) is not None and h.step == step]
+        if not found:
+            raise CheckpointError(f"Rank {self.rank} has no complete snapshot of step {step} in {self.folder} (its "
+                                  "shared memory was cleared, or the snapshot was being rewritten).")
+        slot, header = found[0]
+        if header.world_size != self.world_size:
+            raise CheckpointError(
+                f"The snapshot of step {step} in {self.folder} was written by {header.world_size} ranks and this job "
+                f"has {self.world_size}: a snapshot resumes the same topology only. Resume from a disk checkpoint.")
+        size = slot.path.stat().st_size
+        buffer = torch.from_file(str(slot.path), shared=False, size=size, dtype=torch.uint8)
+        raw = buffer[_HEADER_SIZE:_HEADER_SIZE + header.meta_length].numpy().tobytes()
+        try:
+            body = load_metadata(raw)
+        except Exception as err:
+            raise CheckpointError(f"The snapshot metadata in {slot.path} cannot be read: {err}") from err
+        table = body["table"]
+        if header.data_offset + offsets(table)[1] > size:
+            raise CheckpointError(f"The snapshot {slot.path} is shorter than its metadata says.")
+        values: list[Any] = []
+        for (_, _, sharded), view in zip(table, extend(buffer, table, header.data_offset)[0], strict=True):
+            copy = view.clone()
+            values.append(LocalShard(copy) if sharded else copy)
+        return unflatten(body["state"], values), unflatten(body["extra"], values)
+
+    # ------------------------------------------------------------------ cleaning up
+    def remove(self) -> None:
+        """Finish the write in flight, then delete this rank's files (rank 0: also those of ranks beyond this
+        job's); the last rank to leave removes the folder. No collective: no rank waits for another."""
+        try:
+            self.close()
+        finally:
+            for entry in list(self.folder.iterdir()) if self.folder.is_dir() else []:
+                m = DATA.fullmatch(entry.name)
+                if m and (int(m["rank"]) == self.rank or (self.rank == 0 and int(m["rank"]) >= self.world_size)):
+                    with contextlib.suppress(FileNotFoundError):
+                        entry.unlink()
+            with contextlib.suppress(OSError):  # not empty: another rank is still writing; it removes it
+                self.folder.rmdir()

@@ -1,0 +1,248 @@
+"""Per-rank snapshots in shared memory (phalanx.checkpoint.rank_snapshot), in one process: exact round trips,
+a slot being rewritten never counts, a tensor changed during the background copy drops that snapshot, the
+optimizer waits for the copy, opening one runs no code, and a full /dev/shm turns snapshots off with a message.
+The multi-process paths (DDP, FSDP shards, kill -9 and restart) are in tests/trainer/test_survival.py and
+tests/fabric/test_preemption.py."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from phalanx.checkpoint import rank_snapshot, snapshots
+from phalanx.utils.errors import CheckpointError
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "snapshots"  # tmp_path rather than /dev/shm: the same code, cleaned up by pytest
+
+
+def _setup(seed: int = 0) -> tuple[phalanx.Fabric, Any, Any]:
+    torch.manual_seed(seed)
+    fabric = phalanx.Fabric(accelerator="cpu", devices=1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer
+
+
+def _step(fabric: phalanx.Fabric, model: Any, optimizer: Any) -> None:
+    loss = model(torch.randn(5, 6)).square().mean()
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _weights(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for per_param in optimizer.state_dict()["state"].values():
+        out += [t.clone() for t in per_param.values()]
+    return out
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "history": [self.n] * 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+def test_a_snapshot_restores_every_entry_exactly_and_training_continues_identically(folder: Path) -> None:
+    fabric, model, optimizer = _setup()
+    counter = Counter()
+    for step in range(1, 4):
+        _step(fabric, model, optimizer)
+        counter.n = step
+        ref = fabric.save_snapshot({"model": model, "optimizer": optimizer, "counter": counter, "step": step,
+                                    "note": ("plain", 1.5, None)}, step, folder)
+        assert ref == snapshots.reference(folder.absolute(), step)
+    saved = _weights(model, optimizer)
+    torch.manual_seed(1)
+    _step(fabric, model, optimizer)
+    expected_next = _weights(model, optimizer)
+
+    latest = fabric.latest_checkpoint(folder)
+    assert latest == snapshots.reference(folder.absolute(), 3)
+    assert sorted(snapshots.complete_steps(folder.absolute())) == [2, 3]  # keep=2
+    _step(fabric, model, optimizer)  # move away, then back
+    counter.n = -1
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "counter": counter, "step": None}
+    rest = fabric.load(latest, state)
+    assert rest == {"note": ("plain", 1.5, None)}
+    assert state["step"] == 3 and counter.n == 3
+    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model, optimizer), strict=True))
+    torch.manual_seed(1)
+    _step(fabric, model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(expected_next, _weights(model, optimizer), strict=True))
+    fabric.remove_snapshots(folder)
+    assert not folder.exists()
+
+
+def test_a_fresh_optimizer_is_restored_from_a_snapshot(folder: Path) -> None:
+    # A restarted process has an optimizer without state: load_state_dict must create it, not copy into it.
+    fabric, model, optimizer = _setup()
+    _step(fabric, model, optimizer)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
+    expected = _weights(model, optimizer)
+    fabric2, model2, optimizer2 = _setup(seed=5)
+    fabric2.load(snapshots.reference(folder.absolute(), 1), {"model": model2, "optimizer": optimizer2})
+    assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model2, optimizer2), strict=True))
+
+
+def test_a_slot_being_rewritten_never_counts(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fabric, model, optimizer = _setup()
+    for step in (1, 2):
+        _step(fabric, model, optimizer)
+        fabric.save_snapshot({"model": model, "optimizer": optimizer}, step, folder, overlap=False)
+    at_two = _weights(model, optimizer)
+    _step(fabric, model, optimizer)
+
+    def dies_mid_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        dst[0].copy_(src[0])  # part of step 3 is in the slot that held step 1
+        raise OSError("killed")
+
+    monkeypatch.setattr(rank_snapshot.torch, "_foreach_copy_", dies_mid_copy)
+    with pytest.warns(UserWarning, match=r"writing the one of step 3 failed \(OSError: killed\)"):
+        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder, overlap=False) is None
+    monkeypatch.undo()
+    assert sorted(snapshots.complete_steps(folder.absolute())) == [2]  # step 1 is gone, step 3 never counted
+    fabric.load(fabric.latest_checkpoint(folder), {"model": model, "optimizer": optimizer})
+    assert all(torch.equal(a, b) for a, b in zip(at_two, _weights(model, optimizer), strict=True))
+
+
+def _gated(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[float]]:
+    """Copy in the background even the small tensors here, and hold every background commit until the event is
+    set; record when each one finished."""
+    monkeypatch.setattr(rank_snapshot, "OVERLAP_BYTES", 0)
+    gate, finished = threading.Event(), []
+    commit = rank_snapshot.RankSnapshots._commit
+
+    def held(self: Any, *args: Any) -> None:
+        assert gate.wait(10)
+        commit(self, *args)
+        finished.append(time.monotonic())
+
+    monkeypatch.setattr(rank_snapshot.RankSnapshots, "_commit", held)
+    return gate, finished
+
+
+def test_the_optimizer_waits_for_the_copy_before_it_steps(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fabric, model, optimizer = _setup()
+    _step(fabric, model, optimizer)
+    expected = _weights(model, optimizer)
+    gate, finished = _gated(monkeypatch)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder)  # returns before the copy
+    assert not finished
+    threading.Timer(0.3, gate.set).start()
+    _step(fabric, model, optimizer)  # forward and backward run; optimizer.step() waits for the copy
+    stepped = time.monotonic()
+    assert finished and finished[0] <= stepped
+    fabric.load(snapshots.reference(folder.absolute(), 1), {"model": model, "optimizer": optimizer})
+    assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model, optimizer), strict=True))
+
+
+def test_a_parameter_changed_during_the_copy_drops_that_snapshot(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fabric, model, optimizer = _setup()
+    _step(fabric, model, optimizer)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
+    gate, _ = _gated(monkeypatch)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # in place, outside optimizer.step(), while the copy is held
+    gate.set()
+    with pytest.warns(UserWarning, match=r"Rank 0's snapshot was dropped: a parameter or optimizer state .* changed "
+                                         r"in place outside optimizer.step\(\)"):
+        fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder)
+    # Step 2 never counted; step 3 was copied before the call returned (overlap is off from then on).
+    assert sorted(snapshots.complete_steps(folder.absolute())) == [1, 3]
+
+
+def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder: Path) -> None:
+    fabric, model, _ = _setup()
+    with pytest.raises(CheckpointError, match=r"tensors and plain Python values only .* holds a pathlib.PosixPath"):
+        fabric.save_snapshot({"model": model, "where": Path("x")}, 1, folder)
+    fabric.save_snapshot({"model": model}, 2, folder, overlap=False)
+    data = folder.absolute() / rank_snapshot.data_name(0, 0)
+    header = rank_snapshot.read_header(data)
+    assert header is not None and header.step == 2
+    evil = pickle.dumps({"version": 1, "table": [], "state": os.system, "extra": {}})
+    with open(data, "r+b") as fh:  # same length metadata slot: put the malicious pickle where the real one was
+        fh.seek(64)
+        fh.write(evil)
+        fh.seek(0)
+        raw = bytearray(fh.read(64))
+        raw[40:48] = len(evil).to_bytes(8, "little")  # the metadata length field
+        fh.seek(0)
+        fh.write(raw)
+    with pytest.raises(CheckpointError, match=r"metadata .* cannot be read: .*names posix.system"):
+        fabric.load(snapshots.reference(folder.absolute(), 2), {"model": model})
+
+
+def test_no_room_in_shared_memory_turns_snapshots_off_with_a_message(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fabric, model, optimizer = _setup()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rank_snapshot.os, "posix_fallocate", full)
+    with pytest.warns(UserWarning, match=r"Snapshots in .* are off on rank 0: writing the one of step 1 failed "
+                                         r"\(OSError: \[Errno 28\] No space left on device\)"):
+        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False) is None
+    assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, overlap=False) is None
+    assert snapshots.complete_steps(folder.absolute()) == {}
+
+
+def test_a_snapshot_of_another_world_size_is_refused_with_the_way_out(folder: Path) -> None:
+    fabric, model, _ = _setup()
+    fabric.save_snapshot({"model": model}, 4, folder, overlap=False)
+    # A restart or "last" of a 2-rank job does not even pick it; loading it by name is refused.
+    assert snapshots.latest([folder.absolute()], world_size=2) is None
+    assert snapshots.latest([folder.absolute()], world_size=1) == snapshots.reference(folder.absolute(), 4)
+    reader = rank_snapshot.RankSnapshots(folder.absolute(), rank=0, world_size=2)
+    with pytest.raises(CheckpointError, match=r"written by 1 ranks and this job has 2: a snapshot resumes the same "
+                                              r"topology only\. Resume from a disk checkpoint"):
+        reader.read(4)
+
+
+def test_the_per_step_rng_capture_follows_every_change_of_numpys_generator() -> None:
+    # RngCapture reuses NumPy's state while its words are untouched; a call that only consumes the cached
+    # Gaussian leaves the words alone, so a cached Gaussian always means reading the state again.
+    import numpy as np
+
+    from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
+
+    capture = RngCapture()
+    np.random.seed(3)
+    for use in (lambda: None, lambda: np.random.rand(3), lambda: np.random.standard_normal(),
+                lambda: np.random.standard_normal(), lambda: None, lambda: np.random.set_state(np.random.get_state())):
+        use()
+        state = capture()
+        full = capture_rng_state()
+        assert state["numpy"]["pos"] == full["numpy"]["pos"]
+        assert state["numpy"]["has_gauss"] == full["numpy"]["has_gauss"]
+        assert state["numpy"]["cached_gaussian"] == full["numpy"]["cached_gaussian"]
+        assert torch.equal(state["numpy"]["keys"], full["numpy"]["keys"])
+        expected = (np.random.standard_normal(4), np.random.rand(2))
+        restore_rng_state(state)
+        again = (np.random.standard_normal(4), np.random.rand(2))
+        assert all(np.array_equal(a, b) for a, b in zip(expected, again, strict=True))
+        restore_rng_state(state)
