@@ -148,17 +148,13 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
                "1", "--snapshot", "--fresh").check()
     assert (tmp_path / "killed").exists(), why
     assert "Restart 1 of at most 1 after a rank failed: resumed from " in done.stderr, (why, done.stderr[-3000:])
-    # The restart resumed from the snapshot of the step the rank died after, or (its copy overlaps the next
-    # step, and the rank died right after the callback) the one before: at most one step recomputed. Shared-memory
-    # snapshots are named by a reference; under DeepSpeed they are checkpoint files.
-    resumed = re.search(r"snapshot-step=(\d+)(\.ckpt)? at step (\d+)\b", done.stderr)
-    if resumed is None:  # step 1's snapshot was the one in flight: nothing to resume from, and it says so
-        assert step == 1 and "training starts again from step 0" in done.stderr, (why, done.stderr[-3000:])
-    else:
-        assert int(resumed[1]) == int(resumed[3]) in (step - 1, step), (why, done.stderr[-3000:])
+    # Nothing recomputed: the restart resumed from the snapshot of the step the rank died after. (These states
+    # are small, so the copy was complete before the callback returned; a large state's copy overlaps the next
+    # step, and losing it costs one step: tests/checkpoint/test_rank_snapshot.py.) Shared-memory snapshots are
+    # named by a reference; under DeepSpeed they are checkpoint files.
+    assert re.search(rf"snapshot-step={step:09d}(\.ckpt)? at step {step}\b", done.stderr), (why, done.stderr[-3000:])
     assert done.reports[0]["weights"] == expected, why
-    # Every sample once, but those of the recomputed step (global batch: 2 ranks x 3).
-    assert_each_sample_once(tmp_path, again=6 * (step - (int(resumed[1]) if resumed else 0)))
+    assert_each_sample_once(tmp_path)
     shm = Path(done.reports[0]["ckpt_path"]).parent
     assert not shm.exists(), "the snapshots outlived the run"
 
