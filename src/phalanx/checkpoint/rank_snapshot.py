@@ -41,11 +41,11 @@ import torch
 from phalanx.checkpoint.snapshot_format import (
     LocalShard,
     Table,
+    data_size,
     dump_metadata,
     extend,
     flatten,
     load_metadata,
-    offsets,
     unflatten,
 )
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
@@ -134,7 +134,7 @@ class _Slot:
                 return
         room = -(-(2 * meta_length + _PAGE) // _PAGE) * _PAGE  # grows rarely: the metadata barely changes
         data_offset = _HEADER_SIZE + room
-        need = data_offset + offsets(table)[1]
+        need = data_offset + data_size(table)
         size = need + max(1 << 16, need >> 4)  # room for accumulators that grow during an epoch
         if self.buffer is None or self.buffer.numel() < need:
             # Reserve the memory now (ENOSPC is an error here), not on the first copy (SIGBUS on a full tmpfs).
@@ -256,25 +256,29 @@ class RankSnapshots:
             self._scan()
         tensors: list[torch.Tensor] = []
         table: Table = []
-        stable: list[bool] = []  # changes only in optimizer.step(): may be copied in the background
+        modules: list[tuple[Any, int, int]] = []  # (module, first, end) of each module's tensors
         skeleton: dict[str, Any] = {}
         for e in sort_state(state):
             start = len(tensors)
-            if e.kind == MODULE:
+            if e.kind in (MODULE, OPTIMIZER):
                 skeleton[e.key] = flatten(local_state(e.kind, e.obj, e.module), tensors, table)
-                buffers = {b.data_ptr() for b in e.obj.buffers()}
-                stable += [t.data_ptr() not in buffers for t in tensors[start:]]
-            elif e.kind == OPTIMIZER:
-                skeleton[e.key] = flatten(local_state(e.kind, e.obj, e.module), tensors, table)
-                stable += [True] * (len(tensors) - start)
-                if id(e.obj) not in self._hooks:
+                if e.kind == MODULE:
+                    modules.append((e.obj, start, len(tensors)))
+                elif id(e.obj) not in self._hooks:
                     self._hooks[id(e.obj)] = e.obj.register_step_pre_hook(self._before_step)
             else:  # the rest is small and changes shape (accumulators): in the metadata, copied now
                 skeleton[e.key] = flatten(e.obj.state_dict() if e.kind == STATEFUL else e.obj, None, table)
         payload = {"version": VERSION, "table": table, "state": skeleton, "extra": flatten(extra, None, table)}
         size = sum(t.numel() * t.element_size() for t in tensors)
         overlap = self.overlap and not self._torn and size >= OVERLAP_BYTES
-        if overlap:  # the buffers a forward pass changes are copied now
+        if overlap:
+            # Parameters and optimizer state change only in optimizer.step(), which waits for the copy; the
+            # buffers a forward pass changes are copied now.
+            stable = [True] * len(tensors)
+            for module, first, end in modules:
+                buffers = {b.data_ptr() for b in module.buffers()}
+                for i in range(first, end):
+                    stable[i] = tensors[i].data_ptr() not in buffers
             with torch.no_grad():
                 sources = [t if keep else t.clone() for t, keep in zip(tensors, stable)]
             versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep]
@@ -356,7 +360,7 @@ class RankSnapshots:
         except Exception as err:
             raise CheckpointError(f"The snapshot metadata in {slot.path} cannot be read: {err}") from err
         table = body["table"]
-        if header.data_offset + offsets(table)[1] > size:
+        if header.data_offset + data_size(table) > size:
             raise CheckpointError(f"The snapshot {slot.path} is shorter than its metadata says.")
         values: list[Any] = []
         for (_, _, sharded), view in zip(table, extend(buffer, table, header.data_offset)[0], strict=True):

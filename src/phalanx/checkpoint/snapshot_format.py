@@ -141,15 +141,16 @@ def unflatten(value: Any, tensors: list[Any]) -> Any:
     return value
 
 
-def offsets(table: Table) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for dtype, shape, _ in table:
-        offsets.append(end)
-        n = getattr(torch, dtype).itemsize
-        for d in shape:
-            n *= d
-        end += -(-n // _ALIGN) * _ALIGN
-    return offsets, end
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def data_size(table: Table) -> int:
+    """The bytes :func:`extend` lays ``table`` out in, from an aligned start."""
+    return sum(-(-_nbytes(getattr(torch, dtype), shape) // _ALIGN) * _ALIGN for dtype, shape, _ in table)
 
 
 def extend(buffer: torch.Tensor, table: Table, start: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -158,20 +159,13 @@ def extend(buffer: torch.Tensor, table: Table, start: int) -> tuple[list[torch.T
     ends: list[int] = []
     for dtype, shape, _ in table:
         kind = getattr(torch, dtype)
-        n = kind.itemsize
-        for d in shape:
-            n *= d
-        end = start + n
+        end = start + _nbytes(kind, shape)
         if end > buffer.numel():
             return views, [*ends, end]  # does not fit: the caller maps a larger file
         views.append(buffer[start:end].view(kind).view(shape))
         ends.append(end)
         start = end + (-end % _ALIGN)
     return views, ends
-
-
-def _plain(value: Any) -> Any:
-    return value.tensor if isinstance(value, LocalShard) else value
 
 
 def load_module_local(module: nn.Module, live: dict[str, Any], saved: dict[str, Any], strict: bool) -> None:
@@ -188,7 +182,7 @@ def load_module_local(module: nn.Module, live: dict[str, Any], saved: dict[str, 
                 continue
             to_local = getattr(target, "to_local", None)
             local = to_local() if callable(to_local) else target
-            value = _plain(saved[key])
+            value = plain_values(saved[key])
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(local.shape):
                 raise CheckpointError(f"The snapshot's {key!r} has shape {getattr(value, 'shape', None)}; this rank's "
                                       f"part of the model has {tuple(local.shape)}.")

@@ -130,7 +130,7 @@ class PreemptionMethods:
         ranks, same node). Returns the snapshot's reference (a path ``fabric.load`` accepts), or None when
         this rank could not write it (the message says why; restarts then use the disk checkpoints). The
         folder is removed when the job ends without an error."""
-        folder = (Path(directory) if directory is not None else self.snapshot_dir).absolute()
+        folder = self._snapshot_folder(directory)
         strategy = self._strategy
         if not strategy.snapshots_in_memory:
             return self._snapshot_as_checkpoint(folder, state, step, keep)
@@ -184,13 +184,10 @@ class PreemptionMethods:
     def remove_snapshots(self, directory: str | Path | None = None) -> None:
         """Delete the snapshots in ``directory`` (default: :attr:`snapshot_dir`) once this rank's last copy is
         complete: each rank removes its own part, the last one the folder (no collective)."""
-        folder = (Path(directory) if directory is not None else self.snapshot_dir).absolute()
+        folder = self._snapshot_folder(directory)
         kept = self._snapshot_folders.pop(folder, None)
         if isinstance(kept, RankSnapshots):
-            try:
-                kept.remove()
-            except Exception as err:  # the job's own outcome matters more than a failed last snapshot
-                diagnostics.warn(f"The last snapshot in {folder} failed on rank {kept.rank}: {err}", rank=kept.rank)
+            _finish(kept, remove=True)
         elif self._strategy.global_rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -201,14 +198,25 @@ class PreemptionMethods:
             if not failed:
                 self.remove_snapshots(folder)
             elif isinstance(kept, RankSnapshots):
-                try:
-                    kept.close()
-                except Exception as err:
-                    diagnostics.warn(f"The last snapshot in {folder} failed on rank {kept.rank}: {err}",
-                                     rank=kept.rank)
+                _finish(kept, remove=False)
         self._snapshot_folders.clear()
+
+    def _snapshot_folder(self, directory: str | Path | None) -> Path:
+        return (Path(directory) if directory is not None else self.snapshot_dir).absolute()
 
     @property
     def restart_count(self) -> int:
         """How many times the launcher restarted this job's processes (0 on the first attempt)."""
         return restart_count()
+
+
+def _finish(kept: RankSnapshots, remove: bool) -> None:
+    """Complete this rank's last snapshot copy (and with ``remove`` delete its files). A failure is reported,
+    not raised: the job's own outcome matters more than its last snapshot."""
+    try:
+        if remove:
+            kept.remove()
+        else:
+            kept.close()
+    except Exception as err:
+        diagnostics.warn(f"The last snapshot in {kept.folder} failed on rank {kept.rank}: {err}", rank=kept.rank)
