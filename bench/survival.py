@@ -1,6 +1,6 @@
 """What surviving interruptions costs: signal-to-exit, restart-to-first-step, and snapshots per step.
 
-    python bench/survival.py [--steps 150] [--reps 5] [--only-snapshots]
+    python bench/survival.py [--steps 150] [--reps 5] [--only-snapshots] [--cases main,mlp,lm]
 
 Each case runs a real 2-rank Trainer fit (DDP, gloo, CPU) under ``python job.py`` (phalanx's launcher):
 
@@ -191,10 +191,12 @@ def main() -> None:
     p.add_argument("--large-hidden", type=int, default=1536)
     p.add_argument("--reps", type=int, default=3, help="runs of each case, alternated; medians are reported")
     p.add_argument("--only-snapshots", action="store_true", help="skip the signal and restart timings")
+    p.add_argument("--cases", default="main,mlp,lm", help="which models, comma-separated (main, mlp, lm)")
     args = p.parse_args()
-    sizes = {"main job (examples/train_digits.py)": 0,
-             f"larger MLP (64-{args.large_hidden}-{args.large_hidden}-10, Adam, batch 32)": args.large_hidden,
-             "GPT-style LM (4 layers, width 256, AdamW, 8 x 128 tokens)": -256}
+    cases = {"main": ("main job (examples/train_digits.py)", 0),
+             "mlp": (f"larger MLP (64-{args.large_hidden}-{args.large_hidden}-10, Adam, batch 32)", args.large_hidden),
+             "lm": ("GPT-style LM (4 layers, width 256, AdamW, 8 x 128 tokens)", -256)}
+    sizes = dict(cases[c.strip()] for c in args.cases.split(","))
     print(f"torch {__import__('torch').__version__}, {os.cpu_count()} CPU cores, 2 ranks (DDP, gloo), "
           f"median of {args.reps} alternated runs\n")
     print("| model | params | step (ms) | with Snapshot every step (ms) | step cost | time in the snapshot call "

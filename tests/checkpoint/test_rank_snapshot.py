@@ -1,8 +1,8 @@
-"""Per-rank snapshots in shared memory (phalanx.checkpoint.rank_snapshot), in one process: exact round trips,
-a slot being rewritten never counts, a tensor changed during the background copy drops that snapshot, the
-optimizer waits for the copy, opening one runs no code, and a full /dev/shm turns snapshots off with a message.
-The multi-process paths (DDP, FSDP shards, kill -9 and restart) are in tests/trainer/test_survival.py and
-tests/fabric/test_preemption.py."""
+"""Per-rank snapshots in shared memory (phalanx.checkpoint.rank_snapshot), in one process: exact round trips
+(tensors that change shape between snapshots included), a slot being rewritten never counts, a tensor changed
+during the background copy drops that snapshot, the optimizer waits for the copy, opening one runs no code, and a
+full /dev/shm turns snapshots off with a message. The multi-process paths (DDP, FSDP shards, kill -9 and restart)
+are in tests/trainer/test_survival.py and tests/fabric/test_preemption.py."""
 
 from __future__ import annotations
 
@@ -104,6 +104,22 @@ def test_a_fresh_optimizer_is_restored_from_a_snapshot(folder: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model2, optimizer2), strict=True))
 
 
+def test_tensors_that_change_shape_between_snapshots_read_back_exactly(folder: Path) -> None:
+    # Step values accumulated during an epoch grow by one per step, with other tensors after them: each write
+    # keeps the slot's layout up to the first tensor that changed and lays out the rest again, which must land
+    # where a reader lays out the whole table. (Odd sizes: each tensor ends off the alignment.)
+    fabric, model, optimizer = _setup()
+    for step in range(1, 7):
+        _step(fabric, model, optimizer)
+        values = torch.arange(step * 3, dtype=torch.float64) + step
+        after = {"flags": torch.arange(step % 3 + 1, dtype=torch.uint8), "rng": torch.get_rng_state()}
+        fabric.save_snapshot({"model": model, "optimizer": optimizer, "values": values, "after": after}, step, folder)
+        state: dict[str, Any] = {"values": None, "after": None}
+        fabric.load(snapshots.reference(folder.absolute(), step), state)
+        assert torch.equal(state["values"], values)
+        assert all(torch.equal(state["after"][k], v) for k, v in after.items())
+
+
 def test_a_slot_being_rewritten_never_counts(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fabric, model, optimizer = _setup()
     for step in (1, 2):
@@ -182,8 +198,15 @@ def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder:
     data = folder.absolute() / rank_snapshot.data_name(0, 0)
     header = rank_snapshot.read_header(data)
     assert header is not None and header.step == 2
-    evil = pickle.dumps({"version": 1, "table": [], "state": os.system, "extra": {}})
-    with open(data, "r+b") as fh:  # same length metadata slot: put the malicious pickle where the real one was
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {folder / 'pwned'}",)
+
+    # The metadata as a snapshot lays it out ([head length | head | one pickle per entry | extra]), with a
+    # malicious pickle as the model's entry, put where the real metadata was.
+    head = pickle.dumps({"version": rank_snapshot.VERSION, "table": [], "keys": ["model"]})
+    evil = len(head).to_bytes(8, "little") + head + pickle.dumps(Evil()) + pickle.dumps({})
+    with open(data, "r+b") as fh:
         fh.seek(64)
         fh.write(evil)
         fh.seek(0)
@@ -193,6 +216,7 @@ def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder:
         fh.write(raw)
     with pytest.raises(CheckpointError, match=r"metadata .* cannot be read: .*names posix.system"):
         fabric.load(snapshots.reference(folder.absolute(), 2), {"model": model})
+    assert not (folder / "pwned").exists()
 
 
 def test_no_room_in_shared_memory_turns_snapshots_off_with_a_message(

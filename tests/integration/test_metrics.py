@@ -254,6 +254,38 @@ def test_metric_state_survives_resume_mid_epoch(tmp_path: Path, style: str) -> N
     assert _plain(saved) and _plain(last["rank_states"][0]["results"])
 
 
+@pytest.mark.parametrize("style", ["manual", "object"])
+def test_metric_state_survives_a_restart_from_a_per_step_snapshot(tmp_path: Path, style: str) -> None:
+    from phalanx.callbacks import Snapshot
+    from phalanx.checkpoint import snapshots
+    from phalanx.checkpoint.rank_snapshot import RankSnapshots
+
+    def fit(tmp: Path, stop_at: int | None = None, ckpt_path: Any = None) -> Any:
+        phalanx.seed_everything(11)
+        callbacks: list[Any] = [Snapshot(dirpath=tmp / "snapshots")]
+        if stop_at is not None:
+            callbacks.insert(0, StopAt(stop_at))  # before the Snapshot: the newest one is of the step before
+        trainer = phalanx.Trainer(max_epochs=2, callbacks=callbacks, **quiet())
+        model = Classifier(style, dropout=0.2)
+        trainer.fit(model, loader(64, 4, shuffle=True), loader(21, 5), ckpt_path=ckpt_path)
+        return trainer, model
+
+    full_trainer, full_model = fit(tmp_path / "full")
+    with pytest.raises(Interrupt):
+        fit(tmp_path / "cut", stop_at=20)  # 16 steps per epoch: the snapshot of step 19 is 3 batches into epoch 2
+    folder = (tmp_path / "cut" / "snapshots").absolute()
+    assert max(snapshots.complete_steps(folder)) == 19
+    saved, _ = RankSnapshots(folder, 0, 1).read(19)
+    metrics = saved["rank_states"][0]["metrics"]  # the torchmetrics state, in the snapshot's data region
+    assert metrics["train_acc"]["update_count"] == 3 and metrics["train_seen"]["update_count"] == 3
+    resumed_trainer, resumed_model = fit(tmp_path / "cut", ckpt_path=snapshots.reference(folder, 19))
+    assert torch.equal(flat(resumed_model), flat(full_model))
+    full = {k: float(v) for k, v in full_trainer.callback_metrics.items()}
+    assert {k: float(v) for k, v in resumed_trainer.callback_metrics.items()} == full
+    assert full["train_seen"] == 64
+    assert not folder.exists()  # the resumed fit finished: its snapshots are gone
+
+
 RESUME_JOB = """
 import sys, torch, phalanx
 from mp import report

@@ -8,8 +8,8 @@ each rank keeps ``keep`` slot files in node-local shared memory (``/dev/shm``), 
 order that makes it safe against ``kill -9`` at any instruction:
 
 1. the header's first word is cleared (the slot stops counting as a snapshot);
-2. the model's and optimizer's tensors (a DTensor's local shard: nothing is gathered) are copied into the
-   slot, and the metadata (structure, plain values, small tensors; :mod:`.snapshot_format`) beside them;
+2. every tensor of the state (a DTensor's local shard: nothing is gathered) is copied into the slot, and
+   the metadata (the structure and plain values, builtins only; :mod:`.snapshot_format`) beside it;
 3. the header is written, its first word last.
 
 A slot therefore holds a complete snapshot or none, and the other slot keeps the previous step while
@@ -24,7 +24,9 @@ what a restart has; a run resumed elsewhere uses the disk checkpoints.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import queue
 import re
 import struct
@@ -35,24 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from phalanx.checkpoint.snapshot_format import (
-    LocalShard,
-    Table,
-    data_size,
-    dump_metadata,
-    extend,
-    flatten,
-    load_metadata,
-    unflatten,
-)
+from phalanx.checkpoint.snapshot_format import Capture, LocalShard, Reader, Table, data_size, extend
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 
-VERSION = 1
+VERSION = 2  # 2: every tensor in the data region; the metadata is [head length | head | one pickle per entry]
 #: Below this many bytes of tensors the copy is made before ``write`` returns: a background thread would
 #: cost more in handing over than the copy itself (the copy releases the GIL; everything else holds it).
 OVERLAP_BYTES = 1 << 20
@@ -60,6 +52,7 @@ DATA = re.compile(r"r(?P<rank>\d+)-k(?P<slot>\d+)\.data")
 MAGIC = b"PHXSNAP1"  # the header's first word, written last: the slot vouches for its contents
 _HEADER = struct.Struct("<8sqqqqqqd")  # magic, version, step, world size, rank, metadata length, data offset, time
 _HEADER_SIZE = 64
+_LENGTH = struct.Struct("<Q")  # the metadata starts with the length of its head (version, table, keys)
 _PAGE = 4096
 
 
@@ -119,6 +112,8 @@ class _Slot:
         The views of an unchanged leading part of the table are kept: the parameters and optimizer state come
         first and keep their shapes, while a metric accumulator near the end grows every step."""
         if self.buffer is not None and meta_length <= self.meta_room:
+            if table == self.table:  # the usual case, compared in C
+                return
             same = 0
             for now, before in zip(table, self.table):
                 if now != before:
@@ -146,22 +141,21 @@ class _Slot:
             finally:
                 os.close(fd)
             self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
-            self.bytes = self.buffer.numpy()
+            self.bytes = memoryview(self.buffer.numpy())  # type: ignore[arg-type]  # bytes written: one memcpy each
         self.invalidate()
         self.views, self.ends = extend(self.buffer, table, data_offset)
         self.table, self.meta_room, self.data_offset = list(table), room, data_offset
 
     def invalidate(self) -> None:
         if self.bytes is not None:
-            self.bytes[:8] = 0
+            self.bytes[:8] = bytes(8)
         self.step = -1
 
     def vouch(self, step: int, world: int, rank: int, body: bytes) -> None:
-        end = _HEADER_SIZE + len(body)
-        self.bytes[_HEADER_SIZE:end] = np.frombuffer(body, dtype=np.uint8)
+        self.bytes[_HEADER_SIZE:_HEADER_SIZE + len(body)] = body
         header = _HEADER.pack(MAGIC, VERSION, step, world, rank, len(body), self.data_offset, time.time())
-        self.bytes[8:_HEADER.size] = np.frombuffer(header[8:], dtype=np.uint8)
-        self.bytes[:8] = np.frombuffer(MAGIC, dtype=np.uint8)  # last
+        self.bytes[8:_HEADER.size] = header[8:]
+        self.bytes[:8] = MAGIC  # last
         self.step = step
 
 
@@ -254,29 +248,32 @@ class RankSnapshots:
             raise error
         if not self._scanned:
             self._scan()
-        tensors: list[torch.Tensor] = []
-        table: Table = []
-        modules: list[tuple[Any, int, int]] = []  # (module, first, end) of each module's tensors
-        skeleton: dict[str, Any] = {}
+        # Pickled on this thread: in another one it would hold the GIL this thread needs (no overlap, only switching).
+        out = io.BytesIO()
+        capture = Capture(out)
+        keys: list[str] = []
+        stable_spans: list[tuple[Any, int, int]] = []  # (module or None, first, end): changed only by a step
         for e in sort_state(state):
-            start = len(tensors)
+            start = len(capture.tensors)
             if e.kind in (MODULE, OPTIMIZER):
-                skeleton[e.key] = flatten(local_state(e.kind, e.obj, e.module), tensors, table)
-                if e.kind == MODULE:
-                    modules.append((e.obj, start, len(tensors)))
-                elif id(e.obj) not in self._hooks:
+                capture.dump(local_state(e.kind, e.obj, e.module))
+                stable_spans.append((e.obj if e.kind == MODULE else None, start, len(capture.tensors)))
+                if e.kind == OPTIMIZER and id(e.obj) not in self._hooks:
                     self._hooks[id(e.obj)] = e.obj.register_step_pre_hook(self._before_step)
-            else:  # the rest is small and changes shape (accumulators): in the metadata, copied now
-                skeleton[e.key] = flatten(e.obj.state_dict() if e.kind == STATEFUL else e.obj, None, table)
-        payload = {"version": VERSION, "table": table, "state": skeleton, "extra": flatten(extra, None, table)}
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        overlap = self.overlap and not self._torn and size >= OVERLAP_BYTES
+            else:
+                capture.dump(e.obj.state_dict() if e.kind == STATEFUL else e.obj)
+            keys.append(e.key)
+        capture.dump(extra)
+        tensors, table = capture.tensors, capture.table
+        head = pickle.dumps({"version": VERSION, "table": table, "keys": keys}, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _LENGTH.pack(len(head)) + head + out.getvalue()
+        overlap = self.overlap and not self._torn and sum([t.nbytes for t in tensors]) >= OVERLAP_BYTES
         if overlap:
-            # Parameters and optimizer state change only in optimizer.step(), which waits for the copy; the
-            # buffers a forward pass changes are copied now.
-            stable = [True] * len(tensors)
-            for module, first, end in modules:
-                buffers = {b.data_ptr() for b in module.buffers()}
+            # Parameters and optimizer state change only in optimizer.step(), which waits for the copy. The rest
+            # (buffers, which a forward pass updates, metric states, RNG states) is copied now.
+            stable = [False] * len(tensors)
+            for module, first, end in stable_spans:
+                buffers = {b.data_ptr() for b in module.buffers()} if module is not None else set()
                 for i in range(first, end):
                     stable[i] = tensors[i].data_ptr() not in buffers
             with torch.no_grad():
@@ -284,8 +281,6 @@ class RankSnapshots:
             versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep]
         else:
             sources, versions = tensors, []
-        # Pickled here: in another thread it would hold the GIL this thread needs (no overlap, only switching).
-        body = dump_metadata(payload)
         if overlap:
             if self._worker is None:
                 self._worker = _Worker()
@@ -354,19 +349,24 @@ class RankSnapshots:
                 f"has {self.world_size}: a snapshot resumes the same topology only. Resume from a disk checkpoint.")
         size = slot.path.stat().st_size
         buffer = torch.from_file(str(slot.path), shared=False, size=size, dtype=torch.uint8)
-        raw = buffer[_HEADER_SIZE:_HEADER_SIZE + header.meta_length].numpy().tobytes()
+        raw = io.BytesIO(buffer[_HEADER_SIZE:_HEADER_SIZE + header.meta_length].numpy().tobytes())
         try:
-            body = load_metadata(raw)
+            (length,) = _LENGTH.unpack(raw.read(_LENGTH.size))
+            head = Reader(io.BytesIO(raw.read(length))).load()
+            table = head["table"]
+            if header.data_offset + data_size(table) > size:
+                raise CheckpointError(f"The snapshot {slot.path} is shorter than its metadata says.")
+            reader = Reader(raw)
+            reader.values = [LocalShard(view.clone()) if sharded else view.clone()
+                             for (_, _, sharded), view in zip(table, extend(buffer, table, header.data_offset)[0],
+                                                             strict=True)]
+            state = {key: reader.load() for key in head["keys"]}
+            extra = reader.load()
+        except CheckpointError:
+            raise
         except Exception as err:
             raise CheckpointError(f"The snapshot metadata in {slot.path} cannot be read: {err}") from err
-        table = body["table"]
-        if header.data_offset + data_size(table) > size:
-            raise CheckpointError(f"The snapshot {slot.path} is shorter than its metadata says.")
-        values: list[Any] = []
-        for (_, _, sharded), view in zip(table, extend(buffer, table, header.data_offset)[0], strict=True):
-            copy = view.clone()
-            values.append(LocalShard(copy) if sharded else copy)
-        return unflatten(body["state"], values), unflatten(body["extra"], values)
+        return state, extra
 
     # ------------------------------------------------------------------ cleaning up
     def remove(self) -> None:

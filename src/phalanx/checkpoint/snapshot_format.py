@@ -1,10 +1,14 @@
 """What a per-rank snapshot holds, and putting it back (see :mod:`phalanx.checkpoint.rank_snapshot`).
 
-The state is split once per write: every tensor of a module or optimizer becomes a :class:`TensorRef`
-into the slot's data region (copied there by memory copies, at a fixed layout step after step), every
-other tensor (RNG states, metric accumulators: small, and their shapes change) an :class:`InlineTensor`
-holding its bytes, and what remains is plain values, pickled as the slot's metadata. The metadata is read
-by an unpickler that knows those two placeholders and nothing else, so opening a snapshot runs no code.
+The state is pickled once per write with every tensor taken out: a tensor (a module's, an optimizer's,
+an RNG state, a metric accumulator) goes into the slot's data region, copied there by memory copies at a
+layout that stays put from step to step, and the pickle keeps only its index. What the pickle holds
+besides is builtins (dicts, lists, tuples, numbers, strings, bytes).
+
+This is for cost and for safety. The pickler is C code that calls back into Python only for what is not a
+builtin: one call per tensor, none per dict or list (walking the state in Python first cost a quarter of a
+snapshot). The reader's unpickler knows three builtin containers and the data region's tensors and no
+other name, so opening a snapshot runs no code; anything else in the state is refused when it is written.
 """
 
 from __future__ import annotations
@@ -21,36 +25,8 @@ from phalanx.utils.errors import CheckpointError
 
 _ALIGN = 64  # every tensor starts on a cache line: a dtype view of the byte buffer needs its alignment
 Table = list[tuple[str, tuple[int, ...], bool]]  # per data-region tensor: dtype, shape, was a DTensor shard
-
-
-class TensorRef:
-    """Where a tensor was in the state: the index of its entry in the slot's table."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self) -> tuple[type[TensorRef], tuple[int]]:
-        return TensorRef, (self.index,)
-
-
-class InlineTensor:
-    """A small tensor outside the model and optimizer (an RNG state, a metric accumulator), kept in the metadata
-    as bytes: copied when captured, and its size may change from step to step without moving the slot's layout."""
-
-    __slots__ = ("data", "dtype", "shape", "sharded")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes, sharded: bool) -> None:
-        self.dtype, self.shape, self.data, self.sharded = dtype, shape, data, sharded
-
-    def __reduce__(self) -> tuple[type[InlineTensor], tuple[str, tuple[int, ...], bytes, bool]]:
-        return InlineTensor, (self.dtype, self.shape, self.data, self.sharded)
-
-    def tensor(self) -> torch.Tensor:
-        empty = not self.data
-        raw = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
-        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 class LocalShard:
@@ -63,82 +39,61 @@ class LocalShard:
         self.tensor = tensor
 
 
-class _Pickler(pickle.Pickler):
+def tensor_at(index: int) -> Any:
+    """How the metadata names the data region's tensor ``index`` (the reader resolves the name itself)."""
+    raise CheckpointError(f"tensor {index} of a snapshot is read with phalanx.checkpoint.rank_snapshot")
+
+
+class Capture(pickle.Pickler):
+    """Pickles the state's structure and plain values into ``file``; each tensor is appended to :attr:`tensors`
+    (a DTensor: its local shard) and :attr:`table` instead, and the pickle keeps its index. One ``Capture``
+    may :meth:`dump` several values in a row (one per entry): a :class:`Reader` loads them in the same order."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.table: Table = []
+
     def reducer_override(self, obj: Any) -> Any:
-        # Called for everything but the exact builtin types (dict, list, tuple, str, int, float, ...).
-        if obj in _PICKLED or type(obj) in _PICKLED:  # a class is pickled by reference too
-            return NotImplemented
+        # Called only for what is not an exact builtin (dict, list, tuple, str, int, float, bytes, None, bool).
+        kind = type(obj)
+        if kind is torch.Tensor or isinstance(obj, torch.Tensor):
+            to_local = None if kind is torch.Tensor else getattr(obj, "to_local", None)  # a DTensor: its shard
+            local = to_local() if to_local is not None else obj
+            name = _DTYPE_NAMES.get(local.dtype)
+            if name is None:
+                name = _DTYPE_NAMES[local.dtype] = str(local.dtype).removeprefix("torch.")
+            self.table.append((name, tuple(local.shape), to_local is not None))
+            self.tensors.append(local)
+            return tensor_at, (len(self.tensors) - 1,)
+        if obj is tensor_at or obj is dict or obj is list or obj is tuple:
+            return NotImplemented  # a name the reader resolves
+        if isinstance(obj, dict):  # state_dict()'s OrderedDict: a dict
+            return dict, (dict(obj),)
+        if isinstance(obj, tuple):  # torch.Size, a named tuple
+            return tuple, (tuple(obj),)
+        if isinstance(obj, list):
+            return list, (list(obj),)
         raise CheckpointError(
             f"A snapshot holds tensors and plain Python values only (it must open without running code); the state "
-            f"holds a {type(obj).__module__}.{type(obj).__qualname__}. Convert it in its state_dict()."
+            f"holds a {kind.__module__}.{kind.__qualname__}. Convert it in its state_dict()."
         )
 
 
-def dump_metadata(payload: dict[str, Any]) -> bytes:
-    body = io.BytesIO()
-    _Pickler(body, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-    return body.getvalue()
+class Reader(pickle.Unpickler):
+    """Loads what a :class:`Capture` wrote, in the same order, once :attr:`values` holds the data region's
+    tensors. Any name but the builtin containers and :func:`tensor_at` is refused: opening runs no code."""
 
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.values: list[Any] = []
 
-def load_metadata(raw: bytes) -> Any:
-    """The metadata ``raw`` holds; refuses any class but the two placeholders."""
-    return _Unpickler(io.BytesIO(raw)).load()
-
-
-class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name in ("TensorRef", "InlineTensor"):
-            return TensorRef if name == "TensorRef" else InlineTensor
+        if module == "builtins" and name in _CONTAINERS:
+            return _CONTAINERS[name]
+        if module == __name__ and name == "tensor_at":
+            return self.values.__getitem__
         raise pickle.UnpicklingError(f"a snapshot's metadata names {module}.{name}; only plain values are allowed")
-
-
-_PICKLED: frozenset[type] = frozenset({TensorRef, InlineTensor})
-_ATOMS = frozenset({int, float, str, bool, bytes, type(None)})
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def flatten(value: Any, tensors: list[torch.Tensor] | None, table: Table) -> Any:
-    """``value`` with every tensor replaced by a :class:`TensorRef` (appended to ``tensors`` and ``table``), or
-    with ``tensors=None`` by an :class:`InlineTensor`. Runs every step over the whole state: the common cases
-    are tested first, by exact type."""
-    kind = type(value)
-    if kind in _ATOMS:
-        return value
-    if kind is dict or isinstance(value, dict):
-        if _ATOMS.issuperset(map(type, value.values())):  # counters, hyperparameters: copied in C
-            return dict(value)
-        return {k: flatten(v, tensors, table) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
-        to_local = getattr(value, "to_local", None)
-        local = to_local() if to_local is not None else value
-        name = _DTYPE_NAMES.get(local.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[local.dtype] = str(local.dtype).removeprefix("torch.")
-        if tensors is None:
-            raw = local.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return InlineTensor(name, tuple(local.shape), raw, to_local is not None)
-        table.append((name, tuple(local.shape), to_local is not None))
-        tensors.append(local)
-        return TensorRef(len(tensors) - 1)
-    if kind is list or kind is tuple:
-        if _ATOMS.issuperset(map(type, value)):  # checked in C; copied, as the owner may change a list later
-            return value if kind is tuple else list(value)
-        out = [flatten(v, tensors, table) for v in value]
-        return out if kind is list else tuple(out)
-    return value
-
-
-def unflatten(value: Any, tensors: list[Any]) -> Any:
-    if isinstance(value, TensorRef):
-        return tensors[value.index]
-    if isinstance(value, InlineTensor):
-        return LocalShard(value.tensor()) if value.sharded else value.tensor()
-    if type(value) is dict:
-        return {k: unflatten(v, tensors) for k, v in value.items()}
-    if type(value) is list or type(value) is tuple:
-        out = [unflatten(v, tensors) for v in value]
-        return out if type(value) is list else tuple(out)
-    return value
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -154,17 +109,20 @@ def data_size(table: Table) -> int:
 
 
 def extend(buffer: torch.Tensor, table: Table, start: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Views of ``buffer`` for ``table``'s tensors laid out from byte ``start``, and where each one ends."""
+    """Views of ``buffer`` for ``table``'s tensors laid out from byte ``start`` (or the next aligned byte: it
+    may be where the previous tensor ended), and where each one ends. The reader lays the whole table out
+    from the data offset; a writer extending a kept prefix from its last end gets the same offsets."""
     views: list[torch.Tensor] = []
     ends: list[int] = []
     for dtype, shape, _ in table:
         kind = getattr(torch, dtype)
+        start += -start % _ALIGN
         end = start + _nbytes(kind, shape)
         if end > buffer.numel():
             return views, [*ends, end]  # does not fit: the caller maps a larger file
         views.append(buffer[start:end].view(kind).view(shape))
         ends.append(end)
-        start = end + (-end % _ALIGN)
+        start = end
     return views, ends
 
 

@@ -202,6 +202,8 @@ class PreemptionMethods:
         self._snapshot_folders.clear()
 
     def _snapshot_folder(self, directory: str | Path | None) -> Path:
+        if isinstance(directory, Path) and directory.is_absolute():
+            return directory  # the per-step case (the Snapshot callback's folder): no path parsing
         return (Path(directory) if directory is not None else self.snapshot_dir).absolute()
 
     @property

@@ -137,10 +137,8 @@ def _state(trainer: TrainerBase, weights_only: bool, gather: bool, what: str,
             state["rank_states"] = t.fabric.all_gather_object(own)
         else:
             state["rank_states"] = [own if r == t.global_rank else None for r in range(t.world_size)]
-    for cb in t.callbacks:
-        hook = getattr(cb, "on_save_checkpoint", None)
-        if callable(hook):
-            hook(t, t.module, state)
+    for _, hook in t._callback_methods("on_save_checkpoint"):  # those that define it (looked up once)
+        hook(t, t.module, state)
     t.module.on_save_checkpoint(state)
     return state
 

@@ -307,7 +307,8 @@ class Trainer(TrainerBase):
         between optimizer steps): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
         ``fit(ckpt_path=...)`` accepts, or None when this rank could not write it. ``overlap``: see
         ``fabric.save_snapshot``."""
-        return checkpointing.snapshot(self, Path(dirpath), keep, overlap, self._snapshot_rng)
+        folder = dirpath if isinstance(dirpath, Path) else Path(dirpath)
+        return checkpointing.snapshot(self, folder, keep, overlap, self._snapshot_rng)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return checkpointing.resolve(self, ckpt_path)

@@ -73,19 +73,25 @@ class RngCapture:
     """:func:`capture_rng_state` for every step (snapshots). NumPy's ``get_state()`` is most of the cost and
     the global NumPy generator is seldom used during training, so its state is read again only when its
     raw words changed, or when it held a cached Gaussian (which a call can consume without touching the
-    words); otherwise the previous capture is the state, exactly."""
+    words); otherwise the previous capture is the state, exactly. Python's words are converted again only
+    when they differ from the previous capture's. The tensors returned are shared between captures: read
+    them, do not change them."""
 
     def __init__(self) -> None:
         self._words: bytes | None = None
         self._numpy: dict[str, Any] | None = None
+        self._python: tuple[Any, ...] = ()
+        self._python_words = torch.empty(0)
 
     def __call__(self) -> dict[str, Any]:
         words = _numpy_words()
         if words is None or words != self._words or self._numpy is None or self._numpy["has_gauss"]:
             self._numpy, self._words = _numpy_state(), words
-        version, python, gauss = random.getstate()
+        python = random.getstate()
+        if python != self._python:  # comparing 625 ints costs a fifth of converting them
+            self._python, self._python_words = python, torch.from_numpy(np.array(python[1], dtype=np.int64))
         state: dict[str, Any] = {
-            "python": (version, torch.from_numpy(np.array(python, dtype=np.int64)), gauss),
+            "python": (python[0], self._python_words, python[2]),
             "numpy": self._numpy,
             "torch": torch.get_rng_state(),
         }
