@@ -141,17 +141,22 @@ def test_a_slot_being_rewritten_never_counts(folder: Path, monkeypatch: pytest.M
     assert all(torch.equal(a, b) for a, b in zip(at_two, _weights(model, optimizer), strict=True))
 
 
+policies: list[int | None] = []  # the scheduling policy each background commit ran under
+
+
 def _gated(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[float]]:
     """Copy in the background even the small tensors here, and hold every background commit until the event is
-    set; record when each one finished."""
+    set; record when each one finished (and in ``policies``, under which scheduling policy)."""
     monkeypatch.setattr(rank_snapshot, "OVERLAP_BYTES", 0)
     gate, finished = threading.Event(), []
     commit = rank_snapshot.RankSnapshots._commit
+    policies.clear()
 
     def held(self: Any, *args: Any) -> None:
         assert gate.wait(10)
         commit(self, *args)
         finished.append(time.monotonic())
+        policies.append(os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None)
 
     monkeypatch.setattr(rank_snapshot.RankSnapshots, "_commit", held)
     return gate, finished
@@ -168,6 +173,8 @@ def test_the_optimizer_waits_for_the_copy_before_it_steps(folder: Path, monkeypa
     _step(fabric, model, optimizer)  # forward and backward run; optimizer.step() waits for the copy
     stepped = time.monotonic()
     assert finished and finished[0] <= stepped
+    if hasattr(os, "SCHED_IDLE"):  # Linux: the copy takes only cores the training leaves idle
+        assert policies == [os.SCHED_IDLE]
     fabric.load(snapshots.reference(folder.absolute(), 1), {"model": model, "optimizer": optimizer})
     assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model, optimizer), strict=True))
 

@@ -172,6 +172,13 @@ class _Worker:
         self._thread.start()
 
     def _run(self) -> None:
+        # The copy only needs cores the training leaves idle (while it waits in a collective, or between
+        # steps): in the idle scheduling class, it never takes a core from a thread that wants one. It cannot
+        # starve: an optimizer waiting for it sleeps, and the core it frees runs the copy.
+        idle = getattr(os, "SCHED_IDLE", None)
+        if idle is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, idle, os.sched_param(0))  # pid 0: this thread only
         while (job := self._jobs.get()) is not None:
             try:
                 job()
