@@ -119,8 +119,6 @@ class _Slot:
                 if now != before:
                     break
                 same += 1
-            if same == len(table) == len(self.table):
-                return
             start = self.ends[same - 1] if same else self.data_offset
             views, ends = extend(self.buffer, table[same:], start)
             if not ends or ends[-1] <= self.buffer.numel():

@@ -25,7 +25,7 @@ _A = {MODULE: "a module", OPTIMIZER: "an optimizer", STATEFUL: "an object with s
 
 class Entry(NamedTuple):
     """One entry of the user's ``state``: ``obj`` is the user's object behind any Fabric wrapper. (A tuple:
-    sorted on every per-step snapshot, where a frozen dataclass cost a microsecond per entry.)"""
+    built for every entry of every per-step snapshot, where a frozen dataclass cost a microsecond each.)"""
 
     key: str
     kind: str
