@@ -26,6 +26,7 @@ SCRIPTS = {
     "lockstep.py": ["--rounds", "1", "--steps", "60", "--warmup", "10"],
     "checkpoint.py": [],
     "gpu.py": ["--reps", "1", "--steps", "5"],
+    "startup.py": ["--reps", "1"],
 }
 
 

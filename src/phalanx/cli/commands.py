@@ -76,11 +76,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ]
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from phalanx.distributed.launch import AGENT_SIGNALS, handle_preemption_signals_in_agent, new_run_id, report_failure
+    from phalanx.distributed.launch import AGENT_SIGNALS, new_run_id, prepare_agent_process, report_failure
     from phalanx.distributed.preemption import EXIT_PREEMPTED
     from phalanx.distributed.runlogs import RunLogs
 
-    handle_preemption_signals_in_agent()
+    prepare_agent_process()
     # The ranks' stderr goes to a log file (torch's --redirects), shown here without tracebacks; a failure
     # ends with the log's path and the cause (see phalanx.distributed.runlogs).
     logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None)

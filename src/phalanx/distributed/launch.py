@@ -28,6 +28,7 @@ from typing import Any
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
 from phalanx.distributed.runlogs import RunLogs
+from phalanx.utils import exiting
 from phalanx.utils.diagnostics import notice
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
 
@@ -196,9 +197,13 @@ def check_max_restarts(max_restarts: int) -> int:
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def handle_preemption_signals_in_agent() -> None:
-    """For torch versions whose launcher reads the agent's signals from the environment only."""
+def prepare_agent_process() -> None:
+    """What a process does before it runs torch's elastic agent (``fabric.launch``, ``phalanx run``): the
+    agent passes the preemption signals on (set in the environment too, for torch versions whose launcher
+    reads them only there), and the process leaves without the final garbage collection once its ranks
+    are done (it waits for their exit, then its own: see :mod:`phalanx.utils.exiting`)."""
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
+    exiting.freeze_at_exit()
 
 
 def new_run_id() -> str:
@@ -408,7 +413,7 @@ def launch_script(nprocs: int, max_restarts: int = 0) -> int:
 
     command = script_command()
     _threads_per_rank(nprocs)
-    handle_preemption_signals_in_agent()
+    prepare_agent_process()
     logs = RunLogs(new_run_id())
     try:
         with logs:
@@ -462,7 +467,7 @@ def launch_function(
             f"function; {fn!r} is a lambda or nested function."
         )
     _threads_per_rank(nprocs)
-    handle_preemption_signals_in_agent()
+    prepare_agent_process()
     logs = RunLogs(new_run_id())
     try:
         with logs:

@@ -32,6 +32,7 @@ from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_
 from phalanx.fabric.preemption import PreemptionMethods
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 from phalanx.strategies import Strategy
+from phalanx.utils import exiting
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import skipping_init
 from phalanx.utils.seed import seed_everything as _seed_everything
@@ -142,6 +143,7 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         self._launched = True
         # Leave the process group in order at exit, so peers see a clean "exited" instead of a hang.
         atexit.register(self.teardown)
+        exiting.freeze_at_exit()
 
     def _ensure_launched(self) -> None:
         if self._launched:

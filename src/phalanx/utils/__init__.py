@@ -2,7 +2,7 @@
 
 ``errors`` (the exceptions), ``diagnostics`` (how phalanx speaks outside exceptions), ``seed`` (RNG
 capture), ``compat`` (torch APIs that moved between supported versions), ``tensors`` (nested tensor
-helpers). See docs/architecture.md for the layers.
+helpers), ``exiting`` (leaving without the final garbage collection). See docs/architecture.md for the layers.
 """
 
 from phalanx.utils.tensors import apply_to_tensors, move_to_device, optional_module
