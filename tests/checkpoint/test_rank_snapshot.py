@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from torch import nn
 
 import phalanx
 from phalanx.checkpoint import rank_snapshot, snapshots
-from phalanx.utils.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 
 @pytest.fixture
@@ -240,6 +243,57 @@ def test_no_room_in_shared_memory_turns_snapshots_off_with_a_message(
         assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False) is None
     assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, overlap=False) is None
     assert snapshots.complete_steps(folder.absolute()) == {}
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["shared-memory", "checkpoint-files"])
+def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_the_first(
+    folder: Path, in_memory: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two runs in one snapshot folder (one default_root_dir) would overwrite and delete each other's snapshots,
+    # and a restart of one could resume the other's state. The claim is a flock per rank: two Fabrics of this
+    # process hold two open files, so they conflict exactly as two processes do.
+    fabric, model, optimizer = _setup()
+    other, model2, optimizer2 = _setup(seed=5)
+    if not in_memory:  # how DeepSpeed snapshots: checkpoint files written through fabric.save
+        for f in (fabric, other):
+            monkeypatch.setattr(f.strategy, "snapshots_in_memory", False)
+    _step(fabric, model, optimizer)
+    ref = fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
+    expected = _weights(model, optimizer)
+    refusal = (rf"Another Trainer or Fabric of this process \(pid {os.getpid()}\), still running or never torn down, "
+               rf"is writing rank 0's snapshots in "
+               rf"{re.escape(str(folder.absolute()))}: two runs are using one snapshot folder at the same time.*"
+               r"Trainer\(default_root_dir=\.\.\.\) or Snapshot\(dirpath=\.\.\.\)")
+    with pytest.raises(MisconfigurationError, match=refusal):
+        other.save_snapshot({"model": model2, "optimizer": optimizer2}, 7, folder, overlap=False)
+    other.remove_snapshots(folder)  # the refused run ends normally: it deletes nothing of the first one's
+    other._drop_snapshots(failed=False)
+    assert fabric.latest_checkpoint(folder) == ref
+    fabric.load(ref, {"model": model2, "optimizer": optimizer2})
+    assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model2, optimizer2), strict=True))
+
+    fabric.close_snapshots(folder)  # the first run stops unfinished: its snapshot stays, the folder is free
+    assert other.latest_checkpoint(folder) == ref
+    assert other.save_snapshot({"model": model2, "optimizer": optimizer2}, 2, folder, overlap=False) is not None
+    other.remove_snapshots(folder)  # the rerun finishes: the folder is gone
+    assert not folder.exists()
+
+
+def test_a_rank_killed_with_9_lets_go_of_its_folder(folder: Path) -> None:
+    # What a restarted attempt relies on: the kernel drops the claim of a process that ends without cleaning up.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from phalanx.checkpoint.rank_snapshot import FolderClaim; "
+                               f"claim = FolderClaim(__import__('pathlib').Path({str(folder)!r}), 0); "
+                               "print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(phalanx.__file__).parents[1])})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(MisconfigurationError, match=rf"Another process \(pid {holder.pid}\)"):
+            rank_snapshot.FolderClaim(folder, 0)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    rank_snapshot.FolderClaim(folder, 0).release(remove=True)
 
 
 def test_a_snapshot_of_another_world_size_is_refused_with_the_way_out(folder: Path) -> None:

@@ -7,6 +7,7 @@ on exactly once per epoch (at most one step again after a kill), and nothing han
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import re
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,54 @@ def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) ->
     done = run_job(code, tmp_path, timeout=180, env=ENV).check()
     assert "This is restart 1 of the job, and no checkpoint to resume from was found" in done.stderr, done.stderr
     assert "training starts again from step 0" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_second_fit_from_the_same_root_dir_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    # Both runs snapshot into the folder named after default_root_dir. The second is refused at its first
+    # snapshot, naming the first run's process; the first runs on, ends like a run alone and cleans up.
+    code = """
+    import sys, time, phalanx
+    from pathlib import Path
+    from mp import report
+    from trainer_support import Regressor, loader, quiet
+    name, root = sys.argv[1], sys.argv[2]
+    class Pace:  # the first run holds step 2 until the second one has tried
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            Path(f"{name}-at-{trainer.global_step}").touch()
+            deadline = time.monotonic() + 120
+            while name == "first" and trainer.global_step == 2 and not Path("second-done").exists():
+                assert time.monotonic() < deadline, "the second run never finished"
+                time.sleep(0.05)
+    snapshot = phalanx.callbacks.Snapshot()
+    trainer = phalanx.Trainer(**quiet(max_steps=6, default_root_dir=root, callbacks=[snapshot, Pace()]))
+    module = Regressor()
+    trainer.fit(module, loader(48, 6))
+    report(rank=0, folder=str(phalanx.checkpoint.snapshots.default_dir(root)))
+    """
+    root = str(tmp_path / "shared-root")
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent(code))
+    env = {**os.environ, **ENV, "PYTHONPATH": JOB_PYTHONPATH, "PHALANX_TEST_OUT": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, str(script), "first", root], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "first-at-2").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, str(script), "second", root], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+        (tmp_path / "second-done").touch()
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert second.returncode != 0
+    assert re.search(rf"Another process \(pid {first.pid}\) is writing rank 0's snapshots in \S+: two runs are "
+                     r"using one snapshot folder at the same time", second.stderr), second.stderr[-3000:]
+    assert not (tmp_path / "second-at-2").exists()  # refused at its first snapshot, after step 1
+    assert first.returncode == 0, err[-3000:]
+    assert not Path(json.loads((tmp_path / "rank0.json").read_text())["folder"]).exists()  # removed at the end
 
 
 @pytest.mark.slow

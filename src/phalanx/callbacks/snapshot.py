@@ -98,6 +98,9 @@ class Snapshot(Callback):
         if stage != "fit" or folder is None:
             return
         self.snapshot_dirpath = None
-        # Kept when the fit did not finish (a crash, a preemption): that is what a restart resumes from.
-        if not getattr(trainer, "interrupted", False):
+        # Kept when the fit did not finish (a crash, a preemption): that is what a restart resumes from, or a
+        # rerun, which may be a new Trainer in this process (a notebook): the folder is let go of either way.
+        if getattr(trainer, "interrupted", False):
+            trainer.fabric.close_snapshots(folder)
+        else:
             trainer.fabric.remove_snapshots(folder)

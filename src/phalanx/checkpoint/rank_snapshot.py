@@ -24,6 +24,7 @@ what a restart has; a run resumed elsewhere uses the disk checkpoints.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import pickle
@@ -42,13 +43,14 @@ import torch
 from phalanx.checkpoint.snapshot_format import Capture, LocalShard, Reader, Table, data_size, extend
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import CheckpointError
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 VERSION = 2  # 2: every tensor in the data region; the metadata is [head length | head | one pickle per entry]
 #: Below this many bytes of tensors the copy is made before ``write`` returns: a background thread would
 #: cost more in handing over than the copy itself (the copy releases the GIL; everything else holds it).
 OVERLAP_BYTES = 1 << 20
 DATA = re.compile(r"r(?P<rank>\d+)-k(?P<slot>\d+)\.data")
+LOCK = re.compile(r"r(?P<rank>\d+)\.lock")
 MAGIC = b"PHXSNAP1"  # the header's first word, written last: the slot vouches for its contents
 _HEADER = struct.Struct("<8sqqqqqqd")  # magic, version, step, world size, rank, metadata length, data offset, time
 _HEADER_SIZE = 64
@@ -201,6 +203,62 @@ class _Worker:
         self._thread.join()
 
 
+class FolderClaim:
+    """This process's hold on one rank's snapshots in ``folder``, from its first snapshot until :meth:`release`.
+
+    Two runs that snapshot into the same folder at the same time (two fits from one ``default_root_dir``, one
+    Fabric script started twice in one directory) would overwrite each other's slots, delete them when one
+    ends, and a restart of either could resume the other's state: another model, other settings, no error.
+    The claim is an exclusive ``flock`` on ``r<rank>.lock``: the second run is refused at its first
+    snapshot, naming the process that holds the folder. The kernel releases it when the holder ends,
+    however it ends (``kill -9`` included), so a restarted attempt or a rerun claims it again at once.
+    """
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.path = folder / f"r{rank:05d}.lock"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            who = (f"Another Trainer or Fabric of this process (pid {holder}), still running or never torn down,"
+                   if holder == str(os.getpid()) else f"Another process (pid {holder})")
+            raise MisconfigurationError(
+                f"{who} is writing rank {rank}'s snapshots in {folder}: two runs are using one snapshot folder at "
+                "the same time, and would overwrite each other's snapshots. Give each run its own folder: its own "
+                "Trainer(default_root_dir=...) or Snapshot(dirpath=...), or for Fabric "
+                "fabric.save_snapshot(..., directory=...)."
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd: int | None = fd
+
+    @classmethod
+    def attempt(cls, folder: Path, rank: int) -> FolderClaim | None:
+        """The claim, or None while another process holds it (or the folder does not exist)."""
+        if not folder.is_dir():
+            return None
+        try:
+            return cls(folder, rank)
+        except MisconfigurationError:
+            return None
+
+    def release(self, remove: bool = False) -> None:
+        """Let go of the folder (``remove``: delete the lock file first, while still holding it)."""
+        if self._fd is None:
+            return
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
 class TornSnapshot(RuntimeError):
     """A tensor copied in the background changed before its copy finished; that snapshot was not kept."""
 
@@ -231,11 +289,12 @@ class RankSnapshots:
         self._pending = False
         self._error: BaseException | None = None  # from a write that failed in the background
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        self._claim: FolderClaim | None = None
 
     def _scan(self) -> None:
         """Adopt what an earlier attempt left: the next write goes to the slot with the oldest step, never
         over the one a restart resumed from."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._claim = FolderClaim(self.folder, self.rank)  # refused while another run writes here
         for slot in self._slots:
             header = read_header(slot.path)
             slot.step = header.step if header is not None and header.world_size == self.world_size else -1
@@ -327,8 +386,9 @@ class RankSnapshots:
                 raise
             self._error = err
 
-    def close(self) -> None:
-        """Finish the write in flight and let go of the optimizers and the worker thread."""
+    def close(self, release: bool = True) -> None:
+        """Finish the write in flight and let go of the optimizers, the worker thread and (``release``) the
+        folder."""
         try:
             self.wait()
         finally:
@@ -338,6 +398,9 @@ class RankSnapshots:
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
+            if self._claim is not None and release:
+                self._claim.release()
+                self._claim = None
 
     # ------------------------------------------------------------------ reading
     def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -376,14 +439,22 @@ class RankSnapshots:
     # ------------------------------------------------------------------ cleaning up
     def remove(self) -> None:
         """Finish the write in flight, then delete this rank's files (rank 0: also those of ranks beyond this
-        job's); the last rank to leave removes the folder. No collective: no rank waits for another."""
+        job's); the last rank to leave removes the folder. Nothing is deleted while another run holds this
+        rank's part of the folder. No collective: no rank waits for another."""
         try:
-            self.close()
+            self.close(release=False)  # the folder stays claimed while its files go
         finally:
-            for entry in list(self.folder.iterdir()) if self.folder.is_dir() else []:
-                m = DATA.fullmatch(entry.name)
-                if m and (int(m["rank"]) == self.rank or (self.rank == 0 and int(m["rank"]) >= self.world_size)):
-                    with contextlib.suppress(FileNotFoundError):
-                        entry.unlink()
+            claim = self._claim or FolderClaim.attempt(self.folder, self.rank)
+            self._claim = None
+            if claim is not None:
+                for entry in list(self.folder.iterdir()):
+                    m = DATA.fullmatch(entry.name) or LOCK.fullmatch(entry.name)
+                    if m is None:
+                        continue
+                    rank = int(m["rank"])  # this rank's lock file goes with its claim, below
+                    if (rank == self.rank and m.re is DATA) or (self.rank == 0 and rank >= self.world_size):
+                        with contextlib.suppress(FileNotFoundError):
+                            entry.unlink()
+                claim.release(remove=True)
             with contextlib.suppress(OSError):  # not empty: another rank is still writing; it removes it
                 self.folder.rmdir()

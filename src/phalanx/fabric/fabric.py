@@ -98,6 +98,7 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
         self._preemption, self._stop, self._snapshot_folders = PreemptionSignals(preemption_signals), None, {}
+        self._snapshot_claims = {}
         self._strategy = configured_strategy(self._init_kwargs)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from phalanx import checkpoint
 from phalanx.checkpoint import snapshots
-from phalanx.checkpoint.rank_snapshot import RankSnapshots
+from phalanx.checkpoint.rank_snapshot import FolderClaim, RankSnapshots
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
 from phalanx.utils import diagnostics
@@ -37,6 +37,8 @@ class PreemptionMethods:
     #: Per folder: this rank's shared-memory slots, or the checkpoint snapshots written (a list; empty when
     #: shared-memory snapshots were turned off after a failed write).
     _snapshot_folders: dict[Path, RankSnapshots | list[Path]]
+    #: Per folder of checkpoint snapshots: this rank's hold on it (RankSnapshots holds its own).
+    _snapshot_claims: dict[Path, FolderClaim]
 
     if TYPE_CHECKING:
         def _ensure_launched(self) -> None: ...
@@ -143,8 +145,8 @@ class PreemptionMethods:
         kept.overlap = overlap
         try:
             return snapshots.write(strategy, kept, step, state)
-        except CheckpointError:
-            raise  # the state itself cannot be snapshotted: the same on every rank, and the user's to fix
+        except (CheckpointError, MisconfigurationError):
+            raise  # the state cannot be snapshotted, or another run writes this folder: the user's to fix
         except (OSError, RuntimeError) as err:  # no room in shared memory, a mapping refused; not a bad state
             # This rank's earlier snapshots stay: a step counts only where every rank completed it, which the
             # ranks still writing soon overwrite, so a restart resumes from the newest state all ranks share.
@@ -158,10 +160,13 @@ class PreemptionMethods:
 
     def _snapshot_as_checkpoint(self, folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
         """A strategy whose state only its engine can read and write snapshots through checkpoint files."""
-        written = self._snapshot_folders.setdefault(folder, [])
+        written = self._snapshot_folders.get(folder, [])
         if isinstance(written, RankSnapshots):
             raise MisconfigurationError(f"{folder} holds shared-memory snapshots; give checkpoint snapshots another "
                                         "folder.")
+        if folder not in self._snapshot_claims:  # refused while another run writes here
+            self._snapshot_claims[folder] = FolderClaim(folder, self._strategy.global_rank)
+            self._snapshot_folders[folder] = written
         if not written and self._strategy.global_rank == 0:
             diagnostics.notice(f"Snapshots under strategy {self._strategy.name!r} are checkpoints written through its "
                                "engine (collectives and a file per snapshot), not shared-memory copies: take them less "
@@ -186,20 +191,36 @@ class PreemptionMethods:
         complete: each rank removes its own part, the last one the folder (no collective)."""
         folder = self._snapshot_folder(directory)
         kept = self._snapshot_folders.pop(folder, None)
+        claim = self._snapshot_claims.pop(folder, None)
         if isinstance(kept, RankSnapshots):
             _finish(kept, remove=True)
         elif self._strategy.global_rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+            claim = claim or FolderClaim.attempt(folder, 0)
+            if claim is not None:  # nothing is deleted while another run writes there
+                shutil.rmtree(folder, ignore_errors=True)
+        if claim is not None:
+            claim.release()
+
+    def close_snapshots(self, directory: str | Path | None = None) -> None:
+        """Complete this rank's last snapshot in ``directory`` (default: :attr:`snapshot_dir`) and let go of the
+        folder, keeping its snapshots: what a run that did not finish leaves for its restart or rerun, which
+        may be another Trainer or Fabric in this same process (no collective)."""
+        folder = self._snapshot_folder(directory)
+        kept = self._snapshot_folders.pop(folder, None)
+        claim = self._snapshot_claims.pop(folder, None)
+        if isinstance(kept, RankSnapshots):
+            _finish(kept, remove=False)
+        if claim is not None:
+            claim.release()
 
     def _drop_snapshots(self, failed: bool) -> None:
         """At the end of the job: snapshots are only for restarting a run that did not finish, so they are
         removed after a success and completed (for the restart) after a failure."""
-        for folder, kept in list(self._snapshot_folders.items()):
-            if not failed:
+        for folder in list(self._snapshot_folders):
+            if failed:
+                self.close_snapshots(folder)
+            else:
                 self.remove_snapshots(folder)
-            elif isinstance(kept, RankSnapshots):
-                _finish(kept, remove=False)
-        self._snapshot_folders.clear()
 
     def _snapshot_folder(self, directory: str | Path | None) -> Path:
         if isinstance(directory, Path) and directory.is_absolute():
