@@ -220,6 +220,8 @@ class FolderClaim:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)  # what a refused run names
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
@@ -231,11 +233,9 @@ class FolderClaim:
                 "Trainer(default_root_dir=...) or Snapshot(dirpath=...), or for Fabric "
                 "fabric.save_snapshot(..., directory=...)."
             ) from None
-        except BaseException:
+        except BaseException:  # the fd (and a lock taken) must not outlive a failed claim
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd: int | None = fd
 
     @classmethod
