@@ -96,7 +96,7 @@ def main() -> None:
         devices=args.devices,
         strategy="ddp",
         max_epochs=args.epochs,
-        callbacks=[finder, checkpoint, Snapshot(every_n_train_steps=1), PrintEpoch()],
+        callbacks=[finder, checkpoint, Snapshot(), PrintEpoch()],
         max_restarts=args.max_restarts,
         logger=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         enable_progress_bar=not args.no_progress_bar,

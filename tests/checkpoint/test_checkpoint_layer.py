@@ -53,7 +53,7 @@ def test_checkpoint_package_never_imports_strategies_and_deepspeed_files_do_not_
         return out
 
     src = REPO / "src" / "phalanx"
-    for path in (src / "checkpoint").glob("*.py"):
+    for path in (src / "checkpoint").rglob("*.py"):
         assert not [m for m in imports(path) if m.startswith("phalanx.strategies")], path
         if path.name != "__init__.py":  # a module of the package never goes through its own __init__
             assert "phalanx.checkpoint" not in imports(path), path

@@ -44,7 +44,7 @@ while state["step"] < 20:
     optimizer.zero_grad()
     state["step"] += 1
     if mode == "kill":
-        fabric.save_snapshot(state, state["step"])  # per step, in /dev/shm: a restart loses nothing
+        fabric.save_snapshot(state, state["step"], every_n_steps=1)  # per step, in /dev/shm: a restart loses nothing
     if fabric.global_rank == signal_rank and state["step"] == signal_step:
         if mode == "kill" and fabric.restart_count == 0:
             os._exit(9)  # like kill -9: no cleanup at all
@@ -110,7 +110,7 @@ def test_kill_9_under_max_restarts_resumes_from_the_snapshot(
     why = f"{strategy}: kill -9 of rank {rank} after step {step}"
     assert job.returncode == 0, (why, job.output[-3000:])
     # Small states are copied before save_snapshot returns, so nothing is recomputed (a large state's copy
-    # overlaps the next step; losing it costs one step: tests/checkpoint/test_rank_snapshot.py).
+    # overlaps the next step; losing it costs one step: tests/checkpoint/test_snapshot_writer.py).
     assert job.reports[0]["attempt"] == 1 and job.reports[0]["resumed_at"] == step, (why, job.reports)
     assert "snapshot-step=" in job.reports[0]["resumed_from"]
     assert job.reports[0]["weights"] == expected, why  # bit-identical, no step lost

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mp import REPO
 
-from phalanx.checkpoint import snapshots
+from phalanx.checkpoint import snapshot
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -121,9 +121,9 @@ def test_main_job_survives_kill_9_of_a_rank(tmp_path: Path) -> None:
     expected = plain.stdout.split("final validation accuracy ")[1].split(" ")[0]
     proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train_digits.py"), *args], cwd=tmp_path / "b",
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    folder = snapshots.default_dir(tmp_path / "b" / "runs" / "train_digits")
+    folder = snapshot.default_dir(tmp_path / "b" / "runs" / "train_digits")
     deadline = time.monotonic() + 300
-    while not any(step >= 30 for step in snapshots.complete_steps(folder)):
+    while not any(step >= 30 for step in snapshot.complete_steps(folder)):
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before step 30"
         time.sleep(0.05)
     ranks = _children(proc.pid)

@@ -257,12 +257,12 @@ def test_metric_state_survives_resume_mid_epoch(tmp_path: Path, style: str) -> N
 @pytest.mark.parametrize("style", ["manual", "object"])
 def test_metric_state_survives_a_restart_from_a_per_step_snapshot(tmp_path: Path, style: str) -> None:
     from phalanx.callbacks import Snapshot
-    from phalanx.checkpoint import snapshots
-    from phalanx.checkpoint.rank_snapshot import RankSnapshots
+    from phalanx.checkpoint import snapshot
+    from phalanx.checkpoint.snapshot import RankSnapshots
 
     def fit(tmp: Path, stop_at: int | None = None, ckpt_path: Any = None) -> Any:
         phalanx.seed_everything(11)
-        callbacks: list[Any] = [Snapshot(dirpath=tmp / "snapshots")]
+        callbacks: list[Any] = [Snapshot(every_n_train_steps=1, dirpath=tmp / "snapshots")]
         if stop_at is not None:
             callbacks.insert(0, StopAt(stop_at))  # before the Snapshot: the newest one is of the step before
         trainer = phalanx.Trainer(max_epochs=2, callbacks=callbacks, **quiet())
@@ -274,11 +274,11 @@ def test_metric_state_survives_a_restart_from_a_per_step_snapshot(tmp_path: Path
     with pytest.raises(Interrupt):
         fit(tmp_path / "cut", stop_at=20)  # 16 steps per epoch: the snapshot of step 19 is 3 batches into epoch 2
     folder = (tmp_path / "cut" / "snapshots").absolute()
-    assert max(snapshots.complete_steps(folder)) == 19
+    assert max(snapshot.complete_steps(folder)) == 19
     saved, _ = RankSnapshots(folder, 0, 1).read(19)
     metrics = saved["rank_states"][0]["metrics"]  # the torchmetrics state, in the snapshot's data region
     assert metrics["train_acc"]["update_count"] == 3 and metrics["train_seen"]["update_count"] == 3
-    resumed_trainer, resumed_model = fit(tmp_path / "cut", ckpt_path=snapshots.reference(folder, 19))
+    resumed_trainer, resumed_model = fit(tmp_path / "cut", ckpt_path=snapshot.reference(folder, 19))
     assert torch.equal(flat(resumed_model), flat(full_model))
     full = {k: float(v) for k, v in full_trainer.callback_metrics.items()}
     assert {k: float(v) for k, v in resumed_trainer.callback_metrics.items()} == full

@@ -579,7 +579,7 @@ m = make_model()
 model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
 for _ in range(2):
     one_more_step(fabric, model, opt)
-ref = fabric.save_snapshot({"model": model, "optimizer": opt, "step": 2}, 2, "snapshots")
+ref = fabric.save_snapshot({"model": model, "optimizer": opt, "step": 2}, 2, "snapshots", every_n_steps=1)
 saved_params, saved_opt = full_params(model), opt_state(model, opt)
 one_more_step(fabric, model, opt)
 expected_next = full_params(model)

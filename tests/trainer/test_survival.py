@@ -152,7 +152,7 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
     assert "Restart 1 of at most 1 after a rank failed: resumed from " in done.stderr, (why, done.stderr[-3000:])
     # Nothing recomputed: the restart resumed from the snapshot of the step the rank died after. (These states
     # are small, so the copy was complete before the callback returned; a large state's copy overlaps the next
-    # step, and losing it costs one step: tests/checkpoint/test_rank_snapshot.py.) Shared-memory snapshots are
+    # step, and losing it costs one step: tests/checkpoint/test_snapshot_writer.py.) Shared-memory snapshots are
     # named by a reference; under DeepSpeed they are checkpoint files.
     assert re.search(rf"snapshot-step={step:09d}(\.ckpt)? at step {step}\b", done.stderr), (why, done.stderr[-3000:])
     assert done.reports[0]["weights"] == expected, why
@@ -198,11 +198,11 @@ def test_a_second_fit_from_the_same_root_dir_is_refused_while_the_first_runs(tmp
             while name == "first" and trainer.global_step == 2 and not Path("second-done").exists():
                 assert time.monotonic() < deadline, "the second run never finished"
                 time.sleep(0.05)
-    snapshot = phalanx.callbacks.Snapshot()
+    snapshot = phalanx.callbacks.Snapshot(every_n_train_steps=1)
     trainer = phalanx.Trainer(**quiet(max_steps=6, default_root_dir=root, callbacks=[snapshot, Pace()]))
     module = Regressor()
     trainer.fit(module, loader(48, 6))
-    report(rank=0, folder=str(phalanx.checkpoint.snapshots.default_dir(root)))
+    report(rank=0, folder=str(phalanx.checkpoint.snapshot.default_dir(root)))
     """
     root = str(tmp_path / "shared-root")
     script = tmp_path / "fit.py"

@@ -1,11 +1,14 @@
-"""Per-step snapshots in node-local shared memory, so a crashed rank costs at most the step in flight.
+"""Frequent snapshots in node-local shared memory, so a crashed rank costs only the steps since the last one.
 
 Periodic disk checkpoints lose up to their interval when a rank dies; writing one to a shared file
 system every step costs too much. A snapshot holds what a Trainer checkpoint holds, but each rank copies
 its own part into ``/dev/shm`` (memory: it outlives the processes, not the node) with plain memory copies
-and no collective (:mod:`phalanx.checkpoint.rank_snapshot`), every ``every_n_train_steps`` steps; each is
-complete or ignored, and the newest ``keep`` are kept. (Under DeepSpeed, whose state only its engine can
-read, a snapshot is a checkpoint written through the engine, and costs what one costs.)
+and no collective, overlapping the next step (:mod:`phalanx.checkpoint.snapshot`); each is complete or
+ignored, and the newest ``keep`` are kept. How often: by default as often as ``max_overhead`` of the run's
+time allows, measured as the run goes (:class:`phalanx.checkpoint.snapshot.Cadence`), or every
+``every_n_train_steps`` steps when that is an int. (Under DeepSpeed, whose state only its engine can read,
+a snapshot is a checkpoint written through the engine, and costs what one costs: "auto" takes that into
+account.)
 
 A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
 resumes from the newest complete state among snapshots and checkpoints, the same one on every rank
@@ -24,42 +27,59 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from phalanx.callbacks.base import Callback
-from phalanx.checkpoint import snapshots
+from phalanx.checkpoint import snapshot
+from phalanx.checkpoint.snapshot import Cadence
+from phalanx.fabric.anomaly import NonFiniteError
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
 
+
 class Snapshot(Callback):
     """Write a complete, resumable snapshot of the fit to node-local shared memory every few steps.
 
     Args:
-        every_n_train_steps: snapshot after every this many optimizer steps (1: after every step).
-        dirpath: where (default: under ``/dev/shm``, see :func:`phalanx.checkpoint.snapshots.default_dir`,
+        every_n_train_steps: ``"auto"`` (the default): as often as ``max_overhead`` allows, measured during the
+            fit, the same steps on every rank; the choice is said once, and this attribute then holds the number
+            of steps in effect. An int: after every this many optimizer steps (1: after every step).
+        max_overhead: under ``"auto"``, the share of the fit's time snapshots may cost (0.05: 5 %).
+        dirpath: where (default: under ``/dev/shm``, see :func:`phalanx.checkpoint.snapshot.default_dir`,
             named after the run's ``default_root_dir``); any folder works, but
             one on a network file system costs what a disk checkpoint costs.
         keep: how many of the newest snapshots to keep (at least 1; 2 keeps one complete snapshot even
             while the next is written).
-        overlap: copy the parameters and optimizer state in the background while the next batch runs
-            forward and backward (the optimizer waits for the copy before it steps). A rank killed
-            before the copy ends loses that snapshot, so a restart recomputes at most one more step.
+        overlap: copy the parameters and optimizer state while the next batch runs forward and backward (the
+            optimizer waits for the copy before it steps: on a GPU, on the device). A rank killed before the copy
+            ends loses that snapshot, so a restart recomputes the steps since the one before.
             ``False``: copied before the callback returns.
     """
 
     skip_in_fast_dev_run: ClassVar[bool] = True
 
-    def __init__(self, every_n_train_steps: int = 1, dirpath: str | Path | None = None, keep: int = 2,
-                 overlap: bool = True) -> None:
-        if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
-            raise MisconfigurationError(f"Snapshot(every_n_train_steps={every_n_train_steps!r}): give an int >= 1.")
+    def __init__(self, every_n_train_steps: int | str = "auto", dirpath: str | Path | None = None, keep: int = 2,
+                 overlap: bool = True, max_overhead: float = 0.05) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise MisconfigurationError(f"Snapshot(keep={keep!r}): keep at least 1 snapshot.")
-        self.every_n_train_steps, self.keep, self.overlap = every_n_train_steps, keep, overlap
+        try:
+            self._cadence = Cadence(every_n_train_steps, max_overhead)
+        except MisconfigurationError as err:
+            raise MisconfigurationError(f"Snapshot: {err} (every_n_train_steps is every_n_steps here)") from None
+        self.keep, self.overlap = keep, overlap
         self._given = Path(dirpath).absolute() if dirpath is not None else None
         #: The folder in use during a fit (None when snapshots are off): where a restart looks.
         self.snapshot_dirpath: Path | None = None
-        self._last_step = -1
+
+    @property
+    def every_n_train_steps(self) -> int | None:
+        """Steps between snapshots: the int given, or under "auto" the one chosen (None before the first)."""
+        return self._cadence.every_n_steps
+
+    @property
+    def cadence(self) -> Cadence:
+        """The decision and what it was made on (step and snapshot time, see :class:`Cadence`)."""
+        return self._cadence
 
     def setup(self, trainer: Any, module: Module, stage: str) -> None:
         if stage != "fit":
@@ -71,8 +91,8 @@ class Snapshot(Callback):
                 rank=trainer.global_rank,
             )
             return
-        folder = self._given or snapshots.default_dir(trainer.default_root_dir)
-        if not snapshots.usable(folder):
+        folder = self._given or snapshot.default_dir(trainer.default_root_dir)
+        if not snapshot.usable(folder):
             diagnostics.notice(
                 f"Snapshot is off: {folder} cannot be written (no node-local shared memory here?). Restarts resume "
                 "from the disk checkpoints; pass Snapshot(dirpath=...) to snapshot elsewhere.",
@@ -80,18 +100,24 @@ class Snapshot(Callback):
             )
             return
         self.snapshot_dirpath = folder
-        self._last_step = -1
+        if self._cadence.auto:  # measured anew for each fit
+            self._cadence = Cadence("auto", self._cadence.max_overhead)
 
     def on_train_batch_end(
         self, trainer: Any, module: Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
         folder = self.snapshot_dirpath
-        due = step > 0 and step % self.every_n_train_steps == 0 and step != self._last_step
-        if folder is None or trainer.in_window or not due:
+        if folder is None or trainer.in_window or trainer.global_step == 0:
             return
-        self._last_step = step
-        trainer.save_snapshot(folder, self.keep, self.overlap)  # every rank, its own part; complete or ignored
+        # Every rank, every step (the cadence measures the steps); each writes its own part when one is due.
+        trainer.save_snapshot(folder, self.keep, self.overlap, self._cadence, self._cadence.max_overhead)
+
+    def on_exception(self, trainer: Any, module: Module, exception: BaseException) -> None:
+        folder = self.snapshot_dirpath
+        if folder is not None and isinstance(exception, NonFiniteError):
+            # Losses are read late on a GPU: snapshots taken since the non-finite one may hold its effect.
+            self.snapshot_dirpath = None
+            trainer.fabric.remove_snapshots(folder)
 
     def teardown(self, trainer: Any, module: Module, stage: str) -> None:
         folder = self.snapshot_dirpath

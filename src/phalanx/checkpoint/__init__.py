@@ -12,7 +12,7 @@ from phalanx.checkpoint.layer import (
     remove,
     save,
 )
-from phalanx.checkpoint.snapshots import latest
+from phalanx.checkpoint.newest import finished_at, latest
 
 __all__ = [
     "MARKER",
@@ -21,6 +21,7 @@ __all__ = [
     "check_plain",
     "consolidate",
     "find",
+    "finished_at",
     "latest",
     "load",
     "load_raw",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import phalanx.checkpoint.checksums as checksums
-import phalanx.checkpoint.snapshots as snapshots
+import phalanx.checkpoint.snapshot as snapshot
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.format import (
     FORMAT_VERSION,
@@ -131,8 +131,8 @@ def _incomplete(path: Path) -> str:
 
 def find(path: str | Path) -> Found | None:
     """Whether a checkpoint exists at ``path`` and is complete (no process group needed; reads no data)."""
-    if snapshots.is_reference(path):
-        return Found(Path(path), False, snapshots.problem_with(Path(path)))
+    if snapshot.is_reference(path):
+        return Found(Path(path), False, snapshot.problem_with(Path(path)))
     located = storage.locate(Path(path))
     if located is None:
         return None
@@ -368,10 +368,10 @@ def load(
     them, as full tensors, when ``state`` is None)."""
     path = Path(path)
     host.barrier("load")
-    if snapshots.is_reference(path):
+    if snapshot.is_reference(path):
         # Each rank reads its own part: a snapshot is only ever restored on the topology that wrote it.
         return _together(host, "load (finish)", f"Loading the snapshot {path}",
-                         lambda: snapshots.restore(host, path, state or {}, strict))
+                         lambda: snapshot.restore(host, path, state or {}, strict))
     if state is None:
         # Each rank reads everything for itself; nothing to agree on but the end.
         everything = _together(host, "load (finish)", f"Loading {path}",

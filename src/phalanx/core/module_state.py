@@ -236,25 +236,27 @@ def metrics_of(module: nn.Module) -> list[tuple[str, Any]]:
     return [(name, m) for name, m in module.named_modules() if is_metric(m)]
 
 
-def _to_plain(value: Any) -> Any:
+def _to_plain(value: Any, host: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
+        return value.detach().to("cpu" if host else value.device, copy=True)
     if isinstance(value, list):
-        return [_to_plain(v) for v in value]
+        return [_to_plain(v, host) for v in value]
     raise CheckpointError(
         f"A metric state holds a {type(value).__name__}; phalanx checkpoints metric states that are tensors or "
         "lists of tensors (what torchmetrics' add_state allows)."
     )
 
 
-def metric_states(module: nn.Module) -> dict[str, Any]:
+def metric_states(module: nn.Module, host: bool = True) -> dict[str, Any]:
     """This rank's state of every Metric in ``module``: tensors, lists of tensors and ints only (so the
     checkpoint opens with ``weights_only=True``). Metric state is not part of ``state_dict`` (torchmetrics
-    registers it non-persistent), yet a run resumed mid-epoch needs it to end with the same epoch value."""
+    registers it non-persistent), yet a run resumed mid-epoch needs it to end with the same epoch value.
+    ``host``: copies on the CPU (a checkpoint); otherwise copies where they are (a snapshot copies device
+    tensors itself, without a host wait)."""
     out: dict[str, Any] = {}
     for path, metric in metrics_of(module):
         out[path] = {
-            "states": {name: _to_plain(getattr(metric, name)) for name in metric._defaults},
+            "states": {name: _to_plain(getattr(metric, name), host) for name in metric._defaults},
             "update_count": int(metric._update_count),
         }
     return out

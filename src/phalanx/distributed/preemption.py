@@ -9,7 +9,9 @@ So a signal is only *recorded* here (the handler does nothing else: it may run b
 bytecodes, even inside a collective's Python wrapper). The training loop asks at each optimizer-step
 boundary whether any rank received one (:meth:`PreemptionSignals.agree`, one all-reduce of two
 integers, skipped on a single process); every rank gets the same answer at the same step, so they
-all save one checkpoint together and exit with :data:`EXIT_PREEMPTED`.
+all save one checkpoint together and exit with :data:`EXIT_PREEMPTED`. Where the all-reduce runs on a
+GPU, its answer is read :data:`AGREEMENT_LAG` steps later (:meth:`PreemptionSignals.agree_late`), still
+the same step on every rank, so asking never makes the GPU wait.
 
 A second signal while that checkpoint is written is recorded and otherwise ignored: the save
 finishes (it is atomic either way: an interrupted save never replaces the previous checkpoint).
@@ -23,12 +25,14 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.late_reads import LateRead
 
 #: The exit code of every rank (and of phalanx's launchers) after a preemption checkpoint was written:
 #: sysexits' EX_TEMPFAIL, "a temporary failure; the user is invited to retry". Not 0, so a scheduler does
@@ -38,6 +42,8 @@ EXIT_PREEMPTED = 75
 #: The signals treated as preemption unless configured otherwise (``PHALANX_PREEMPTION_SIGNALS``,
 #: comma-separated names, or ``none``).
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: Calls between starting an agreement on a device and reading it (:meth:`PreemptionSignals.agree_late`).
+AGREEMENT_LAG = 2
 SIGNALS_VARIABLE = "PHALANX_PREEMPTION_SIGNALS"
 
 
@@ -90,6 +96,7 @@ class PreemptionSignals:
         self.count = 0
         self.active = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._pending: deque[LateRead] = deque()  # agreements started, not read yet (agree_late)
 
     def install(self) -> bool:
         if self.active or not self.signals or threading.current_thread() is not threading.main_thread():
@@ -115,15 +122,28 @@ class PreemptionSignals:
             self.received = signal.Signals(signum)
             self.received_at = time.monotonic()
 
+    def _mine(self, rank: int, world_size: int) -> list[int]:
+        return [int(self.received) if self.received is not None else 0,
+                world_size - rank if self.received is not None else 0]  # max picks the lowest such rank
+
+    @staticmethod
+    def _stop(agreed: list[int], world_size: int) -> Stop | None:
+        return Stop(signal.Signals(agreed[0]), world_size - agreed[1]) if agreed[0] else None
+
     def agree(self, rank: int, world_size: int, max_across_ranks: Callable[[list[int]], list[int]]) -> Stop | None:
         """Whether any rank received a signal, the same answer on every rank (a collective when
         ``world_size > 1``: every rank must call it at the same point)."""
-        mine = [int(self.received) if self.received is not None else 0,
-                world_size - rank if self.received is not None else 0]  # max picks the lowest such rank
-        agreed = max_across_ranks(mine) if world_size > 1 else mine
-        if agreed[0] == 0:
+        mine = self._mine(rank, world_size)
+        return self._stop(max_across_ranks(mine) if world_size > 1 else mine, world_size)
+
+    def agree_late(self, rank: int, world_size: int, start: Callable[[list[int]], LateRead]) -> Stop | None:
+        """:meth:`agree` without reading a device value now: each call starts the agreement on this call's
+        signals and reads the one started :data:`AGREEMENT_LAG` calls earlier (long complete: the read never
+        drains the device's queue). The same answer on every rank, :data:`AGREEMENT_LAG` calls later."""
+        self._pending.append(start(self._mine(rank, world_size)))
+        if len(self._pending) <= AGREEMENT_LAG:
             return None
-        return Stop(signal.Signals(agreed[0]), world_size - agreed[1])
+        return self._stop([int(v) for v in self._pending.popleft().values()], world_size)
 
 
 def requeue_slurm_job(log: Callable[[str], None]) -> bool:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from phalanx.utils.errors import PhalanxError, PhalanxWarning
+from phalanx.utils.late_reads import LateRead, defers_host_reads
 
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
@@ -143,13 +144,14 @@ class LossWatch:
 
     Without it, a non-finite loss trains the weights to nan with no message and exit code 0. A scalar loss
     on the CPU is checked at once (reading a CPU value costs a fraction of a microsecond and waits for
-    nothing). Elsewhere (a GPU), each ``fabric.backward`` only keeps a detached reference to its loss: no
-    device work and no sync on the per-step path. Every ``every`` calls the kept losses are stacked and
-    copied to pinned host memory asynchronously, and the copy is read at a later check once the device has
-    got there (an event says so), so the training loop never waits for the GPU; a nan is reported within
-    about ``2 * every`` steps. The first non-finite loss is reported once, as a warning naming this rank and
-    the backward call (counted from 1); whatever is pending is checked when the Fabric tears down.
-    ``Fabric(detect_anomaly=True)`` replaces this with a check that stops the run.
+    nothing). Elsewhere (a GPU; a CPU under ``PHALANX_DEFER_HOST_READS=1``), each ``fabric.backward`` only
+    keeps a detached reference to its loss: no device work and no sync on the per-step path. Every ``every``
+    calls the kept losses are stacked and copied to the host in the background
+    (:class:`phalanx.utils.late_reads.LateRead`), and looked at once they have arrived, so the training loop
+    never waits for the GPU; a nan is reported within about ``2 * every`` steps. The first non-finite loss is
+    reported once, as a warning naming this rank and the backward call (counted from 1); whatever is pending
+    is checked when the Fabric tears down. ``Fabric(detect_anomaly=True)`` replaces this with a check that
+    stops the run.
     """
 
     def __init__(self, rank: Callable[[], int], every: int = LOSS_CHECK_EVERY) -> None:
@@ -157,8 +159,7 @@ class LossWatch:
         self._every = every
         self._losses: list[torch.Tensor] = []
         self.calls = 0
-        # (loss values on the host, event that says they arrived (None: already there), first call number)
-        self._inflight: list[tuple[torch.Tensor, Any, int]] = []
+        self._inflight: list[tuple[LateRead, int]] = []  # (the losses on their way, first call number)
         self.reported = False
 
     def record(self, loss: torch.Tensor) -> None:
@@ -166,7 +167,7 @@ class LossWatch:
         self.calls += 1
         if self.reported:
             return
-        if loss.is_cpu and type(loss) is torch.Tensor and loss.numel() == 1:
+        if type(loss) is torch.Tensor and loss.numel() == 1 and not defers_host_reads(loss.device):
             if not math.isfinite(loss.item()):
                 self._report([self.calls], self.calls, self.calls)
             return
@@ -192,25 +193,15 @@ class LossWatch:
             for t in losses
         ]
         device = values[0].device
-        stacked = torch.stack([v.to(device) for v in values])
-        if device.type == "cuda":
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._inflight.append((host, event, first))
-        else:
-            self._inflight.append((stacked, None, first))
+        self._inflight.append((LateRead(torch.stack([v.to(device) for v in values])), first))
 
     def _poll(self, block: bool) -> None:
         while self._inflight and not self.reported:
-            host, event, first = self._inflight[0]
-            if event is not None:
-                if not block and not event.query():
-                    return
-                event.synchronize()
+            read, first = self._inflight[0]
+            if not block and not read.ready():
+                return
             self._inflight.pop(0)
-            values = host.tolist()
+            values = read.values()
             bad = [first + i for i, value in enumerate(values) if not math.isfinite(value)]
             if bad:
                 self._report(bad, first, first + len(values) - 1)

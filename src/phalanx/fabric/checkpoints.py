@@ -19,6 +19,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.fabric.snapshots import Snapshots
     from phalanx.strategies import Strategy
 
 
@@ -45,8 +46,7 @@ class CheckpointMethods:
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
         return self._strategy.save_checkpoint(path, dict(state))
 
-    if TYPE_CHECKING:
-        def _settle_snapshots(self) -> None: ...
+    _snapshots: Snapshots
 
     def load(
         self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
@@ -58,7 +58,7 @@ class CheckpointMethods:
         tensors and plain values; pass False for a trusted file holding other objects (unpickling
         those can run code)."""
         self._ensure_launched()
-        self._settle_snapshots()  # a snapshot copied in the background is complete before anything is loaded
+        self._snapshots.settle()  # a snapshot copied in the background is complete before anything is loaded
         return self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
 
     def load_raw(

@@ -30,6 +30,7 @@ from phalanx.fabric.compiled import unwrap_compiled
 from phalanx.fabric.connector import as_list, configured_strategy
 from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
 from phalanx.fabric.preemption import PreemptionMethods
+from phalanx.fabric.snapshots import Snapshots
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
 from phalanx.strategies import Strategy
 from phalanx.utils import exiting
@@ -97,9 +98,9 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
-        self._preemption, self._stop, self._snapshot_folders = PreemptionSignals(preemption_signals), None, {}
-        self._snapshot_claims = {}
+        self._preemption, self._stop = PreemptionSignals(preemption_signals), None
         self._strategy = configured_strategy(self._init_kwargs)
+        self._snapshots = Snapshots(self._strategy, self.save, self.remove_checkpoint)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
         self._loss_watch = LossWatch(lambda: self.global_rank) if watch else None
@@ -498,6 +499,6 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
                 if callable(finalize):
                     finalize("failed" if failed else "success")
         self._preemption.uninstall()
-        self._drop_snapshots(failed)
+        self._snapshots.end(failed)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

@@ -9,22 +9,21 @@ finds where to continue with ``fabric.latest_checkpoint(directory)``.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from phalanx import checkpoint
-from phalanx.checkpoint import snapshots
-from phalanx.checkpoint.rank_snapshot import FolderClaim, RankSnapshots
+from phalanx.checkpoint import snapshot
+from phalanx.checkpoint.snapshot import Cadence
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
-from phalanx.utils import diagnostics
-from phalanx.utils.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.late_reads import LateRead, defers_host_reads
 
 if TYPE_CHECKING:
+    from phalanx.fabric.snapshots import Snapshots
     from phalanx.strategies import Strategy
 
 
@@ -34,16 +33,10 @@ class PreemptionMethods:
     _strategy: Strategy
     _preemption: PreemptionSignals
     _stop: Stop | None
-    #: Per folder: this rank's shared-memory slots, or the checkpoint snapshots written (a list; empty when
-    #: shared-memory snapshots were turned off after a failed write).
-    _snapshot_folders: dict[Path, RankSnapshots | list[Path]]
-    #: Per folder of checkpoint snapshots: this rank's hold on it (RankSnapshots holds its own).
-    _snapshot_claims: dict[Path, FolderClaim]
+    _snapshots: Snapshots
 
     if TYPE_CHECKING:
         def _ensure_launched(self) -> None: ...
-        def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> Any: ...
-        def remove_checkpoint(self, path: str | Path) -> None: ...
 
     def stop_requested(self) -> bool:
         """True on every rank, at the same call, once any rank received a preemption signal (SIGTERM or
@@ -53,13 +46,18 @@ class PreemptionMethods:
         than one process it is a collective (one all-reduce of two integers). The first call starts
         listening for the signals; until then they keep their default effect (SIGTERM ends the process),
         so a loop that never asks is not left running after its scheduler asked it to stop. Once True, it
-        stays True without communicating again."""
+        stays True without communicating again. Where the collective runs on a GPU, its answer is read two calls
+        later (still the same call on every rank), so asking never makes the GPU wait for the host."""
         self._ensure_launched()
         if self._stop is not None:
             return True
         self._preemption.install()
-        self._stop = self._preemption.agree(self._strategy.global_rank, self._strategy.world_size,
-                                            self._agree_across_ranks)
+        strategy = self._strategy
+        if strategy.world_size > 1 and defers_host_reads(strategy.root_device):
+            self._stop = self._preemption.agree_late(strategy.global_rank, strategy.world_size,
+                                                     self._agree_across_ranks_late)
+        else:
+            self._stop = self._preemption.agree(strategy.global_rank, strategy.world_size, self._agree_across_ranks)
         return self._stop is not None
 
     def release_signals(self) -> None:
@@ -69,6 +67,9 @@ class PreemptionMethods:
 
     def _agree_across_ranks(self, values: list[int]) -> list[int]:
         return self._strategy.max_across_ranks(values, "stop_requested")
+
+    def _agree_across_ranks_late(self, values: list[int]) -> LateRead:
+        return self._strategy.max_across_ranks_late(values, "stop_requested")
 
     @property
     def preemption(self) -> Stop | None:
@@ -101,7 +102,7 @@ class PreemptionMethods:
         sharded directory whose save finished; None when there is none. Interrupted saves are skipped.
         With more than one process, rank 0 decides and every rank gets its answer (call it on every rank)."""
         dirs = [Path(directory), *map(Path, more)]
-        self._settle_snapshots()
+        self._snapshots.settle()
         if self._strategy.num_processes > 1:
             self._ensure_launched()
             world = self._strategy.world_size
@@ -114,113 +115,44 @@ class PreemptionMethods:
     def snapshot_dir(self) -> Path:
         """Where :meth:`save_snapshot` writes by default: node-local shared memory, one folder per script and
         working directory (the same for every attempt of the run)."""
-        return snapshots.default_dir(Path.cwd(), sys.argv[0] if sys.argv and sys.argv[0] else "python")
+        return snapshot.default_dir(Path.cwd(), sys.argv[0] if sys.argv and sys.argv[0] else "python")
 
-    def save_snapshot(self, state: dict[str, Any], step: int, directory: str | Path | None = None,
-                      keep: int = 2, overlap: bool = True) -> Path | None:
-        """Snapshot ``state`` at ``step`` (default: in :attr:`snapshot_dir`), keeping the newest ``keep``: per-step
-        state in node-local memory for restarts, so a crashed rank costs at most the step in flight.
+    def save_snapshot(self, state: dict[str, Any] | Callable[[], dict[str, Any]], step: int,
+                      directory: str | Path | None = None, keep: int = 2, overlap: bool = True,
+                      every_n_steps: int | str | Cadence = "auto", max_overhead: float = 0.05) -> Path | None:
+        """Snapshot ``state`` at ``step`` when one is due (default folder: :attr:`snapshot_dir`), keeping the
+        newest ``keep``: per-step state in node-local memory for restarts, so a crashed rank costs only the
+        steps since the last snapshot.
 
-        Call it on every rank at the same step, between optimizer steps. Each rank copies its own part (a
-        shard stays a shard) into shared memory: no collective, no pickling of tensors, so it is cheap enough
-        for every step (bench/survival.py). The snapshot of a step counts once every rank has written it.
-        With ``overlap`` the parameters and optimizer state are copied in the background during the next
-        forward and backward (each optimizer waits for the copy before it steps; see
-        :class:`phalanx.checkpoint.rank_snapshot.RankSnapshots`); ``overlap=False`` copies before returning.
+        Call it on every rank at every step, between optimizer steps; ``state`` may be a function that builds
+        the dict (called only when a snapshot is due). ``every_n_steps``: an int snapshots when ``step`` is a
+        multiple of it; ``"auto"`` (the default) measures the step and the snapshot and snapshots as often as
+        ``max_overhead`` (a share of the run's time) allows, the same steps on every rank, and says its choice
+        once (:class:`phalanx.checkpoint.snapshot.Cadence`; pass your own Cadence to read it). Each rank copies
+        its own part (a shard stays a shard) into shared memory: no collective, no pickling of tensors. With
+        ``overlap`` the parameters and optimizer state are copied while the next forward and backward run (on
+        a GPU: on a side stream into pinned memory, the next optimizer step waiting on the device), and each
+        optimizer waits for the copy before it steps; ``overlap=False`` copies before returning. The snapshot
+        of a step counts once every rank has written it.
+
         Resume with ``fabric.load(fabric.latest_checkpoint(checkpoint_dir, fabric.snapshot_dir), state)``: the
-        newest complete state among checkpoints and snapshots, on the same topology (same strategy and
-        ranks, same node). Returns the snapshot's reference (a path ``fabric.load`` accepts), or None when
-        this rank could not write it (the message says why; restarts then use the disk checkpoints). The
-        folder is removed when the job ends without an error."""
-        folder = self._snapshot_folder(directory)
-        strategy = self._strategy
-        if not strategy.snapshots_in_memory:
-            return self._snapshot_as_checkpoint(folder, state, step, keep)
-        kept = self._snapshot_folders.get(folder)
-        if kept is None:
-            kept = RankSnapshots(folder, strategy.global_rank, strategy.world_size, keep, overlap)
-            self._snapshot_folders[folder] = kept
-        if not isinstance(kept, RankSnapshots):
-            return None  # turned off on this rank after a failed write
-        kept.overlap = overlap
-        try:
-            return snapshots.write(strategy, kept, step, state)
-        except (CheckpointError, MisconfigurationError):
-            raise  # the state cannot be snapshotted, or another run writes this folder: the user's to fix
-        except (OSError, RuntimeError) as err:  # no room in shared memory, a mapping refused; not a bad state
-            # This rank's earlier snapshots stay: a step counts only where every rank completed it, which the
-            # ranks still writing soon overwrite, so a restart resumes from the newest state all ranks share.
-            with contextlib.suppress(Exception):
-                kept.close()
-            self._snapshot_folders[folder] = []
-            diagnostics.warn(f"Snapshots in {folder} are off on rank {strategy.global_rank}: writing the one of step "
-                             f"{step} failed ({type(err).__name__}: {err}). Restarts resume from the disk checkpoints.",
-                             rank=strategy.global_rank)
-            return None
-
-    def _snapshot_as_checkpoint(self, folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
-        """A strategy whose state only its engine can read and write snapshots through checkpoint files."""
-        written = self._snapshot_folders.get(folder, [])
-        if isinstance(written, RankSnapshots):
-            raise MisconfigurationError(f"{folder} holds shared-memory snapshots; give checkpoint snapshots another "
-                                        "folder.")
-        if folder not in self._snapshot_claims:  # refused while another run writes here
-            self._snapshot_claims[folder] = FolderClaim(folder, self._strategy.global_rank)
-            self._snapshot_folders[folder] = written
-        if not written and self._strategy.global_rank == 0:
-            diagnostics.notice(f"Snapshots under strategy {self._strategy.name!r} are checkpoints written through its "
-                               "engine (collectives and a file per snapshot), not shared-memory copies: take them less "
-                               "often than every step if the step time matters.")
-        path = snapshots.path_for(folder, step)
-        self.save(path, state)
-        # What this job wrote, the same list on every rank (a listing of the folder could differ between ranks
-        # while rank 0 deletes, and removing is a collective). An earlier attempt's go with the folder at the end.
-        written[:] = [p for p in written if p != path] + [path]
-        while len(written) > keep:
-            self.remove_checkpoint(written.pop(0))
-        return path
-
-    def _settle_snapshots(self) -> None:
-        """Every snapshot copy in flight on this rank is complete (an error surfaces at the next snapshot)."""
-        for kept in self._snapshot_folders.values():
-            if isinstance(kept, RankSnapshots):
-                kept.wait(keep_errors=True)
+        newest complete state among checkpoints and snapshots, on the same topology (same strategy and ranks,
+        same node). Returns the reference of the snapshot written at this call (a path ``fabric.load``
+        accepts), or None when none was (not due, or this rank could not write it: the message says why;
+        restarts then use the disk checkpoints). The folder is removed when the job ends without an error."""
+        return self._snapshots.save(self._snapshot_folder(directory), state, step, keep, overlap, every_n_steps,
+                                    max_overhead)
 
     def remove_snapshots(self, directory: str | Path | None = None) -> None:
         """Delete the snapshots in ``directory`` (default: :attr:`snapshot_dir`) once this rank's last copy is
         complete: each rank removes its own part, the last one the folder (no collective)."""
-        folder = self._snapshot_folder(directory)
-        kept = self._snapshot_folders.pop(folder, None)
-        claim = self._snapshot_claims.pop(folder, None)
-        if isinstance(kept, RankSnapshots):
-            _finish(kept, remove=True)
-        elif self._strategy.global_rank == 0:
-            claim = claim or FolderClaim.attempt(folder, 0)
-            if claim is not None:  # nothing is deleted while another run writes there
-                shutil.rmtree(folder, ignore_errors=True)
-        if claim is not None:
-            claim.release()
+        self._snapshots.remove(self._snapshot_folder(directory))
 
     def close_snapshots(self, directory: str | Path | None = None) -> None:
         """Complete this rank's last snapshot in ``directory`` (default: :attr:`snapshot_dir`) and let go of the
         folder, keeping its snapshots: what a run that did not finish leaves for its restart or rerun, which
         may be another Trainer or Fabric in this same process (no collective)."""
-        folder = self._snapshot_folder(directory)
-        kept = self._snapshot_folders.pop(folder, None)
-        claim = self._snapshot_claims.pop(folder, None)
-        if isinstance(kept, RankSnapshots):
-            _finish(kept, remove=False)
-        if claim is not None:
-            claim.release()
-
-    def _drop_snapshots(self, failed: bool) -> None:
-        """At the end of the job: snapshots are only for restarting a run that did not finish, so they are
-        removed after a success and completed (for the restart) after a failure."""
-        for folder in list(self._snapshot_folders):
-            if failed:
-                self.close_snapshots(folder)
-            else:
-                self.remove_snapshots(folder)
+        self._snapshots.close(self._snapshot_folder(directory))
 
     def _snapshot_folder(self, directory: str | Path | None) -> Path:
         if isinstance(directory, Path) and directory.is_absolute():
@@ -232,14 +164,3 @@ class PreemptionMethods:
         """How many times the launcher restarted this job's processes (0 on the first attempt)."""
         return restart_count()
 
-
-def _finish(kept: RankSnapshots, remove: bool) -> None:
-    """Complete this rank's last snapshot copy (and with ``remove`` delete its files). A failure is reported,
-    not raised: the job's own outcome matters more than its last snapshot."""
-    try:
-        if remove:
-            kept.remove()
-        else:
-            kept.close()
-    except Exception as err:
-        diagnostics.warn(f"The last snapshot in {kept.folder} failed on rank {kept.rank}: {err}", rank=kept.rank)

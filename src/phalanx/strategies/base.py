@@ -23,6 +23,7 @@ from phalanx.distributed.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.late_reads import LateRead
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.async_sharded import AsyncCheckpoint
@@ -229,6 +230,12 @@ class Strategy:
         """Element-wise maximum of a few integers over every rank of the job: a per-step agreement (e.g. on
         a preemption stop), cheap enough to run each step. The values themselves on one process."""
         return list(values)
+
+    def max_across_ranks_late(self, values: list[int], name: str) -> LateRead:
+        """:meth:`max_across_ranks`, started now and read later (:class:`phalanx.utils.late_reads.LateRead`): a
+        collective every rank starts at the same point, whose value is read a step or more later without
+        making the device wait. The values themselves on one process."""
+        return LateRead(torch.tensor(values, dtype=torch.int64))
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0

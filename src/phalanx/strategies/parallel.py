@@ -20,6 +20,7 @@ from phalanx.distributed.launch import ClusterEnvironment, check_environment, re
 from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
+from phalanx.utils.late_reads import LateRead, on_device
 
 # How long teardown lets the backend's worker threads release finished work (see teardown).
 _WORKER_DRAIN_SECONDS = 0.05
@@ -304,6 +305,12 @@ class ParallelStrategy(Strategy):
         with self.unguarded(name):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return [int(v) for v in tensor.tolist()]
+
+    def max_across_ranks_late(self, values: list[int], name: str) -> LateRead:
+        tensor = on_device(values, self.root_device)
+        with self.unguarded(name):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        return LateRead(tensor, work)
 
     def verify_in_sync(
         self, named: list[tuple[str, torch.Tensor]], what: str, rtol: float = 1e-5, atol: float = 0.0

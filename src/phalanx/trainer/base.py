@@ -30,6 +30,7 @@ from phalanx.trainer import stepping
 from phalanx.trainer.assembly import deterministic, ordered
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.hooks import TrainerHooks
+from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import MetricBoard, Results
 from phalanx.trainer.settings import Settings, sequential
@@ -58,6 +59,7 @@ class TrainerBase(TrainerViews, TrainerHooks):
         self.signature_cache: dict[Any, bool] = {}  # see stepping._legacy_optimizer_step
         self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
+        self.loss_check = LossCheck(torch.device("cpu"), 1, None)  # one per fit (loops.run_fit)
         self.step_plan: StepPlan | None = None  # what a training batch calls, decided per epoch (loops.py)
         self._resume: dict[str, Any] | None = None
         self.ckpt_path: str | None = None

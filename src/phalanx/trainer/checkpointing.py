@@ -25,7 +25,7 @@ import torch
 
 from phalanx import checkpoint
 from phalanx.checkpoint.format import find_unsafe
-from phalanx.checkpoint.snapshots import finished_at
+from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, MisconfigurationError
@@ -84,18 +84,20 @@ def plain_hparams(value: Any, where: str = "hparams") -> Any:
 
 def save(trainer: TrainerBase, path: str | Path, weights_only: bool = False) -> None:
     """Write a checkpoint (call on every rank; rank 0 writes, atomically)."""
+    trainer.loss_check.flush()  # never a checkpoint of weights that took a non-finite loss's step
     trainer.fabric.save(path, _state(trainer, weights_only, gather=True, what="trainer.save_checkpoint()"))
 
 
-def snapshot(trainer: TrainerBase, folder: Path, keep: int, overlap: bool = True,
-             rng: Callable[[], dict[str, Any]] = capture_rng_state) -> Path | None:
-    """This step's snapshot in ``folder`` (every rank; see ``fabric.save_snapshot``). In shared memory each rank
-    keeps its own RNG and metric state, so nothing is gathered; a strategy that snapshots through checkpoint
-    files gathers them as a checkpoint does."""
+def snapshot(trainer: TrainerBase, folder: Path, keep: int, overlap: bool, every_n_steps: int | str | Cadence,
+             max_overhead: float, rng: Callable[[], dict[str, Any]] = capture_rng_state) -> Path | None:
+    """This step's snapshot in ``folder`` when one is due (every rank, every step; see ``fabric.save_snapshot``).
+    In shared memory each rank keeps its own RNG and metric state, so nothing is gathered; a strategy that
+    snapshots through checkpoint files gathers them as a checkpoint does."""
     t = trainer
     gather = not t.fabric.strategy.snapshots_in_memory
-    state = _state(t, False, gather=gather, what="A snapshot", rng=rng)
-    return t.fabric.save_snapshot(state, t.global_step, folder, keep=keep, overlap=overlap)
+    return t.fabric.save_snapshot(lambda: _state(t, False, gather=gather, what="A snapshot", rng=rng), t.global_step,
+                                  folder, keep=keep, overlap=overlap, every_n_steps=every_n_steps,
+                                  max_overhead=max_overhead)
 
 
 def _state(trainer: TrainerBase, weights_only: bool, gather: bool, what: str,
@@ -130,8 +132,9 @@ def _state(trainer: TrainerBase, weights_only: bool, gather: bool, what: str,
         own = {
             "rng": rng(),
             "epoch_rng": None if done else loop.epoch_start_rng,
-            "results": None if done else t.results["train"].state_dict(),
-            "metrics": metric_states(t.module),  # torchmetrics state: not in state_dict (non-persistent)
+            "results": None if done else t.results["train"].state_dict(host=gather),
+            # torchmetrics state: not in state_dict (non-persistent)
+            "metrics": metric_states(t.module, host=gather),
         }
         if gather:
             state["rank_states"] = t.fabric.all_gather_object(own)
@@ -192,7 +195,7 @@ def newest_resumable(t: TrainerBase, also: list[str] | None = None) -> Path | No
         hit = checkpoint.find(candidate)
         if hit is not None and hit.problem is None and not hit.recovered:
             found.append(Path(candidate))
-    return max(filter(None, found), key=finished_at, default=None)
+    return max(filter(None, found), key=checkpoint.finished_at, default=None)
 
 
 def _resolve_here(t: TrainerBase, ckpt_path: str | Path) -> tuple[str | None, str | None, str | None]:

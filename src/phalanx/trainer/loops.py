@@ -37,7 +37,9 @@ import torch
 from phalanx.core.module import overrides
 from phalanx.trainer import survival
 from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import step_schedulers
+from phalanx.trainer.results import host_floats
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
@@ -283,7 +285,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
         if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
             t.sync_step_metrics()
         if step > steps_before and (log_due or board.unlogged):
-            board.flush_step_log(fabric, step, log_due)
+            board.flush_step_log(fabric, step, log_due, results)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
         if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
@@ -305,6 +307,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     if not seen and not mid:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
+    t.loss_check.flush()  # the epoch's losses, before anything is built on its end
     if _val_due_at_epoch_end(t):
         run_evaluation(t, "validate", t.val_dataloaders, settings.limit_val_batches)
     state.epoch_finished = True
@@ -336,9 +339,12 @@ def check_data(trainer: TrainerBase) -> None:
 
 def run_fit(trainer: TrainerBase) -> None:
     check_data(trainer)
-    state, max_epochs = trainer.loop_state, trainer.settings.max_epochs
-    while not trainer.should_stop and not trainer.max_steps_reached and state.current_epoch < max_epochs:
-        run_train_epoch(trainer)
+    t = trainer
+    t.loss_check = LossCheck(t.fabric.device, t.settings.log_every_n_steps, t.global_rank if t.world_size > 1 else None)
+    state, max_epochs = t.loop_state, t.settings.max_epochs
+    while not t.should_stop and not t.max_steps_reached and state.current_epoch < max_epochs:
+        run_train_epoch(t)
+    t.loss_check.flush()
 
 
 def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
@@ -346,6 +352,7 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     t = trainer
     hook = "validation" if stage == "validate" else "test"
     limit_name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
+    t.loss_check.flush()  # a validation mid-epoch reports on weights that are finite
     results = t.results[stage]
     results.reset()
     was_training = t.module.training
@@ -377,7 +384,7 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
                 if results.pending:  # step values in evaluation (rare): logged per batch
                     values = board.publish_step(results.sync_step(fabric), results)
                     if not t.sanity_checking:
-                        board.log_now(fabric, values, t.loop_state.global_step)
+                        board.log_now(fabric, host_floats(values), t.loop_state.global_step)
                 t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             if not seen:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)

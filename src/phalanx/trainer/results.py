@@ -37,6 +37,7 @@ import torch
 
 from phalanx.core.module import check_reduce_fx
 from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.late_reads import LateRead, on_device
 from phalanx.utils.tensors import is_metric
 
 _DTYPE = torch.float64  # exact enough to add millions of batch-weighted values
@@ -92,7 +93,7 @@ def _stack(values: list[Any], device: torch.device) -> torch.Tensor:
     """Step values (0-d tensors or floats) as one float64 vector on ``device``."""
     if all(isinstance(v, torch.Tensor) and v.device == device for v in values):
         return torch.stack(values).to(_DTYPE)
-    return torch.stack([torch.as_tensor(v).to(device=device, dtype=_DTYPE) for v in values])
+    return torch.stack([_f(v, device) for v in values])
 
 
 class Results:
@@ -111,6 +112,11 @@ class Results:
         self.pending = False  # some step value was logged since the last sync
         self.pending_prog_bar = False  # ... and one of them goes to the progress bar
         self._metric_paths: dict[int, str] = {}
+        self._shard_rows: list[int] | None = None  # which gathered rows are distinct data shards
+        #: Whether ranks logged different names at a step sync since the last check: a device flag, read with
+        #: the values at the next logger flush or epoch end (:meth:`check_names`).
+        self.names_differ: torch.Tensor | None = None
+        self._last_names: tuple[list[str], str] = ([], "step")
 
     # ------------------------------------------------------------------ recording
     def log(
@@ -238,7 +244,7 @@ class Results:
         stacked = _stack(entry.values, self.device)
         fx = entry.reduce_fx
         if fx == "mean":
-            weights = torch.tensor(entry.weights, dtype=_DTYPE, device=self.device)
+            weights = on_device(entry.weights, self.device, _DTYPE)
             entry.total = entry.total + (stacked * weights).sum()
             entry.weight += sum(entry.weights)
         else:
@@ -252,22 +258,22 @@ class Results:
         entry.values, entry.weights = [], []
 
     # ------------------------------------------------------------------ reducing across ranks
-    def sync_step(self, fabric: Any) -> dict[str, float]:
-        """Values logged since the last call, identical on every rank. Returns name -> float."""
+    def sync_step(self, fabric: Any) -> dict[str, torch.Tensor]:
+        """Values logged since the last call, identical on every rank: name -> a 0-d float64 tensor on the
+        device (nothing is read on the host: whoever shows or logs them reads them, in one batch)."""
         pending = sorted((e for e in self.entries.values() if e.step_value is not None), key=lambda e: e.name)
         self.pending = self.pending_prog_bar = False
         if not pending:
             return {}
-        out: dict[str, float] = {}
+        out: dict[str, torch.Tensor] = {}
         if fabric.world_size == 1:
             for e in pending:
-                value = e.step_value
-                out[e.name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
+                out[e.name] = _f(e.step_value, self.device)
                 e.step_value = None
             return out
         rows = [torch.stack([_f(e.step_value, self.device) * e.step_weight, _f(e.step_weight, self.device)])
                 for e in pending]
-        gathered = self._gather(fabric, torch.stack(rows), [e.name for e in pending], "step")
+        gathered = self._gather(fabric, torch.stack(rows), [e.name for e in pending], "step", late=True)
         for i, e in enumerate(pending):
             col = gathered[:, i]
             if not e.sync_dist or e.metric is not None:
@@ -276,13 +282,15 @@ class Results:
                 value = col[:, 0].sum() / col[:, 1].sum()
             else:
                 value = _reduce(col[:, 0] / col[:, 1], e.reduce_fx)
-            out[e.name] = float(value)
+            out[e.name] = value
             e.step_value = None
         return out
 
     def sync_epoch(self, fabric: Any) -> dict[str, float]:
         """This epoch's values of every on_epoch entry, identical on every rank. Computes and resets the
         logged Metrics (a collective inside torchmetrics: every rank gets here at the same point)."""
+        if self.names_differ is not None:  # the step syncs' check, read at the epoch's end at the latest
+            self.check_names(float(self.names_differ))
         entries = sorted((e for e in self.entries.values() if e.on_epoch), key=lambda e: e.name)
         out: dict[str, float] = {}
         scalars = [e for e in entries if e.metric is None]
@@ -329,7 +337,9 @@ class Results:
             if e.metric is not None:
                 e.metric.reset()
 
-    def _gather(self, fabric: Any, rows: torch.Tensor, names: list[str], what: str) -> torch.Tensor:
+    def _gather(self, fabric: Any, rows: torch.Tensor, names: list[str], what: str, late: bool = False) -> torch.Tensor:
+        """Every rank's ``rows``, one row block per data shard. ``late``: the check that every rank logged the
+        same names is read later, with the values (:meth:`check_names`), instead of now."""
         # The last column carries a checksum of the names, so ranks that logged different metrics are
         # told so instead of silently mixing values of different names.
         tag = float(zlib.crc32("\0".join(names).encode()))
@@ -342,15 +352,32 @@ class Results:
         if gathered.dim() == 1:  # single process
             gathered = gathered.unsqueeze(0)
         tags = gathered[:, -1]
-        if bool((tags != tags[0]).any()):
+        mismatch = (tags != tags[0]).any()
+        if late:
+            self.names_differ = mismatch if self.names_differ is None else self.names_differ | mismatch
+            self._last_names = (names, what)
+        else:
+            self._check_names(bool(mismatch), names, what)
+        if self._shard_rows is None:  # the same for the whole fit: read once
+            shards = gathered[:, -2].tolist()
+            self._shard_rows = [i for i, s in enumerate(shards) if s not in shards[:i]]
+        first = self._shard_rows
+        block = gathered if len(first) == gathered.shape[0] else gathered[first]
+        return block[:, :-2].reshape(len(first), rows.shape[0], 2)
+
+    def _check_names(self, mismatch: bool, names: list[str], what: str) -> None:
+        if mismatch:
             raise MisconfigurationError(
                 f"Ranks logged different {what} metrics in stage {self.stage!r} (this rank: {names}). Every rank "
                 "must call self.log with the same names at the same points; log a placeholder where a rank has "
                 "nothing to report."
             )
-        shards = gathered[:, -2].tolist()
-        first = [i for i, s in enumerate(shards) if s not in shards[:i]]
-        return gathered[first, :-2].reshape(len(first), rows.shape[0], 2)
+
+    def check_names(self, differ: float) -> None:
+        """Raise if :attr:`names_differ`, read by the caller in its batch of values, found ranks logging
+        different names."""
+        self.names_differ = None
+        self._check_names(bool(differ), *self._last_names)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
@@ -360,16 +387,18 @@ class Results:
         self.in_epoch_end = False
         self.pending = self.pending_prog_bar = False
 
-    def state_dict(self) -> dict[str, Any]:
-        """Accumulators (on the CPU, for checkpoints; tensors, numbers and strings only, so the file opens
-        with ``weights_only=True``); ``load_state_dict`` puts them on ``self.device``. A logged Metric is
-        stored by its path in the Module: its state is saved with the Module's metric states."""
+    def state_dict(self, host: bool = True) -> dict[str, Any]:
+        """Accumulators (tensors, numbers and strings only, so a checkpoint opens with ``weights_only=True``);
+        ``load_state_dict`` puts them on ``self.device``. ``host``: copied to the CPU (a checkpoint); otherwise
+        copies where they are (a snapshot, which copies device tensors itself, without a host wait). A logged
+        Metric is stored by its path in the Module: its state is saved with the Module's metric states."""
         out: dict[str, Any] = {}
+        where = torch.device("cpu") if host else self.device
         for name, e in self.entries.items():
-            values = _stack(e.values, self.device).cpu() if e.values else torch.zeros(0, dtype=_DTYPE)
+            values = _stack(e.values, self.device).to(where) if e.values else torch.zeros(0, dtype=_DTYPE, device=where)
             out[name] = {**{k: getattr(e, k) for k in ("on_step", "on_epoch", "prog_bar", "logger", "sync_dist",
                                                         "reduce_fx", "dataloader_idx", "metric_path")},
-                         "total": e.total.detach().cpu().clone(), "weight": float(e.weight),
+                         "total": e.total.detach().to(where, copy=True), "weight": float(e.weight),
                          "values": values, "weights": [float(w) for w in e.weights]}
         return out
 
@@ -401,14 +430,32 @@ class Results:
 
 
 class MetricBoard:
-    """What the loops publish, identical on every rank: ``callback_metrics`` (tensors), the progress bar's
-    and the loggers' values, and the step values synced since the last logger flush."""
+    """What the loops publish, identical on every rank: ``callback_metrics`` (step values as device tensors,
+    epoch values as CPU tensors), the progress bar's and the loggers' values, and the step values synced since
+    the last logger flush. Step values reach the host only in batches: one read per logger flush, and for the
+    progress bar a copy in the background that the bar shows once it has arrived (it never waits for it)."""
 
     def __init__(self) -> None:
         self.callback: dict[str, torch.Tensor] = {}
-        self.progress_bar: dict[str, float] = {}
+        self._bar: dict[str, float] = {}
+        self._bar_new: dict[str, torch.Tensor] = {}  # published for the bar, not yet on the way to the host
+        self._bar_read: tuple[list[str], LateRead] | None = None  # on the way
         self.logged: dict[str, float] = {}
-        self.unlogged: dict[str, float] = {}
+        self.unlogged: dict[str, torch.Tensor] = {}
+
+    @property
+    def progress_bar(self) -> dict[str, float]:
+        """The newest progress bar values that have arrived on the host (never waits for the device)."""
+        for _ in range(2):  # what arrived; then what is new, sent (on a CPU it has arrived at once)
+            read = self._bar_read
+            if read is not None and read[1].ready():
+                self._bar.update(zip(read[0], read[1].values()))
+                self._bar_read = read = None
+            if read is None and self._bar_new:
+                keys, values = list(self._bar_new), list(self._bar_new.values())
+                self._bar_new = {}
+                self._bar_read = (keys, LateRead(torch.stack([v.to(values[0].device) for v in values])))
+        return self._bar
 
     @staticmethod
     def _keys(entry: Entry, level: str) -> tuple[str, ...]:
@@ -416,33 +463,32 @@ class MetricBoard:
             return (f"{entry.name}_{level}", entry.name)
         return (entry.name,)
 
-    def _publish(self, values: dict[str, float], results: Results, level: str) -> dict[str, float]:
-        """Put synced values into callback_metrics and the bar; returns those meant for the loggers."""
-        to_log: dict[str, float] = {}
-        for name, value in values.items():
-            entry = results.entries[name]
-            keys = self._keys(entry, level)
-            for key in keys:
-                self.callback[key] = torch.tensor(value, dtype=torch.float64)
-            if entry.prog_bar:
-                self.progress_bar[keys[0]] = value
-            if entry.logger:
-                to_log[keys[0]] = value
-        return to_log
-
-    def publish_step(self, values: dict[str, float], results: Results) -> dict[str, float]:
+    def publish_step(self, values: dict[str, torch.Tensor], results: Results) -> dict[str, torch.Tensor]:
         """Publish synced step values; returns those meant for the loggers (training ones are also kept
         until the loop's next logger flush, see :meth:`flush_step_log`)."""
-        to_log = self._publish(values, results, "step")
+        to_log: dict[str, torch.Tensor] = {}
+        for name, value in values.items():
+            entry = results.entries[name]
+            keys = self._keys(entry, "step")
+            for key in keys:
+                self.callback[key] = value
+            if entry.prog_bar:
+                self._bar_new[keys[0]] = value
+            if entry.logger:
+                to_log[keys[0]] = value
         if results.stage == "train":
             self.unlogged.update(to_log)
         return to_log
 
-    def flush_step_log(self, fabric: Any, step: int, due: bool) -> None:
+    def flush_step_log(self, fabric: Any, step: int, due: bool, results: Results) -> None:
         """At an optimizer step: send the training step values synced since the last flush to the loggers
-        (when ``due``), then forget them."""
+        (when ``due``: one read of all of them), then forget them."""
         if due:
-            self.log_now(fabric, self.unlogged, step)
+            flag = results.names_differ
+            values = host_floats({**self.unlogged, **({"": flag} if flag is not None else {})})
+            if flag is not None:
+                results.check_names(values.pop(""))
+            self.log_now(fabric, values, step)
         self.unlogged = {}
 
     def log_now(self, fabric: Any, values: dict[str, float], step: int) -> None:
@@ -453,7 +499,16 @@ class MetricBoard:
     def publish_epoch(
         self, values: dict[str, float], results: Results, fabric: Any, epoch: int, step: int, log: bool = True
     ) -> None:
-        to_log = self._publish(values, results, "epoch")
+        to_log: dict[str, float] = {}
+        for name, value in values.items():
+            entry = results.entries[name]
+            keys = self._keys(entry, "epoch")
+            for key in keys:
+                self.callback[key] = torch.tensor(value, dtype=torch.float64)
+            if entry.prog_bar:
+                self._bar[keys[0]] = value
+            if entry.logger:
+                to_log[keys[0]] = value
         if to_log and log:
             to_log["epoch"] = float(epoch)
             self.logged.update(to_log)
@@ -463,7 +518,18 @@ class MetricBoard:
         return dict(self.callback), dict(self.progress_bar), dict(self.logged), dict(self.unlogged)
 
     def restore(self, saved: tuple[dict[str, Any], ...]) -> None:
-        self.callback, self.progress_bar, self.logged, self.unlogged = (dict(d) for d in saved)
+        self.callback, self._bar, self.logged, self.unlogged = (dict(d) for d in saved)
+        self._bar_new, self._bar_read = {}, None
+
+
+def host_floats(values: dict[str, Any]) -> dict[str, float]:
+    """Device values as floats, in one read."""
+    if not values:
+        return {}
+    tensors = [v.detach().reshape(()).to(torch.float64) if isinstance(v, torch.Tensor)
+               else torch.tensor(float(v), dtype=torch.float64) for v in values.values()]
+    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    return dict(zip(values, torch.stack([t.to(device) for t in tensors]).tolist()))
 
 
 def reads_metrics(hook: Any) -> bool:
@@ -475,7 +541,7 @@ def reads_metrics(hook: Any) -> bool:
 def _f(value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=_DTYPE)
-    return torch.tensor(value, dtype=_DTYPE, device=device)
+    return torch.full((), float(value), dtype=_DTYPE, device=device)  # filled there: no copy that waits
 
 
 def _reduce(values: torch.Tensor, fx: str) -> torch.Tensor:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,9 +37,9 @@ import torch
 
 from phalanx.core.module import overrides
 from phalanx.core.toggling import Toggleable, toggle_params, untoggle_params
-from phalanx.fabric.anomaly import NonFiniteError
 from phalanx.fabric.wrappers import FabricOptimizer
 from phalanx.profilers import PassThroughProfiler
+from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import step_schedulers
 from phalanx.utils.errors import MisconfigurationError
 
@@ -80,6 +79,8 @@ class StepHost(Protocol):
     def accumulate_grad_batches(self) -> int: ...
     @property
     def window_losses(self) -> list[tuple[int, torch.Tensor]]: ...
+    @property
+    def loss_check(self) -> LossCheck: ...
     @property
     def signature_cache(self) -> dict[Any, bool]: ...
     @property
@@ -337,6 +338,7 @@ def train_batch(
         # The default optimizer_step is optimizer.step(closure=closure): run the closure's body, then step.
         output = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)[0]
         optimizer.step_and_count()
+        LossCheck.stepped(optimizer.optimizer)
     else:
         ran: list[Any] = []
 
@@ -351,6 +353,7 @@ def train_batch(
             module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
         else:
             module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
+        LossCheck.stepped(optimizer.optimizer)
         if not ran:
             raise MisconfigurationError(
                 f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "
@@ -373,7 +376,9 @@ def _last_micro_batch(
     the checks and hooks before the step. Returns training_step's output and its loss."""
     output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
     window = t.window_losses
-    check_finite_losses(t, window, batch_idx, loss)  # before any step on these gradients (one read per window)
+    window.append((batch_idx, loss))
+    # Before any step on these gradients: read now (a CPU), or late with the step skipped on the device.
+    t.loss_check.window(window, plan.state.current_epoch, plan.state.global_step, optimizer.optimizer)
     window.clear()
     if "on_before_optimizer_step" in plan.live:
         t.hook("on_before_optimizer_step", optimizer)
@@ -399,37 +404,6 @@ def loss_of(output: Any) -> torch.Tensor:
             f"training_step returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
         )
     return loss
-
-
-def check_finite_losses(
-    trainer: StepHost, earlier: list[tuple[int, torch.Tensor]], batch_idx: int, loss: torch.Tensor
-) -> None:
-    """Raise before the optimizer step if a loss of this accumulation window is nan/inf (one read): the
-    ``earlier`` micro-batches' losses and the window's last, ``loss`` of ``batch_idx``."""
-    if not earlier:
-        value = loss.item()
-        if math.isfinite(value):  # the common case: one loss, finite
-            return
-        losses, values = [(batch_idx, loss)], [value]
-    else:
-        losses = [*earlier, (batch_idx, loss.detach())]
-        values = torch.stack([v.reshape(()) for _, v in losses]).tolist()
-    bad = [(batch_idx, value) for (batch_idx, _), value in zip(losses, values) if not math.isfinite(value)]
-    if not bad:
-        return
-    t, state = trainer, trainer.loop_state
-    batch_idx, value = bad[0]
-    where = f" on rank {t.global_rank}" if t.world_size > 1 else ""
-    more = f" ({len(bad)} of the window's {len(losses)} micro-batches)" if len(losses) > 1 else ""
-    raise NonFiniteError(
-        f"The training loss is {value} at epoch {state.current_epoch}, global step {state.global_step}, batch "
-        f"{batch_idx}{where}{more}. The run stops here, before the optimizer steps on it (the weights are those "
-        f"after step {state.global_step}). Typical causes: a learning rate that is too high (look at the losses "
-        "before this batch), log/sqrt/division of zero or negative values, a bad batch (check its inputs for nan/inf), "
-        "overflow in a 16-bit dtype. If the weights are already non-finite, an earlier gradient was, under a "
-        "finite loss: Trainer(detect_anomaly=True) stops at that backward and names the parameter; "
-        "torch.autograd.detect_anomaly() names the operation."
-    )
 
 
 def as_outputs(output: Any) -> Any:

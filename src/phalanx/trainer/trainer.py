@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module
 from phalanx.fabric.fabric import Fabric
@@ -302,13 +303,14 @@ class Trainer(TrainerBase):
             )
         checkpointing.save(self, filepath, bool(weights_only))
 
-    def save_snapshot(self, dirpath: str | Path, keep: int = 2, overlap: bool = True) -> Path | None:
-        """Snapshot everything needed to resume into ``dirpath`` (node-local shared memory; call on every rank
-        between optimizer steps): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
-        ``fit(ckpt_path=...)`` accepts, or None when this rank could not write it. ``overlap``: see
-        ``fabric.save_snapshot``."""
+    def save_snapshot(self, dirpath: str | Path, keep: int = 2, overlap: bool = True,
+                      every_n_steps: int | str | Cadence = 1, max_overhead: float = 0.05) -> Path | None:
+        """Snapshot everything needed to resume into ``dirpath`` (node-local shared memory) when one is due (call
+        on every rank at every optimizer step; ``every_n_steps``, ``max_overhead``, ``overlap``: see
+        ``fabric.save_snapshot``): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
+        ``fit(ckpt_path=...)`` accepts, or None when none was written at this step."""
         folder = dirpath if isinstance(dirpath, Path) else Path(dirpath)
-        return checkpointing.snapshot(self, folder, keep, overlap, self._snapshot_rng)
+        return checkpointing.snapshot(self, folder, keep, overlap, every_n_steps, max_overhead, self._snapshot_rng)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return checkpointing.resolve(self, ckpt_path)

@@ -1,8 +1,10 @@
-"""Per-rank snapshots in shared memory (phalanx.checkpoint.rank_snapshot), in one process: exact round trips
+"""Per-rank snapshots in shared memory (phalanx.checkpoint.snapshot.writer), in one process: exact round trips
 (tensors that change shape between snapshots included), a slot being rewritten never counts, a tensor changed
-during the background copy drops that snapshot, the optimizer waits for the copy, opening one runs no code, and a
-full /dev/shm turns snapshots off with a message. The multi-process paths (DDP, FSDP shards, kill -9 and restart)
-are in tests/trainer/test_survival.py and tests/fabric/test_preemption.py."""
+during the background copy drops that snapshot, the optimizer never steps before the copy and never waits for a
+copier that cannot run, opening one runs no code, and a full /dev/shm turns snapshots off with a message. The
+copy engine alone is tests/checkpoint/test_snapshot_copying.py, the cadence test_snapshot_cadence.py; the
+multi-process paths (DDP, FSDP shards, kill -9 and restart) are in tests/trainer/test_survival.py and
+tests/fabric/test_preemption.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx.checkpoint import rank_snapshot, snapshots
+from phalanx import checkpoint
+from phalanx.checkpoint import snapshot
+from phalanx.checkpoint.snapshot import copying, slots, writer
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 
@@ -72,16 +75,16 @@ def test_a_snapshot_restores_every_entry_exactly_and_training_continues_identica
         _step(fabric, model, optimizer)
         counter.n = step
         ref = fabric.save_snapshot({"model": model, "optimizer": optimizer, "counter": counter, "step": step,
-                                    "note": ("plain", 1.5, None)}, step, folder)
-        assert ref == snapshots.reference(folder.absolute(), step)
+                                    "note": ("plain", 1.5, None)}, step, folder, every_n_steps=1)
+        assert ref == snapshot.reference(folder.absolute(), step)
     saved = _weights(model, optimizer)
     torch.manual_seed(1)
     _step(fabric, model, optimizer)
     expected_next = _weights(model, optimizer)
 
     latest = fabric.latest_checkpoint(folder)
-    assert latest == snapshots.reference(folder.absolute(), 3)
-    assert sorted(snapshots.complete_steps(folder.absolute())) == [2, 3]  # keep=2
+    assert latest == snapshot.reference(folder.absolute(), 3)
+    assert sorted(snapshot.complete_steps(folder.absolute())) == [2, 3]  # keep=2
     _step(fabric, model, optimizer)  # move away, then back
     counter.n = -1
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "counter": counter, "step": None}
@@ -100,10 +103,10 @@ def test_a_fresh_optimizer_is_restored_from_a_snapshot(folder: Path) -> None:
     # A restarted process has an optimizer without state: load_state_dict must create it, not copy into it.
     fabric, model, optimizer = _setup()
     _step(fabric, model, optimizer)
-    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False, every_n_steps=1)
     expected = _weights(model, optimizer)
     fabric2, model2, optimizer2 = _setup(seed=5)
-    fabric2.load(snapshots.reference(folder.absolute(), 1), {"model": model2, "optimizer": optimizer2})
+    fabric2.load(snapshot.reference(folder.absolute(), 1), {"model": model2, "optimizer": optimizer2})
     assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model2, optimizer2), strict=True))
 
 
@@ -116,9 +119,10 @@ def test_tensors_that_change_shape_between_snapshots_read_back_exactly(folder: P
         _step(fabric, model, optimizer)
         values = torch.arange(step * 3, dtype=torch.float64) + step
         after = {"flags": torch.arange(step % 3 + 1, dtype=torch.uint8), "rng": torch.get_rng_state()}
-        fabric.save_snapshot({"model": model, "optimizer": optimizer, "values": values, "after": after}, step, folder)
+        fabric.save_snapshot({"model": model, "optimizer": optimizer, "values": values, "after": after}, step, folder,
+                             every_n_steps=1)
         state: dict[str, Any] = {"values": None, "after": None}
-        fabric.load(snapshots.reference(folder.absolute(), step), state)
+        fabric.load(snapshot.reference(folder.absolute(), step), state)
         assert torch.equal(state["values"], values)
         assert all(torch.equal(state["after"][k], v) for k, v in after.items())
 
@@ -127,59 +131,90 @@ def test_a_slot_being_rewritten_never_counts(folder: Path, monkeypatch: pytest.M
     fabric, model, optimizer = _setup()
     for step in (1, 2):
         _step(fabric, model, optimizer)
-        fabric.save_snapshot({"model": model, "optimizer": optimizer}, step, folder, overlap=False)
+        fabric.save_snapshot({"model": model, "optimizer": optimizer}, step, folder, overlap=False, every_n_steps=1)
     at_two = _weights(model, optimizer)
     _step(fabric, model, optimizer)
+    copies = writer._copies
 
-    def dies_mid_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-        dst[0].copy_(src[0])  # part of step 3 is in the slot that held step 1
-        raise OSError("killed")
+    def dies_mid_copy(slot: Any, sources: list[torch.Tensor]) -> list[Any]:
+        first = copies(slot, sources)[0]  # part of step 3 is in the slot that held step 1
 
-    monkeypatch.setattr(rank_snapshot.torch, "_foreach_copy_", dies_mid_copy)
+        def killed() -> None:
+            raise OSError("killed")
+
+        return [first, killed]
+
+    monkeypatch.setattr(writer, "_copies", dies_mid_copy)
     with pytest.warns(UserWarning, match=r"writing the one of step 3 failed \(OSError: killed\)"):
-        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder, overlap=False) is None
+        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder, overlap=False,
+                                    every_n_steps=1) is None
     monkeypatch.undo()
-    assert sorted(snapshots.complete_steps(folder.absolute())) == [2]  # step 1 is gone, step 3 never counted
+    assert sorted(snapshot.complete_steps(folder.absolute())) == [2]  # step 1 is gone, step 3 never counted
     fabric.load(fabric.latest_checkpoint(folder), {"model": model, "optimizer": optimizer})
     assert all(torch.equal(a, b) for a, b in zip(at_two, _weights(model, optimizer), strict=True))
 
 
-policies: list[int | None] = []  # the scheduling policy each background commit ran under
+def _frozen_copier(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Copy in the background even the small tensors here, with a copier that runs nothing until the event is set
+    (a background thread that gets no CPU: every core busy)."""
+    monkeypatch.setattr(writer, "OVERLAP_BYTES", 0)
+    thaw = threading.Event()
+    work = copying.Job.work
+
+    def frozen(self: copying.Job) -> None:
+        assert thaw.wait(30)
+        work(self)
+
+    monkeypatch.setattr(copying.Job, "work", frozen)
+    return thaw
 
 
-def _gated(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[float]]:
-    """Copy in the background even the small tensors here, and hold every background commit until the event is
-    set; record when each one finished (and in ``policies``, under which scheduling policy)."""
-    monkeypatch.setattr(rank_snapshot, "OVERLAP_BYTES", 0)
-    gate, finished = threading.Event(), []
-    commit = rank_snapshot.RankSnapshots._commit
-    policies.clear()
-
-    def held(self: Any, *args: Any) -> None:
-        assert gate.wait(10)
-        commit(self, *args)
-        finished.append(time.monotonic())
-        policies.append(os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None)
-
-    monkeypatch.setattr(rank_snapshot.RankSnapshots, "_commit", held)
-    return gate, finished
-
-
-def test_the_optimizer_waits_for_the_copy_before_it_steps(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_optimizer_never_waits_for_a_copier_that_cannot_run(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The step must not go on before the copy (it changes what is copied), and must not wait for a thread that
+    # gets no CPU either: it copies what the copier has not started itself.
     fabric, model, optimizer = _setup()
     _step(fabric, model, optimizer)
     expected = _weights(model, optimizer)
-    gate, finished = _gated(monkeypatch)
-    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder)  # returns before the copy
-    assert not finished
-    threading.Timer(0.3, gate.set).start()
-    _step(fabric, model, optimizer)  # forward and backward run; optimizer.step() waits for the copy
-    stepped = time.monotonic()
-    assert finished and finished[0] <= stepped
-    if hasattr(os, "SCHED_IDLE"):  # Linux: the copy takes only cores the training leaves idle
-        assert policies == [os.SCHED_IDLE]
-    fabric.load(snapshots.reference(folder.absolute(), 1), {"model": model, "optimizer": optimizer})
-    assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model, optimizer), strict=True))
+    thaw = _frozen_copier(monkeypatch)
+    try:
+        fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, every_n_steps=1)  # returns at once
+        assert snapshot.complete_steps(folder.absolute()) == {}
+        _step(fabric, model, optimizer)  # optimizer.step() copies first: the copier is frozen
+        assert not thaw.is_set()
+        # The copy was taken before the step changed the weights; what finishes it (the metadata, the header) is
+        # done by whoever gets there first: here the load, on this thread.
+        fabric.load(snapshot.reference(folder.absolute(), 1), {"model": model, "optimizer": optimizer})
+        assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model, optimizer), strict=True))
+    finally:
+        thaw.set()
+
+
+def test_the_copier_runs_in_the_idle_class_and_leaves_it_while_waited_for() -> None:
+    if not copying.idle_class_allowed():
+        pytest.skip("this process may not take a thread out of SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20): "
+                    "the copier runs at normal priority here")
+    copier = copying.Copier()
+    holding, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def held() -> None:  # a copy task the copier holds while the training thread waits for it
+        seen.append(os.sched_getscheduler(0))
+        holding.set()
+        assert release.wait(30)
+
+    job = copying.Job(lambda: [held], lambda: None, copier=copier)
+    copier.submit(job)
+    try:
+        assert holding.wait(30)
+        assert seen == [os.SCHED_IDLE]  # copying while nobody waits: only idle cores
+        assert copier._tid is not None
+        threading.Timer(0.2, lambda: (seen.append(os.sched_getscheduler(copier._tid)), release.set())).start()
+        job.copy()  # waits for the task the copier holds: it leaves the idle class meanwhile
+        assert seen[1] == os.SCHED_OTHER
+    finally:
+        release.set()
+        job.complete()
+        copier.stop()
 
 
 def test_a_parameter_changed_during_the_copy_drops_that_snapshot(
@@ -187,26 +222,28 @@ def test_a_parameter_changed_during_the_copy_drops_that_snapshot(
 ) -> None:
     fabric, model, optimizer = _setup()
     _step(fabric, model, optimizer)
-    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
-    gate, _ = _gated(monkeypatch)
-    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder)
-    with torch.no_grad():
-        next(model.parameters()).add_(1.0)  # in place, outside optimizer.step(), while the copy is held
-    gate.set()
-    with pytest.warns(UserWarning, match=r"Rank 0's snapshot was dropped: a parameter or optimizer state .* changed "
-                                         r"in place outside optimizer.step\(\)"):
-        fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder)
+    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False, every_n_steps=1)
+    thaw = _frozen_copier(monkeypatch)
+    try:
+        fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, every_n_steps=1)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # in place, outside optimizer.step(), before the copy is done
+        with pytest.warns(UserWarning, match=r"Rank 0's snapshot was dropped: a parameter or optimizer state .* "
+                                             r"changed in place outside optimizer.step\(\)"):
+            fabric.save_snapshot({"model": model, "optimizer": optimizer}, 3, folder, every_n_steps=1)
+    finally:
+        thaw.set()
     # Step 2 never counted; step 3 was copied before the call returned (overlap is off from then on).
-    assert sorted(snapshots.complete_steps(folder.absolute())) == [1, 3]
+    assert sorted(snapshot.complete_steps(folder.absolute())) == [1, 3]
 
 
 def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder: Path) -> None:
     fabric, model, _ = _setup()
     with pytest.raises(CheckpointError, match=r"tensors and plain Python values only .* holds a pathlib.PosixPath"):
-        fabric.save_snapshot({"model": model, "where": Path("x")}, 1, folder)
-    fabric.save_snapshot({"model": model}, 2, folder, overlap=False)
-    data = folder.absolute() / rank_snapshot.data_name(0, 0)
-    header = rank_snapshot.read_header(data)
+        fabric.save_snapshot({"model": model, "where": Path("x")}, 1, folder, every_n_steps=1)
+    fabric.save_snapshot({"model": model}, 2, folder, overlap=False, every_n_steps=1)
+    data = folder.absolute() / slots.data_name(0, 0)
+    header = slots.read_header(data)
     assert header is not None and header.step == 2
     class Evil:
         def __reduce__(self) -> tuple[object, tuple[str]]:
@@ -214,7 +251,7 @@ def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder:
 
     # The metadata as a snapshot lays it out ([head length | head | one pickle per entry | extra]), with a
     # malicious pickle as the model's entry, put where the real metadata was.
-    head = pickle.dumps({"version": rank_snapshot.VERSION, "table": [], "keys": ["model"]})
+    head = pickle.dumps({"version": slots.VERSION, "table": [], "keys": ["model"]})
     evil = len(head).to_bytes(8, "little") + head + pickle.dumps(Evil()) + pickle.dumps({})
     with open(data, "r+b") as fh:
         fh.seek(64)
@@ -225,7 +262,7 @@ def test_a_snapshot_holds_plain_values_only_and_opening_one_runs_no_code(folder:
         fh.seek(0)
         fh.write(raw)
     with pytest.raises(CheckpointError, match=r"metadata .* cannot be read: .*names posix.system"):
-        fabric.load(snapshots.reference(folder.absolute(), 2), {"model": model})
+        fabric.load(snapshot.reference(folder.absolute(), 2), {"model": model})
     assert not (folder / "pwned").exists()
 
 
@@ -237,12 +274,14 @@ def test_no_room_in_shared_memory_turns_snapshots_off_with_a_message(
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rank_snapshot.os, "posix_fallocate", full)
+    monkeypatch.setattr(slots.os, "posix_fallocate", full)
     with pytest.warns(UserWarning, match=r"Snapshots in .* are off on rank 0: writing the one of step 1 failed "
                                          r"\(OSError: \[Errno 28\] No space left on device\)"):
-        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False) is None
-    assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, overlap=False) is None
-    assert snapshots.complete_steps(folder.absolute()) == {}
+        assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False,
+                                    every_n_steps=1) is None
+    assert fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, overlap=False,
+                                every_n_steps=1) is None
+    assert snapshot.complete_steps(folder.absolute()) == {}
 
 
 @pytest.mark.parametrize("in_memory", [True, False], ids=["shared-memory", "checkpoint-files"])
@@ -258,23 +297,24 @@ def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_th
         for f in (fabric, other):
             monkeypatch.setattr(f.strategy, "snapshots_in_memory", False)
     _step(fabric, model, optimizer)
-    ref = fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False)
+    ref = fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False, every_n_steps=1)
     expected = _weights(model, optimizer)
     refusal = (rf"Another Trainer or Fabric of this process \(pid {os.getpid()}\), still running or never torn down, "
                rf"is writing rank 0's snapshots in "
                rf"{re.escape(str(folder.absolute()))}: two runs are using one snapshot folder at the same time.*"
                r"Trainer\(default_root_dir=\.\.\.\) or Snapshot\(dirpath=\.\.\.\)")
     with pytest.raises(MisconfigurationError, match=refusal):
-        other.save_snapshot({"model": model2, "optimizer": optimizer2}, 7, folder, overlap=False)
+        other.save_snapshot({"model": model2, "optimizer": optimizer2}, 7, folder, overlap=False, every_n_steps=1)
     other.remove_snapshots(folder)  # the refused run ends normally: it deletes nothing of the first one's
-    other._drop_snapshots(failed=False)
+    other._snapshots.end(failed=False)
     assert fabric.latest_checkpoint(folder) == ref
     fabric.load(ref, {"model": model2, "optimizer": optimizer2})
     assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model2, optimizer2), strict=True))
 
     fabric.close_snapshots(folder)  # the first run stops unfinished: its snapshot stays, the folder is free
     assert other.latest_checkpoint(folder) == ref
-    assert other.save_snapshot({"model": model2, "optimizer": optimizer2}, 2, folder, overlap=False) is not None
+    assert other.save_snapshot({"model": model2, "optimizer": optimizer2}, 2, folder, overlap=False,
+                               every_n_steps=1) is not None
     other.remove_snapshots(folder)  # the rerun finishes: the folder is gone
     assert not folder.exists()
 
@@ -282,27 +322,27 @@ def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_th
 def test_a_rank_killed_with_9_lets_go_of_its_folder(folder: Path) -> None:
     # What a restarted attempt relies on: the kernel drops the claim of a process that ends without cleaning up.
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from phalanx.checkpoint.rank_snapshot import FolderClaim; "
+        [sys.executable, "-c", "import sys, time; from phalanx.checkpoint.snapshot import FolderClaim; "
                                f"claim = FolderClaim(__import__('pathlib').Path({str(folder)!r}), 0); "
                                "print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(phalanx.__file__).parents[1])})
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(MisconfigurationError, match=rf"Another process \(pid {holder.pid}\)"):
-            rank_snapshot.FolderClaim(folder, 0)
+            slots.FolderClaim(folder, 0)
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    rank_snapshot.FolderClaim(folder, 0).release(remove=True)
+    slots.FolderClaim(folder, 0).release(remove=True)
 
 
 def test_a_snapshot_of_another_world_size_is_refused_with_the_way_out(folder: Path) -> None:
     fabric, model, _ = _setup()
-    fabric.save_snapshot({"model": model}, 4, folder, overlap=False)
+    fabric.save_snapshot({"model": model}, 4, folder, overlap=False, every_n_steps=1)
     # A restart or "last" of a 2-rank job does not even pick it; loading it by name is refused.
-    assert snapshots.latest([folder.absolute()], world_size=2) is None
-    assert snapshots.latest([folder.absolute()], world_size=1) == snapshots.reference(folder.absolute(), 4)
-    reader = rank_snapshot.RankSnapshots(folder.absolute(), rank=0, world_size=2)
+    assert checkpoint.latest([folder.absolute()], world_size=2) is None
+    assert checkpoint.latest([folder.absolute()], world_size=1) == snapshot.reference(folder.absolute(), 4)
+    reader = writer.RankSnapshots(folder.absolute(), rank=0, world_size=2)
     with pytest.raises(CheckpointError, match=r"written by 1 ranks and this job has 2: a snapshot resumes the same "
                                               r"topology only\. Resume from a disk checkpoint"):
         reader.read(4)

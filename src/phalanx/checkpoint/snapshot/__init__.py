@@ -1,28 +1,30 @@
-"""Where to resume from: the newest complete checkpoint in some folders (:func:`latest`), and where per-step
-snapshots live (shared by ``callbacks.Snapshot`` for the Trainer and ``fabric.save_snapshot`` for Fabric).
+"""Per-step snapshots: the checkpoint layer's tier for restarts, shared by ``callbacks.Snapshot`` (Trainer) and
+``fabric.save_snapshot`` (Fabric).
 
 A snapshot lives in node-local shared memory, which outlives the processes but not the node. Each rank
-writes its own slots (:mod:`phalanx.checkpoint.rank_snapshot`); the snapshot of a step exists once every
-rank's metadata for it does, and is named by a *reference*, ``<folder>/snapshot-step=NNNNNNNNN``, a path
-that ``fabric.load``, ``checkpoint.find`` and :func:`latest` accept like a checkpoint's. (A strategy that
-cannot snapshot in memory writes ordinary checkpoint files named ``snapshot-step=NNNNNNNNN.ckpt``.)
-The folder is derived from something that stays the same across attempts of one run (the Trainer's
-``default_root_dir``; the Fabric script and working directory), so a restarted or rerun attempt finds it.
+writes its own slots (:mod:`.writer`, :mod:`.slots`, :mod:`.copying`); the snapshot of a step exists once
+every rank's metadata for it does, and is named by a *reference*, ``<folder>/snapshot-step=NNNNNNNNN``, a
+path that ``fabric.load``, ``checkpoint.find`` and :func:`phalanx.checkpoint.latest` accept like a
+checkpoint's: the checkpoint layer routes it here (:func:`restore`). A strategy that cannot snapshot in
+memory writes ordinary checkpoint files named ``snapshot-step=NNNNNNNNN.ckpt`` (:func:`path_for`). How
+often to take one is :mod:`.cadence`'s decision. The folder is derived from something that stays the same
+across attempts of one run (the Trainer's ``default_root_dir``; the Fabric script and working directory),
+so a restarted or rerun attempt finds it.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.format import MARKER
 from phalanx.checkpoint.protocol import Host
-from phalanx.checkpoint.rank_snapshot import DATA, RankSnapshots, read_header
-from phalanx.checkpoint.snapshot_format import load_module_local, load_optimizer_local, plain_values
+from phalanx.checkpoint.snapshot.cadence import Cadence
+from phalanx.checkpoint.snapshot.format import load_module_local, load_optimizer_local, plain_values
+from phalanx.checkpoint.snapshot.slots import DATA, FolderClaim, read_header
+from phalanx.checkpoint.snapshot.writer import RankSnapshots
 from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
 from phalanx.utils.errors import CheckpointError
 
@@ -79,15 +81,9 @@ def complete_steps(folder: Path) -> dict[int, tuple[int, float]]:
 
 
 def finished_at(path: Path) -> float:
-    """When the save of the checkpoint or snapshot at ``path`` finished (0.0 if it is not complete)."""
-    if is_reference(path):
-        m = REFERENCE.fullmatch(path.name)
-        return complete_steps(path.parent).get(int(m[1]), (0, 0.0))[1] if m else 0.0
-    stamp = path / MARKER if path.is_dir() else path
-    try:
-        return stamp.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0
+    """When every rank finished the snapshot ``path`` names (0.0 if not every rank did)."""
+    m = REFERENCE.fullmatch(path.name)
+    return complete_steps(path.parent).get(int(m[1]), (0, 0.0))[1] if m else 0.0
 
 
 def problem_with(path: Path) -> str | None:
@@ -140,40 +136,5 @@ def restore(host: Host, path: Path, state: dict[str, Any], strict: bool) -> dict
     return {k: plain_values(v) for k, v in saved.items() if k not in state}
 
 
-#: What :func:`latest` counts as a checkpoint file (a directory counts when it holds the marker).
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
-
-
-def latest(directories: list[Path], pattern: str = "*", world_size: int | None = None) -> Path | None:
-    """The newest complete checkpoint in ``directories`` (files named ``*.ckpt``/``*.pt``/``*.pth``, and
-    sharded directories whose marker exists, snapshots every rank finished), by the time its save finished;
-    None when there is none.
-    Hidden entries (saves in progress, the previous copy kept while one is replaced) are not candidates:
-    an interrupted save never wins over the checkpoint it was replacing. ``pattern`` (fnmatch) narrows the
-    names. ``world_size``: only snapshots written by that many ranks (one resumes its own topology only).
-    No process group needed."""
-    best: tuple[float, Path] | None = None
-    for directory in directories:
-        if not directory.is_dir():
-            continue
-        for step, (world, when) in complete_steps(directory).items():
-            ref = reference(directory, step)
-            if world_size not in (None, world) or not fnmatch.fnmatch(ref.name, pattern):
-                continue
-            if best is None or when > best[0]:
-                best = (when, ref)
-        for entry in directory.iterdir():
-            if entry.name.startswith(".") or not fnmatch.fnmatch(entry.name, pattern):
-                continue
-            if entry.is_dir():
-                stamp = entry / MARKER  # written last: its time is when the save finished
-                if not stamp.is_file():
-                    continue
-            elif entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
-                stamp = entry
-            else:
-                continue
-            when = stamp.stat().st_mtime
-            if best is None or when > best[0]:
-                best = (when, entry)
-    return best[1] if best is not None else None
+__all__ = ["Cadence", "FolderClaim", "RankSnapshots", "complete_steps", "default_dir", "finished_at", "is_reference",
+           "path_for", "problem_with", "reference", "restore", "usable", "write"]

@@ -1,0 +1,169 @@
+"""Fabric's per-step snapshots (``fabric.save_snapshot``), folder by folder: when one is due (the folder's
+:class:`~phalanx.checkpoint.snapshot.Cadence`), writing it (this rank's shared-memory slots, or checkpoint
+files where the strategy's state is only its engine's to read), and what happens to the folder at the end
+of the job. The Trainer's ``callbacks.Snapshot`` takes the same path."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from phalanx.checkpoint import snapshot
+from phalanx.checkpoint.snapshot import Cadence, FolderClaim, RankSnapshots
+from phalanx.utils import diagnostics
+from phalanx.utils.errors import CheckpointError, MisconfigurationError
+from phalanx.utils.late_reads import LateRead
+
+if TYPE_CHECKING:
+    from phalanx.strategies import Strategy
+
+
+@dataclass(eq=False)
+class _Folder:
+    cadence: Cadence
+    writer: RankSnapshots | None = None  # this rank's shared-memory slots
+    written: list[Path] = field(default_factory=list)  # checkpoint snapshots this job wrote (same on every rank)
+    claim: FolderClaim | None = None  # this rank's hold on a folder of checkpoint snapshots
+    off: bool = False  # a write failed on this rank: no more writes (the cadence and its agreement go on)
+
+
+class Snapshots:
+    """The snapshot folders of one Fabric. ``save``/``remove``: ``fabric.save`` and ``fabric.remove_checkpoint``
+    (snapshots through checkpoint files)."""
+
+    def __init__(self, strategy: Strategy, save: Callable[[Path, dict[str, Any]], Any],
+                 remove: Callable[[Path], None]) -> None:
+        self._strategy, self._save, self._remove = strategy, save, remove
+        self._folders: dict[Path, _Folder] = {}
+
+    def save(self, folder: Path, state: dict[str, Any] | Callable[[], dict[str, Any]], step: int, keep: int,
+             overlap: bool, every_n_steps: int | str | Cadence, max_overhead: float) -> Path | None:
+        entry = self._folders.get(folder)
+        cadence = every_n_steps if isinstance(every_n_steps, Cadence) else None
+        if entry is None or (cadence is not None and entry.cadence is not cadence) or (
+                cadence is None and not _same(entry.cadence, every_n_steps, max_overhead)):
+            cadence = cadence or Cadence(every_n_steps, max_overhead)  # type: ignore[arg-type]
+            if entry is None:
+                entry = self._folders[folder] = _Folder(cadence)
+            entry.cadence = cadence
+        if not entry.cadence.due(step):
+            return None
+        path = self._write(entry, folder, state() if callable(state) else state, step, keep, overlap)
+        line = entry.cadence.taken(step, self._agree)
+        if line is not None and self._strategy.global_rank == 0:
+            diagnostics.notice(f"Snapshots in {folder}: {line}.")
+        return path
+
+    def _agree(self, proposal: int) -> LateRead:
+        return self._strategy.max_across_ranks_late([proposal], "snapshot cadence")
+
+    def _write(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int, keep: int,
+               overlap: bool) -> Path | None:
+        strategy = self._strategy
+        if not strategy.snapshots_in_memory:
+            return self._write_checkpoint(entry, folder, state, step, keep)
+        if entry.off:
+            return None
+        if entry.writer is None:
+            entry.writer = RankSnapshots(folder, strategy.global_rank, strategy.world_size, keep, overlap)
+        entry.writer.overlap = overlap
+        try:
+            return snapshot.write(strategy, entry.writer, step, state)
+        except (CheckpointError, MisconfigurationError):
+            raise  # the state cannot be snapshotted, or another run writes this folder: the user's to fix
+        except (OSError, RuntimeError) as err:  # no room in shared memory, a mapping refused; not a bad state
+            # This rank's earlier snapshots stay: a step counts only where every rank completed it, which the
+            # ranks still writing soon overwrite, so a restart resumes from the newest state all ranks share.
+            with contextlib.suppress(Exception):
+                entry.writer.close()
+            entry.writer, entry.off = None, True
+            diagnostics.warn(f"Snapshots in {folder} are off on rank {strategy.global_rank}: writing the one of step "
+                             f"{step} failed ({type(err).__name__}: {err}). Restarts resume from the disk checkpoints.",
+                             rank=strategy.global_rank)
+            return None
+
+    def _write_checkpoint(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
+        """A strategy whose state only its engine can read and write snapshots through checkpoint files."""
+        strategy = self._strategy
+        if entry.claim is None:  # refused while another run writes here
+            entry.claim = FolderClaim(folder, strategy.global_rank)
+            if strategy.global_rank == 0:
+                diagnostics.notice(f"Snapshots under strategy {strategy.name!r} are checkpoints written through its "
+                                   "engine (collectives and a file per snapshot), not shared-memory copies: the "
+                                   "cadence of 'auto' keeps their cost within its budget.")
+        path = snapshot.path_for(folder, step)
+        self._save(path, state)
+        # What this job wrote, the same list on every rank (a listing of the folder could differ between ranks
+        # while rank 0 deletes, and removing is a collective). An earlier attempt's go with the folder at the end.
+        entry.written[:] = [p for p in entry.written if p != path] + [path]
+        while len(entry.written) > keep:
+            self._remove(entry.written.pop(0))
+        return path
+
+    def cadence(self, folder: Path) -> Cadence | None:
+        entry = self._folders.get(folder)
+        return entry.cadence if entry is not None else None
+
+    def settle(self) -> None:
+        """Every snapshot copy in flight on this rank is complete (an error surfaces at the next snapshot)."""
+        for entry in self._folders.values():
+            if entry.writer is not None:
+                entry.writer.wait(keep_errors=True)
+
+    def remove(self, folder: Path) -> None:
+        """Delete the snapshots in ``folder`` once this rank's last copy is complete: each rank removes its own
+        part, the last one the folder (no collective)."""
+        entry = self._folders.pop(folder, None)
+        claim = entry.claim if entry is not None else None
+        if entry is not None and entry.writer is not None:
+            _finish(entry.writer, remove=True)
+        elif self._strategy.global_rank == 0:
+            claim = claim or FolderClaim.attempt(folder, 0)
+            if claim is not None:  # nothing is deleted while another run writes there
+                shutil.rmtree(folder, ignore_errors=True)
+        if claim is not None:
+            claim.release()
+
+    def close(self, folder: Path) -> None:
+        """Complete this rank's last snapshot in ``folder`` and let go of the folder, keeping its snapshots."""
+        entry = self._folders.pop(folder, None)
+        if entry is None:
+            return
+        if entry.writer is not None:
+            _finish(entry.writer, remove=False)
+        if entry.claim is not None:
+            entry.claim.release()
+
+    def end(self, failed: bool) -> None:
+        """At the end of the job: snapshots are only for restarting a run that did not finish, so they are
+        removed after a success and completed (for the restart) after a failure."""
+        for folder in list(self._folders):
+            if failed:
+                self.close(folder)
+            else:
+                self.remove(folder)
+
+
+def _same(cadence: Cadence, every_n_steps: Any, max_overhead: float) -> bool:
+    if cadence.auto:
+        return every_n_steps == "auto" and cadence.max_overhead == max_overhead
+    return bool(every_n_steps == cadence.every_n_steps)
+
+
+def _finish(writer: RankSnapshots, remove: bool) -> None:
+    """Complete this rank's last snapshot copy (and with ``remove`` delete its files). A failure is reported,
+    not raised: the job's own outcome matters more than its last snapshot."""
+    try:
+        if remove:
+            writer.remove()
+        else:
+            writer.close()
+    except Exception as err:
+        diagnostics.warn(f"The last snapshot in {writer.folder} failed on rank {writer.rank}: {err}", rank=writer.rank)
+
+
+__all__ = ["Snapshots"]
