@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from mp import run_job
-from run_if import run_if
 from torch import nn
 
 from phalanx import Fabric, PhalanxWarning
 from phalanx.fabric.anomaly import LOSS_CHECK_EVERY, LossWatch
+from phalanx.utils.late_reads import LateRead
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,8 +106,9 @@ def test_device_results_are_read_only_once_ready() -> None:
     in the loop (only at teardown)."""
     watch = LossWatch(lambda: 0, every=2)
     event = _Event()
-    values = torch.tensor([0.5, float("inf")])
-    watch._inflight.append((values, event, 1))
+    read = LateRead(torch.tensor([0.5, float("inf")]))
+    read._event = event  # as a copy to pinned memory on a GPU is: on its way until the event says so
+    watch._inflight.append((read, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         watch._poll(block=False)
@@ -117,7 +118,7 @@ def test_device_results_are_read_only_once_ready() -> None:
     assert len(caught) == 1 and "backward call #2" in str(caught[0].message)
 
 
-@run_if(cuda=True)
+@pytest.mark.gpu
 def test_gpu_loop_never_synchronizes_and_still_reports() -> None:
     fabric = Fabric(accelerator="cuda", devices=1)
     model = nn.Linear(3, 1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_if import run_if
 from torch import nn
 
 from phalanx import Fabric
@@ -30,7 +29,7 @@ def test_single_process_backward_without_setup_matches_loss_backward() -> None:
     assert torch.allclose(inner.weight.grad, 3 * reference.weight.grad)
 
 
-@run_if(cuda=True)
+@pytest.mark.gpu
 def test_loss_scaler_without_setup_is_refused() -> None:
     fabric = Fabric(accelerator="cuda", devices=1, precision="16-mixed")
     inner = nn.Linear(3, 1).cuda()

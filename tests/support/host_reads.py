@@ -14,6 +14,7 @@ CPU values at once but defers them on a GPU takes its GPU path. Not counted: rea
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,33 @@ class HostReads(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.reads.values())
+
+
+class DeviceSyncs:
+    """On a GPU, the real thing: the host-device synchronizations torch's sync debug mode reports while
+    ``active`` (every one, torch's own included), ``file:line`` of the frame that made each."""
+
+    def __init__(self) -> None:
+        self.syncs: Counter[str] = Counter()
+        self.active = False
+        self._catch: Any = None
+        self._records: list[Any] = []
+
+    def __enter__(self) -> DeviceSyncs:
+        torch.cuda.set_sync_debug_mode("warn")
+        self._catch = warnings.catch_warnings(record=True)
+        self._records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def tick(self) -> None:
+        """Count what was reported since the last tick (when active)."""
+        for w in self._records:
+            if self.active and "synchroniz" in str(w.message):
+                self.syncs[f"{Path(w.filename).name}:{w.lineno}"] += 1
+        self._records.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tick()
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)

@@ -90,3 +90,16 @@ def test_the_end_of_the_fit_reads_every_pending_loss(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"The training loss was nan at epoch 0, global step 7 \(batch 6\)"):
         trainer.fit(Fused(), _poisoned_from(4 * 40, 6, 4))
     assert trainer.global_step == 9
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_fused_optimizer_skips_the_non_finite_steps_on_the_device(tmp_path: Path) -> None:
+    trainer = phalanx.Trainer(max_epochs=1, log_every_n_steps=50,
+                              **quiet(accelerator="cuda", default_root_dir=tmp_path))
+    model = Fused()
+    with pytest.raises(NonFiniteError, match=r"The training loss was nan at epoch 0, global step 7 \(batch 6\)"):
+        trainer.fit(model, _poisoned_from(4 * 40, 6, 4))
+    reference = phalanx.Trainer(max_steps=6, **quiet(accelerator="cuda", default_root_dir=tmp_path / "ref"))
+    ref_model = Fused()
+    reference.fit(ref_model, _poisoned_from(4 * 40, 6, 4))
+    assert torch.equal(flat(model), flat(ref_model))

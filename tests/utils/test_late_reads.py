@@ -9,7 +9,6 @@ synchronizations with torch's sync debug mode."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -95,10 +94,11 @@ def test_the_preemption_agreement_read_late_answers_at_the_same_call_on_every_ra
     assert stops[0] == stops[1] and stops[0][0] == 5 + AGREEMENT_LAG
 
 
-def _reads(tmp_path: Path, strategy: str, devices: int, part: str = "both") -> dict[int, dict[str, dict[str, int]]]:
-    job = run_job(JOB.read_text(), tmp_path, args=(strategy, str(devices), part), timeout=240,
+def _reads(tmp_path: Path, strategy: str, devices: int, part: str = "both",
+           accelerator: str = "cpu") -> dict[int, dict[str, dict[str, int]]]:
+    job = run_job(JOB.read_text(), tmp_path, args=(strategy, str(devices), part, accelerator), timeout=240,
                   env={DEFER_VARIABLE: "1", "OMP_NUM_THREADS": "1"}).check()
-    return {rank: {k: v for k, v in json.loads(json.dumps(report)).items() if k.startswith("in_")}
+    return {rank: {k: v for k, v in report.items() if k.startswith(("in_", "syncs_"))}
             for rank, report in job.reports.items()}
 
 
@@ -125,3 +125,25 @@ def test_no_host_read_in_the_steady_state_step(tmp_path: Path, strategy: str, de
 @pytest.mark.parametrize("part", ["trainer", "fabric"])
 def test_no_host_read_in_the_steady_state_step_under_deepspeed(tmp_path: Path, part: str) -> None:
     _assert_steady(_reads(tmp_path, "deepspeed", 2, part), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_no_device_synchronization_in_the_steady_state_step_on_a_gpu(tmp_path: Path) -> None:
+    # The same job on a GPU, where torch's sync debug mode sees every synchronization, torch's own included.
+    reports = _reads(tmp_path, "auto", 1, "both", "cuda")
+    _assert_steady(reports, 1)
+    syncs = reports[0]
+    assert sum(syncs["syncs_trainer"].values()) <= (LAST - FIRST) // LOG_EVERY, syncs
+    assert syncs["syncs_fabric"] == {}, syncs
+
+
+@pytest.mark.gpu
+def test_a_late_read_on_a_gpu_arrives_without_a_wait() -> None:
+    values = torch.tensor([1.0, float("inf")], device="cuda") * 2
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        read = LateRead(values)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert read.values() == [2.0, float("inf")] and read.ready()

@@ -1,0 +1,467 @@
+"""One GPU check (bench/gpu_check.sh runs it; about 4 minutes on one H100): does the accelerator ever wait for
+phalanx, and what do phalanx's paths cost next to raw torch and Lightning on a GPT-2-small step?
+
+1. **Synchronizations per step.** torch's sync debug mode counts every host-device synchronization during the
+   steady-state steps (15-55) of: a Fabric loop (bf16-mixed, fused AdamW, accumulation with no_backward_sync,
+   clip_gradients, save_snapshot "auto", stop_requested), a Trainer fit (self.log with prog_bar on step and
+   epoch, a progress bar, a CSV logger every 10 steps, ModelCheckpoint, LearningRateMonitor, clipping,
+   accumulation, Snapshot()), and the Fabric loop under strategy="fsdp" and ModelParallelStrategy (1 GPU).
+   Expected: 0, except the Trainer's one batched read per logger flush (4 in 40 steps).
+2. **GPT-2 small (124 M, tied embedding), 8 x 1024 tokens, bf16, fused AdamW, eager**, ms per step: raw
+   PyTorch (autocast), phalanx Fabric, phalanx Trainer, Lightning's Trainer (where it is importable); raw FSDP2 vs
+   phalanx "fsdp"; raw TP x FSDP2 vs ModelParallelStrategy (a 1 x 1 mesh on one GPU). Same init and data.
+3. **Snapshots of GPT-2 small** (Fabric loop): ms per step without, with a snapshot every step and with "auto";
+   the bytes per snapshot, the device-to-host rate of a pinned copy of that size, the stall per snapshot
+   (every step minus none), and the cadence "auto" chose.
+4. **The CUDA tests** (``pytest -m gpu`` over the files that hold them).
+
+Each part runs in a fresh process (``--part``). Prints one table, then one JSON line with everything. Without a
+CUDA device it prints a skip line and exits 0. ``--cpu-smoke``: every part on the CPU with a tiny model (the
+script's own check; no numbers worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import gpu  # noqa: E402  (bench/gpu.py: the GPT-2 model and the raw contenders)
+
+FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
+TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_writer.py",
+              "tests/fabric/test_loss_watch.py", "tests/fabric/test_unmanaged_backward.py"]
+
+
+def _device(args: argparse.Namespace) -> str:
+    return "cpu" if args.cpu_smoke else "cuda"
+
+
+def _small_gpt(args: argparse.Namespace) -> gpu.GPT:
+    torch.manual_seed(0)
+    if args.cpu_smoke:
+        return gpu.GPT(**{k: v for k, v in gpu.SMOKE.items()})
+    return gpu.GPT(vocab=8192, d=512, layers=4, heads=8, ctx=256)
+
+
+def _batches(args: argparse.Namespace, vocab: int, seq: int, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (args.batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+class SyncCounter:
+    """Counts torch's "called a synchronizing CUDA operation" warnings while ``active`` (sync debug mode)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.active, self.count = enabled, False, 0
+        self.where: dict[str, int] = {}
+        self._log: Any = None
+
+    def __enter__(self) -> SyncCounter:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("warn")
+            self._log = warnings.catch_warnings(record=True)
+            self.records = self._log.__enter__()
+            warnings.simplefilter("always")
+        return self
+
+    def tick(self) -> None:
+        """Move what was recorded since the last tick into the count when active."""
+        if not self.enabled:
+            return
+        for w in self.records:
+            if "synchroniz" in str(w.message) and self.active:
+                self.count += 1
+                key = f"{Path(w.filename).name}:{w.lineno}"
+                self.where[key] = self.where.get(key, 0) + 1
+        self.records.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.tick()
+            torch.cuda.set_sync_debug_mode("default")
+            self._log.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------- 1. synchronizations
+def syncs_fabric(args: argparse.Namespace, strategy: Any) -> dict[str, Any]:
+    import phalanx
+
+    if strategy == "model_parallel":  # bench/gpu.py's TP x FSDP plan (FSDP2's bf16 policy inside) on a 1 x 1 mesh
+        from phalanx.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(gpu.parallelize, 1, 1)
+        model, precision, vocab = gpu.make_tp_model(smoke=True), "32-true", gpu.SMOKE["vocab"]
+    else:
+        model, precision = _small_gpt(args), "bf16-mixed"
+        vocab = model.wte.num_embeddings
+    fabric = phalanx.Fabric(accelerator=_device(args), devices=1, strategy=strategy, precision=precision)
+    fabric.launch()
+    model = fabric.setup_module(model)
+    # fused AdamW where its kernels take the parameters (not DTensors of a tensor-parallel plan)
+    kind = {"foreach": True} if precision == "32-true" else {"fused": True}
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4, **kind))
+    seq = 64 if args.cpu_smoke or precision == "32-true" else 256
+    batches = [(x.to(fabric.device), y.to(fabric.device)) for x, y in _batches(args, vocab, seq)]
+    counter = SyncCounter(not args.cpu_smoke)
+    with counter:
+        for step in range(1, LAST + 6):
+            counter.active = FIRST < step <= LAST
+            for micro in range(2):
+                x, y = batches[(2 * step + micro) % len(batches)]
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    logits = model(x)
+                    fabric.backward(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / 2)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+            optimizer.step()
+            optimizer.zero_grad()
+            fabric.save_snapshot({"model": model, "optimizer": optimizer, "step": step}, step, "snapshots")
+            fabric.stop_requested()
+            counter.tick()
+    fabric.teardown()
+    return {"syncs": counter.count, "where": counter.where, "steps": LAST - FIRST}
+
+
+def syncs_trainer(args: argparse.Namespace) -> dict[str, Any]:
+    import phalanx
+    from phalanx.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, Snapshot
+    from phalanx.loggers import CSVLogger
+
+    counter = SyncCounter(not args.cpu_smoke)
+
+    class GPTModule(phalanx.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = _small_gpt(args)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.gpt(x).float().flatten(0, 1), y.flatten())
+            self.log("loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+            return {"optimizer": optimizer, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.999 ** s), "interval": "step"}}
+
+    class Count(Callback):
+        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
+            counter.tick()
+            counter.active = FIRST <= trainer.global_step < LAST
+
+    data = _batches(args, gpu.SMOKE["vocab"] if args.cpu_smoke else 8192, 64 if args.cpu_smoke else 256,
+                    n=2 * (LAST + 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=None, pin_memory=not args.cpu_smoke)
+    trainer = phalanx.Trainer(
+        accelerator=_device(args), devices=1, precision="bf16-mixed", max_steps=LAST + 4, log_every_n_steps=10,
+        accumulate_grad_batches=2, gradient_clip_val=1.0, num_sanity_val_steps=0, enable_model_summary=False,
+        default_root_dir="trainer-run", logger=CSVLogger("trainer-logs"),
+        callbacks=[Count(), ModelCheckpoint("trainer-ckpt", monitor="loss"), LearningRateMonitor(), Snapshot()])
+    with counter:
+        trainer.fit(GPTModule(), loader)
+    return {"syncs": counter.count, "where": counter.where, "steps": LAST - FIRST}
+
+
+# ---------------------------------------------------------------------- 2. GPT-2 small, ms per step
+def _gpt2_batches(args: argparse.Namespace) -> list[Any]:
+    device = torch.device(_device(args))
+    return [(x.to(device), y.to(device)) for x, y in
+            _batches(args, gpu.SMOKE["vocab"] if args.cpu_smoke else 50257, args.seq)]
+
+
+def speed_trainer(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
+    import phalanx
+    from phalanx.callbacks import Callback
+
+    clock: dict[str, float] = {}
+
+    class Module(phalanx.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpu.make_model() if not args.cpu_smoke else gpu.GPT(**gpu.SMOKE)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.gpt(x)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+
+    class Clock(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *rest: Any) -> None:
+            if trainer.global_step in (args.warmup, args.warmup + args.steps):
+                gpu._sync()
+                clock[str(trainer.global_step)] = time.perf_counter()
+                clock["loss"] = float(outputs["loss"]) if trainer.global_step > args.warmup else 0.0
+
+    cpu = [(x.cpu(), y.cpu()) for x, y in batches]
+    loader = torch.utils.data.DataLoader([cpu[i % len(cpu)] for i in range(args.warmup + args.steps)],
+                                         batch_size=None, pin_memory=not args.cpu_smoke)
+    trainer = phalanx.Trainer(accelerator=_device(args), devices=1, precision="bf16-mixed",
+                              max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                              callbacks=[Clock()])
+    trainer.fit(Module(), loader)
+    return (clock[str(args.warmup + args.steps)] - clock[str(args.warmup)]) / args.steps, clock["loss"]
+
+
+def speed_lightning(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
+    import lightning as L
+
+    clock: dict[str, float] = {}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpu.make_model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.gpt(x)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step = self.trainer.global_step
+            if step in (args.warmup, args.warmup + args.steps):
+                gpu._sync()
+                clock[str(step)] = time.perf_counter()
+                clock["loss"] = float(outputs["loss"])
+
+    cpu = [(x.cpu(), y.cpu()) for x, y in batches]
+    loader = torch.utils.data.DataLoader([cpu[i % len(cpu)] for i in range(args.warmup + args.steps)],
+                                         batch_size=None, pin_memory=True)
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=args.warmup + args.steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Module(), loader)
+    return (clock[str(args.warmup + args.steps)] - clock[str(args.warmup)]) / args.steps, clock["loss"]
+
+
+def speed_2d(kind: str, args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
+    """A TP x FSDP contender of bench/gpu.py on a 1 x 1 mesh, in this process."""
+    import socket
+
+    class Queue(list):  # type: ignore[type-arg]
+        def put(self, item: Any) -> None:
+            self.append(item)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Queue()
+    gpu._tp_worker(0, kind, argparse.Namespace(**{**vars(args), "tp": 1, "smoke_cpu": False}), port, out)
+    return float(out[0][0]), float(out[0][1])
+
+
+#: contender -> (runner, its raw baseline). Run interleaved in one process, as bench/gpu.py does.
+SPEED = {
+    "raw PyTorch (autocast)": (lambda a, b: gpu.raw_single(a, b), "raw PyTorch (autocast)"),
+    "phalanx Fabric": (lambda a, b: gpu.phalanx_run("single", a, b), "raw PyTorch (autocast)"),
+    "phalanx Trainer": (speed_trainer, "raw PyTorch (autocast)"),
+    "raw FSDP2": (lambda a, b: gpu.raw_fsdp(a, b), "raw FSDP2"),
+    "phalanx fsdp": (lambda a, b: gpu.phalanx_run("fsdp", a, b), "raw FSDP2"),
+    "raw TP x FSDP2 (1 x 1)": (lambda a, b: speed_2d("raw", a, b), "raw TP x FSDP2 (1 x 1)"),
+    "phalanx ModelParallelStrategy (1 x 1)": (lambda a, b: speed_2d("phalanx", a, b), "raw TP x FSDP2 (1 x 1)"),
+}
+LIGHTNING = "Lightning Trainer"
+
+
+def speed(args: argparse.Namespace) -> dict[str, Any]:
+    batches = _gpt2_batches(args)
+    names = [n for n in SPEED if not args.cpu_smoke or n == "phalanx Trainer"]  # gpu.py's runners need CUDA
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    loss: dict[str, float] = {}
+    for rep in range(args.reps):
+        for name in names if rep % 2 == 0 else reversed(names):
+            seconds, loss[name] = SPEED[name][0](args, batches)
+            ms[name].append(seconds * 1e3)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return {"ms": ms, "loss": loss}
+
+
+# ---------------------------------------------------------------------- 3. snapshots
+def snapshot_cost(args: argparse.Namespace, every: str) -> dict[str, Any]:
+    import phalanx
+
+    fabric = phalanx.Fabric(accelerator=_device(args), devices=1, precision="bf16-mixed")
+    fabric.launch()
+    model = fabric.setup_module(gpu.make_model() if not args.cpu_smoke else gpu.GPT(**gpu.SMOKE))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+    batches = _gpt2_batches(args)
+    steps = args.snapshot_steps
+    start = 0.0
+    for step in range(1, steps + 1):
+        if step == 21:
+            gpu._sync()
+            start = time.perf_counter()
+        x, y = batches[step % len(batches)]
+        logits = model(x)
+        fabric.backward(F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if every != "none":
+            fabric.save_snapshot({"model": model, "optimizer": optimizer, "step": step}, step, "gpt2-snapshots",
+                                 every_n_steps=int(every) if every != "auto" else "auto")
+    gpu._sync()
+    per_step = (time.perf_counter() - start) / (steps - 20)
+    out: dict[str, Any] = {"ms_per_step": per_step * 1e3}
+    if every != "none":
+        folder = fabric._snapshot_folder("gpt2-snapshots")
+        entry = fabric._snapshots._folders[folder]
+        assert entry.writer is not None
+        nbytes = entry.writer.last_bytes
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=not args.cpu_smoke)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=fabric.device)
+        gpu._sync()
+        t0 = time.perf_counter()
+        host.copy_(device, non_blocking=True)
+        gpu._sync()
+        out.update(bytes=nbytes, d2h_gbps=nbytes / (time.perf_counter() - t0) / 1e9,
+                   cadence=entry.cadence.every_n_steps)
+    fabric.teardown()
+    return out
+
+
+# ---------------------------------------------------------------------- running the parts
+def run_part(args: argparse.Namespace) -> dict[str, Any]:
+    kind, _, name = args.part.partition(":")
+    if kind == "syncs":
+        return syncs_trainer(args) if name == "trainer" else syncs_fabric(args, "auto" if name == "fabric" else name)
+    if kind == "speed":
+        if name == LIGHTNING:
+            runs = [speed_lightning(args, _gpt2_batches(args)) for _ in range(args.reps)]
+            return {"ms": {name: [r[0] * 1e3 for r in runs]}, "loss": {name: runs[-1][1]}}
+        return speed(args)
+    if kind == "snapshot":
+        return snapshot_cost(args, name)
+    raise SystemExit(f"unknown part {args.part!r}")
+
+
+def spawn(args: argparse.Namespace, part: str, timeout: float = 240) -> dict[str, Any]:
+    forward = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("reps", "steps", "warmup", "batch", "seq",
+                                                                       "snapshot_steps")]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, *forward,
+           *(["--cpu-smoke"] if args.cpu_smoke else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=args.workdir)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["seconds"] = round(time.monotonic() - start, 1)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed GPT-2 steps per repetition")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--snapshot-steps", type=int, default=120)
+    p.add_argument("--no-tests", action="store_true")
+    p.add_argument("--cpu-smoke", action="store_true")
+    args = p.parse_args()
+    if args.cpu_smoke and not args.part:
+        args.seq, args.batch, args.steps, args.reps, args.snapshot_steps = 64, 2, 3, 1, 30
+    if args.part:
+        print(json.dumps(run_part(args)))
+        return
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_check: skipped (no CUDA device here; on a machine with one, run bench/gpu_check.sh as it is)")
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
+    started = time.monotonic()
+    device = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
+    print(f"gpu_check: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    results: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    rows: list[tuple[str, str, str]] = []
+    for name in ("fabric", "trainer", "fsdp", "model_parallel"):
+        r = results[f"syncs:{name}"] = spawn(args, f"syncs:{name}")
+        expected = "<= 4 (one per logger flush)" if name == "trainer" else "0"
+        value = r.get("error") or f"{r['syncs']} in {r['steps']} steps {r['where'] or ''}"
+        rows.append((f"syncs: {name}", value, expected))
+    fast = spawn(args, "speed:all", timeout=420)
+    slow = spawn(args, f"speed:{LIGHTNING}", timeout=240) if not args.cpu_smoke else {"error": "not on the CPU"}
+    results["speed"] = {"phalanx and raw": fast, LIGHTNING: slow}
+    ms = {**fast.get("ms", {}), **slow.get("ms", {})}
+    losses = {**fast.get("loss", {}), **slow.get("loss", {})}
+    for name in [*SPEED, LIGHTNING]:
+        if name not in ms:
+            rows.append((f"GPT-2 small: {name}", (slow if name == LIGHTNING else fast).get("error", "not run"), ""))
+            continue
+        median = statistics.median(ms[name])
+        base = SPEED[name][1] if name in SPEED else "raw PyTorch (autocast)"
+        ratio = f"{statistics.median(ms[base]) / median:.3f}x raw throughput" if base in ms else ""
+        rows.append((f"GPT-2 small: {name}", f"{median:.2f} ms/step (runs {', '.join(f'{m:.2f}' for m in ms[name])}; "
+                     f"loss {losses[name]:.4f})", ratio))
+    snaps = {every: spawn(args, f"snapshot:{every}", timeout=300) for every in ("none", "1", "auto")}
+    results["snapshots"] = snaps
+    none = snaps["none"].get("ms_per_step")
+    for every, r in snaps.items():
+        if "error" in r:
+            rows.append((f"snapshot {every}", r["error"], ""))
+            continue
+        extra = ""
+        if every != "none" and none:
+            extra = (f"{r['bytes'] / 2**30:.2f} GiB each, pinned D2H {r['d2h_gbps']:.1f} GB/s, step cost "
+                     f"{(r['ms_per_step'] / none - 1) * 100:+.1f} %, cadence {r['cadence']}")
+            if every == "1":
+                extra += f", stall {r['ms_per_step'] - none:.1f} ms per snapshot"
+        rows.append((f"GPT-2 small, Snapshot {every}", f"{r['ms_per_step']:.2f} ms/step", extra))
+    if not args.no_tests:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests" / "support"),
+                                                            str(REPO)])}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                               *TEST_FILES], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+        results["tests"] = {"returncode": done.returncode, "summary": summary, "tail": done.stdout[-3000:]}
+        rows.append(("CUDA tests", summary, "passed" if done.returncode == 0 else "FAILED"))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n| {'check'.ljust(width)} | result | against |")
+    print(f"| {'-' * width} | --- | --- |")
+    for check, value, against in rows:
+        print(f"| {check.ljust(width)} | {value} | {against} |")
+    results["seconds"] = round(time.monotonic() - started, 1)
+    print(f"\ngpu_check took {results['seconds']} s")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
