@@ -80,9 +80,16 @@ def test_chunks_copy_everything_in_pieces_of_at_most_chunk_bytes() -> None:
     for task in reversed(tasks):  # any order
         task()
     assert torch.equal(destination, source)
-    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: one task
+    raw = torch.zeros(source.nbytes, dtype=torch.uint8)  # a slot's bytes, from a staging buffer's
+    for task in chunks(raw, source.view(torch.uint8)):
+        task()
+    assert torch.equal(raw.view(torch.float32), source)
+    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: one task, torch's copy
     out = torch.zeros(4, 3)
-    assert len(chunks(out, strided)) == 1
+    tasks = chunks(out, strided)
+    assert len(tasks) == 1
+    tasks[0]()
+    assert torch.equal(out, strided)
 
 
 def test_the_idle_class_probe_answers_for_this_process() -> None:

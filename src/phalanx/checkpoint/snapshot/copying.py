@@ -24,6 +24,7 @@ for it first takes it out of the class. Linux lets a process do that only with C
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import queue
@@ -258,10 +259,19 @@ class Copier:
 
 def chunks(destination: torch.Tensor, source: torch.Tensor) -> list[Task]:
     """Copy tasks of at most :data:`CHUNK` bytes that together copy ``source`` into ``destination`` (tensors of
-    one shape; a non-contiguous pair is one task)."""
-    if source.nbytes <= CHUNK or not (source.is_contiguous() and destination.is_contiguous()):
+    one shape and dtype).
+
+    Between host tensors laid out alike, a task is a plain ``memmove``: one thread, the caller's (a tensor copy
+    would fan out over every core through torch's thread pool, whose threads are not in the background
+    thread's scheduling class, and take the cores the training needs, a GPU's launching thread included).
+    Anything else (a device tensor, a strided one) is one ``copy_``."""
+    nbytes = source.nbytes
+    plain = (source.device.type == destination.device.type == "cpu" and source.is_contiguous()
+             and destination.is_contiguous() and destination.nbytes == nbytes)
+    if not plain:
         return [functools.partial(torch.Tensor.copy_, destination, source)]
-    dst, src = destination.reshape(-1), source.reshape(-1)
-    step = max(1, CHUNK // source.element_size())
-    return [functools.partial(torch.Tensor.copy_, dst[a:a + step], src[a:a + step])
-            for a in range(0, src.numel(), step)]
+    return [functools.partial(_move, destination, source, a, min(CHUNK, nbytes - a)) for a in range(0, nbytes, CHUNK)]
+
+
+def _move(destination: torch.Tensor, source: torch.Tensor, start: int, size: int) -> None:
+    ctypes.memmove(destination.data_ptr() + start, source.data_ptr() + start, size)  # the GIL is released meanwhile

@@ -35,6 +35,8 @@ import contextlib
 import io
 import pickle
 import struct
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,8 +105,11 @@ class RankSnapshots:
         self._jobs: list[Job] = []  # not yet finished, oldest first
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         self._claim: FolderClaim | None = None
-        #: Bytes of tensors in the last snapshot written (a report for the cadence and the benchmarks).
+        #: Bytes of tensors in the last snapshot written, and per recent snapshot where its time went (seconds:
+        #: ``capture`` on the calling thread, ``device`` copying to pinned memory, ``drain`` from there into the
+        #: slot): a report for the benchmarks.
         self.last_bytes = 0
+        self.timings: deque[dict[str, float]] = deque(maxlen=8)
 
     def _scan(self) -> None:
         """Adopt what an earlier attempt left: the next write goes to the slot with the oldest step, never
@@ -121,6 +126,7 @@ class RankSnapshots:
         """Snapshot this rank's ``state`` (modules and optimizers as ``local_state(kind, obj, module)`` gives
         them, objects with ``state_dict`` as it gives them, plain values as they are) and ``extra`` (plain)
         into the slot with the oldest step. Raises what made an earlier write fail."""
+        began = time.perf_counter()
         for job in self._jobs:
             job.release()  # when no optimizer stepped since the last write
         self._drop_finished()
@@ -151,8 +157,10 @@ class RankSnapshots:
         overlap = self.overlap and not self._torn and (on_device or sum(t.nbytes for t in tensors) >= OVERLAP_BYTES)
         if overlap and self._copier is None:
             self._copier = Copier()
+        timing = {"bytes": float(self.last_bytes)}
+        self.timings.append(timing)
         if on_device:
-            job = self._device_job(step, body, table, tensors, stable)
+            job = self._device_job(step, body, table, tensors, stable, timing)
         elif overlap:
             job = self._host_job(step, body, table, tensors, stable)
         else:
@@ -163,6 +171,7 @@ class RankSnapshots:
             self._copier.submit(job)
         else:
             self._settle()  # here and now: nothing to overlap
+        timing["capture"] = time.perf_counter() - began
 
     @staticmethod
     def _stable(tensors: list[torch.Tensor], spans: list[tuple[Any, int, int]]) -> list[bool]:
@@ -175,7 +184,8 @@ class RankSnapshots:
         return stable
 
     def _job(self, step: int, body: bytes, table: Table, tasks: Callable[[Slot], list[Task]],
-             release_check: Task | None = None, gate: Task | None = None, live: bool = True) -> Job:
+             release_check: Task | None = None, gate: Task | None = None, live: bool = True,
+             timing: dict[str, float] | None = None) -> Job:
         """The job that writes ``step`` into the slot with the oldest step, chosen when it starts (after the
         job before it finished, so the newest complete snapshot is never the one overwritten)."""
         chosen: list[Slot] = []
@@ -189,6 +199,8 @@ class RankSnapshots:
 
         def finish() -> None:
             chosen[0].vouch(step, self.world_size, self.rank, body)  # 3. the metadata, then the header's first word
+            if timing is not None and "drained_from" in timing:
+                timing["drain"] = time.perf_counter() - timing.pop("drained_from")
 
         previous = self._jobs[-1] if self._jobs else None
         return Job(start, finish, release_check, gate, previous, self._copier, live)
@@ -202,7 +214,7 @@ class RankSnapshots:
                          release_check=lambda: _unchanged(versions, step))
 
     def _device_job(self, step: int, body: bytes, table: Table, tensors: list[torch.Tensor],
-                    stable: list[bool]) -> Job:
+                    stable: list[bool], timing: dict[str, float]) -> Job:
         """Device tensors go to pinned staging on a side stream now; the job moves staging into the slot once
         that copy's event has completed. The next optimizer step waits for the event on the device."""
         nbytes = data_size(table)
@@ -225,14 +237,22 @@ class RankSnapshots:
                     clones.append(clone)
                     device_pairs.append((view, clone))
             side.wait_stream(main)
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(side)
             with torch.cuda.stream(side):
                 if device_pairs:
                     torch._foreach_copy_([v for v, _ in device_pairs], [t for _, t in device_pairs], non_blocking=True)
         for clone in clones:
             clone.record_stream(side)  # not reused before the side stream has read it
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(side)
         versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep and t.is_cuda]
+
+        def gate() -> None:  # before a thread moves staging into the slot
+            event.synchronize()
+            if "device" not in timing:
+                timing["device"] = begin.elapsed_time(event) / 1e3
+                timing["drained_from"] = time.perf_counter()
 
         def release_check() -> None:
             torch.cuda.current_stream().wait_event(event)  # the device waits, not the host
@@ -241,7 +261,7 @@ class RankSnapshots:
         def tasks(slot: Slot) -> list[Task]:
             return chunks(slot.data(nbytes), buffer[:nbytes])
 
-        job = self._job(step, body, table, tasks, release_check, gate=event.synchronize, live=False)
+        job = self._job(step, body, table, tasks, release_check, gate=gate, live=False, timing=timing)
         staging.hold(index, job)
         return job
 
