@@ -37,7 +37,7 @@ def test_lr_find_standalone_leaves_no_trace_and_sets_the_attribute() -> None:
     before_params, before_rng = flat(model), capture_rng_state()
     result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=30,
                                     min_lr=1e-5, max_lr=1.0, update_attr=True)
-    assert len(result.lrs) == len(result.losses) >= 10
+    assert len(result.lrs) == len(result.losses) == len(result.raw_losses) >= 10
     assert result.lrs == sorted(result.lrs) and result.lrs[0] == pytest.approx(1e-5)
     assert model.lr == result.suggestion()
     assert torch.equal(flat(model), before_params)

@@ -32,11 +32,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class LRFinderResult:
-    """The learning rates tried and the (smoothed) loss at each."""
+    """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
+    average (``losses``, beta=0.98, which the early stop watches, as in Lightning)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     mode: str = "exponential"
+    raw_losses: list[float] = field(default_factory=list)
 
     @property
     def results(self) -> dict[str, list[float]]:
@@ -227,6 +229,7 @@ class Tuner:
                 value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
                 result.lrs.append(lr)
                 result.losses.append(value)
+                result.raw_losses.append(loss)
                 step += 1
                 if not math.isfinite(value) or (threshold is not None and value > threshold * best):
                     return result
