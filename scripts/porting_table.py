@@ -89,7 +89,12 @@ DIFFERENCES: dict[str, str] = {
        for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")},
     "callbacks.TQDMProgressBar": "process_position and leave=True are refused (one bar per stage on rank 0)",
     "callbacks.RichProgressBar": "leave/theme/console_kwargs are refused",
-    "Tuner.lr_find": "method must be 'fit'; val_dataloaders are accepted but not used (the range test trains only)",
+    "Tuner.lr_find": "method must be 'fit'; val_dataloaders are accepted but not used (the range test trains only); "
+                     "the suggestion rule, the learning-rate steps, the stop at a non-finite loss, the search not "
+                     "capped by max_epochs and the in-memory restore differ (see Deliberate differences)",
+    "callbacks.LearningRateFinder": "runs Tuner.lr_find: its suggestion rule, learning-rate steps, stop at a "
+                                    "non-finite loss, search not capped by max_epochs and in-memory restore differ "
+                                    "(see Deliberate differences)",
 }
 
 

@@ -29,7 +29,7 @@ def _fit(style: str, lr_find: bool, **trainer_kwargs: Any) -> tuple[Any, Classif
         states = [getattr(model.train_acc, name) for name in model.train_acc._defaults]
         counts = model.batch_sizes
         Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 8, shuffle=True), num_training=12,
-                               min_lr=1e-4, max_lr=1.0)
+                               min_lr=1e-4, max_lr=1.0, update_attr=False)
         # Nothing of the search is left: metric state (same tensors, same device), counters, attributes.
         assert model.train_acc._update_count == 0 and model.train_acc._forward_cache is None
         assert all(getattr(model.train_acc, n) is s for n, s in zip(model.train_acc._defaults, states))
@@ -166,7 +166,7 @@ for mode in ("plain", "lr_find"):  # one process set for both runs: two ranks' s
     model = Classifier("object")
     if mode == "lr_find":
         Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=12, min_lr=1e-4,
-                               max_lr=1.0)
+                               max_lr=1.0, update_attr=False)
     trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
     out[mode] = dict(params=flat(model), **metric_report(trainer, model))
 report(trainer.fabric, **out)

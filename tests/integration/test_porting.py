@@ -730,7 +730,7 @@ def test_lr_find_updates_the_attribute_by_default() -> None:
             return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     model = WithLr()
-    result = Tuner(L.Trainer(max_epochs=1, **quiet())).lr_find(model, num_training=20)
+    result = Tuner(L.Trainer(max_epochs=1, **quiet())).lr_find(model, num_training=100)
     assert model.lr == result.suggestion() and model.lr != 0.1
 
 

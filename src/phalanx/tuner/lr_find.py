@@ -21,7 +21,9 @@ from phalanx.core.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
+from phalanx.tuner.suggest import Suggestion, suggest
 from phalanx.tuner.support import refuse_without_separate_optimizers
+from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
 
@@ -32,45 +34,60 @@ if TYPE_CHECKING:
 
 @dataclass
 class LRFinderResult:
-    """The learning rates tried and the (smoothed) loss at each."""
+    """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
+    average (``losses``, beta=0.98, which the early stop watches, as in Lightning)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     mode: str = "exponential"
+    raw_losses: list[float] = field(default_factory=list)
+    global_rank: int | None = None  # set by the search: only rank 0 warns (None: this process warns)
+    _suggestions: dict[tuple[int, int], Suggestion] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
 
     @property
     def results(self) -> dict[str, list[float]]:
         """Lightning's name for the same data: ``{"lr": [...], "loss": [...]}``."""
         return {"lr": list(self.lrs), "loss": list(self.losses)}
 
-    def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
-        """The learning rate where the loss falls fastest (None if too few finite points)."""
-        end = len(self.losses) - skip_end if skip_end > 0 else len(self.losses)
-        pairs = [(lr, loss) for lr, loss in zip(self.lrs[skip_begin:end], self.losses[skip_begin:end])
-                 if math.isfinite(loss)]
-        if len(pairs) < 3:
-            return None
-        lrs = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
-        losses = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
-        x = lrs.log() if self.mode == "exponential" else lrs
-        slope = torch.gradient(losses, spacing=(x,))[0]
-        return float(lrs[int(slope.argmin())])
+    def suggestion(self, skip_begin: int = 0, skip_end: int = 0) -> float | None:
+        """The learning rate where the centred, smoothed log-loss falls fastest on its way down to the
+        curve's lowest point (see :mod:`phalanx.tuner.suggest`), leaving out ``skip_begin`` points at
+        the start and ``skip_end`` at the end. None, with a warning that says why and what to change,
+        when the curve never falls clearly below where it started (or has too few finite points):
+        the first time per result and arguments."""
+        return self._suggest(skip_begin, skip_end).lr
 
-    def plot(self, suggest: bool = True, skip_begin: int = 10, skip_end: int = 1) -> Any:
-        """A matplotlib Figure of loss against learning rate (``fig.savefig("lr.png")``)."""
+    def _suggest(self, skip_begin: int, skip_end: int) -> Suggestion:
+        key = (skip_begin, skip_end)
+        if key not in self._suggestions:
+            # A result built from a moving average only (what Lightning records) is judged on that.
+            losses = self.raw_losses if len(self.raw_losses) == len(self.lrs) else self.losses
+            self._suggestions[key] = found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
+            if found.lr is None:
+                warn(found.reason, rank=self.global_rank, stacklevel=3)
+        return self._suggestions[key]
+
+    def plot(self, suggest: bool = True, skip_begin: int = 0, skip_end: int = 0) -> Any:
+        """A matplotlib Figure (``fig.savefig("lr.png")``): each step's loss, the curve the suggestion
+        is taken from and, with ``suggest``, the suggestion (or, in the title, that there is none)."""
         figure = optional_module("matplotlib.figure", "LRFinderResult.plot()", "plot")
         fig = figure.Figure(figsize=(6, 4))
         ax = fig.subplots()
-        ax.plot(self.lrs, self.losses)
+        found = self._suggest(skip_begin, skip_end)
+        ax.plot(self.lrs, self.raw_losses or self.losses, ".", color="0.75", markersize=3, label="loss of each step")
+        ax.plot(found.lrs, found.smoothed, label="smoothed (centred)")
         if self.mode == "exponential":
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
-        ax.set_ylabel("loss (smoothed)")
-        lr = self.suggestion(skip_begin, skip_end) if suggest else None
-        if lr is not None:
-            i = self.lrs.index(lr)
-            ax.plot([lr], [self.losses[i]], marker="o", markersize=9, color="red")
-            ax.set_title(f"suggested lr = {lr:.3g}")
+        ax.set_ylabel("loss")
+        if suggest and found.lr is not None:
+            i = found.lrs.index(found.lr)
+            ax.plot([found.lr], [found.smoothed[i]], marker="o", markersize=9, color="red")
+            ax.set_title(f"suggested lr = {found.lr:.3g}")
+        elif suggest:
+            ax.set_title("no suggestion (the warning says why)")
+        ax.legend()
         fig.tight_layout()
         return fig
 
@@ -113,7 +130,8 @@ class Tuner:
         ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
         the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. With
         ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
-        suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``."""
+        suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
+        curve gives none, a warning says why and what to change, and the attribute stays."""
         if method != "fit":
             raise MisconfigurationError(f"lr_find(method={method!r}): the LR range test trains; use method='fit'.")
         if dataloaders is not None:
@@ -145,8 +163,8 @@ class Tuner:
         if update_attr:
             lr = result.suggestion()
             if lr is None:
-                t.print(f"[phalanx] lr_find: too few finite losses ({len(result.losses)}) for a suggestion; "
-                        f"{attr_name} stays {getattr(model, attr_name)}.")
+                t.print(f"[phalanx] lr_find: no suggestion (see the warning); {attr_name} stays "
+                        f"{getattr(model, attr_name)}.")
             else:
                 setattr(model, attr_name, lr)
                 if inside_fit:
@@ -194,7 +212,7 @@ class Tuner:
         t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
         t.current_stage = "train"
         t.module.train()
-        result = LRFinderResult(mode=mode)
+        result = LRFinderResult(mode=mode, global_rank=t.global_rank)
         smoothed, best, beta = 0.0, math.inf, 0.98
         epoch, step = 0, 0
         while step < num_training:
@@ -227,6 +245,7 @@ class Tuner:
                 value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
                 result.lrs.append(lr)
                 result.losses.append(value)
+                result.raw_losses.append(loss)
                 step += 1
                 if not math.isfinite(value) or (threshold is not None and value > threshold * best):
                     return result

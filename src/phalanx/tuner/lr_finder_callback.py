@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 class LearningRateFinder(Callback):
     """At ``on_fit_start``: ``Tuner(trainer).lr_find(...)``, set ``model.lr``/``model.learning_rate``
-    to the suggestion and rebuild the optimizer. When the fit resumes from a checkpoint, the search
-    is skipped (the restored optimizer already carries the learning rate) and the attribute is set
-    from this callback's saved state.
+    to the suggestion and rebuild the optimizer; when the search gives no suggestion (a warning says
+    why), the fit goes on with the learning rate the model has. When the fit resumes from a
+    checkpoint, the search is skipped (the restored optimizer already carries the learning rate) and
+    the attribute is set from this callback's saved state.
 
     Args:
         min_lr, max_lr, num_training_steps, mode, early_stop_threshold: see ``Tuner.lr_find``.
@@ -40,7 +41,7 @@ class LearningRateFinder(Callback):
         self.mode, self.early_stop_threshold, self.attr_name = mode, early_stop_threshold, attr_name
         self.plot_path = Path(plot_path) if plot_path is not None else None
         self.optimal_lr: LRFinderResult | None = None  # the result of the search
-        self.lr: float | None = None
+        self.lr: float | None = None  # its suggestion (None: there was none)
 
     def on_fit_start(self, trainer: TrainerView, module: Module) -> None:
         from phalanx.tuner.lr_find import Tuner, _lr_attr

@@ -1,0 +1,160 @@
+"""Suggestion rules for ``bench/lr_finder.py``, each a function of one recorded LR-finder curve.
+
+Every rule sees the same curve: the learning rates phalanx's finder tried, the moving average of the
+loss it records (``LRFinderResult.losses``) and the loss of each step (``LRFinderResult.raw_losses``).
+A rule returns a learning rate, or None where it refuses to suggest one. The rules of other projects
+are written here from their documented behaviour: none of their code is used.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.tuner import LRFinderResult
+from phalanx.tuner.suggest import WIDTH_FRACTION, smooth
+
+
+@dataclass
+class Curve:
+    result: LRFinderResult
+
+    @property
+    def lrs(self) -> list[float]:
+        return self.result.lrs
+
+    @property
+    def average(self) -> list[float]:
+        """The moving average phalanx records (beta 0.98, bias-corrected)."""
+        return self.result.losses
+
+    @property
+    def raw(self) -> list[float]:
+        return self.result.raw_losses
+
+
+def passes(loss: float, best: float, num_training: int) -> bool:
+    """The issue's bar: within 1.5x of the grid's best at the default num_training, 3x at 30 steps."""
+    return math.isfinite(loss) and loss <= (1.5 if num_training >= 100 else 3.0) * best
+
+
+def phalanx_before(curve: Curve, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+    """phalanx before issue 33: the steepest slope of the moving average against log(lr)."""
+    end = len(curve.average) - skip_end
+    pairs = [(lr, loss) for lr, loss in zip(curve.lrs[skip_begin:end], curve.average[skip_begin:end])
+             if math.isfinite(loss)]
+    if len(pairs) < 3:
+        return None
+    lrs = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    slope = torch.gradient(torch.tensor([p[1] for p in pairs], dtype=torch.float64), spacing=(lrs.log(),))[0]
+    return float(lrs[int(slope.argmin())])
+
+
+def lightning_losses(raw: list[float], threshold: float = 4.0, beta: float = 0.98) -> list[float]:
+    """The curve Lightning 2.6.6 records from the same step losses. Its bias correction divides by
+    1 - beta**(global_step + 1) where global_step already counts the step just taken (so the first
+    smoothed value is about half the loss), and it stops once the smoothed loss exceeds ``threshold``
+    times the best after the first step. Its correction shrinks the early values most, so it stops
+    no later than phalanx's search (which recorded ``raw``) did: the whole of its curve is here. On
+    a non-finite loss it does not stop, but the later values are non-finite too, and its rule drops
+    them."""
+    out: list[float] = []
+    average, best = 0.0, 0.0
+    for step, loss in enumerate(raw, start=1):
+        average = beta * average + (1 - beta) * loss
+        smoothed = average / (1 - beta ** (step + 1))
+        out.append(smoothed)
+        if step > 1 and smoothed > threshold * best:
+            break
+        if smoothed < best or step == 1:
+            best = smoothed
+    return out
+
+
+def lightning(curve: Curve, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+    """Lightning 2.6.6's rule: the steepest gradient of its smoothed loss against the learning rate itself."""
+    losses = lightning_losses(curve.raw)
+    lrs = curve.lrs[:len(losses)]
+    pairs = [(lr, loss) for lr, loss in zip(lrs[skip_begin:-skip_end], losses[skip_begin:-skip_end])
+             if math.isfinite(loss)]
+    if len(pairs) < 2:
+        return None
+    x = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    gradient = torch.gradient(torch.tensor([p[1] for p in pairs], dtype=torch.float64), spacing=[x])[0]
+    return pairs[int(gradient.argmin())][0]
+
+
+def valley(curve: Curve) -> float | None:
+    """fastai's "valley": the longest run of decreasing losses (not necessarily consecutive steps) on the
+    moving average without its first tenth and last 5 points, and the point half way down it."""
+    n = len(curve.average)
+    begin, end = n // 10, n - 5
+    losses = [x if math.isfinite(x) else math.inf for x in curve.average[begin:end]]
+    if len(losses) < 2:
+        return None
+    length = [1] * len(losses)
+    last = 0
+    for i in range(1, len(losses)):
+        for j in range(i):
+            if losses[i] < losses[j] and length[i] < length[j] + 1:
+                length[i] = length[j] + 1
+        if length[i] > length[last]:
+            last = i
+    first = max(last - length[last], 0)
+    third = (last - first) / 3
+    return curve.lrs[begin + first + int(third) + int(third / 2)]
+
+
+def minimum_over_10(curve: Curve) -> float | None:
+    """fastai's "minimum": the learning rate of the lowest moving average, divided by 10."""
+    finite = [(loss, lr) for lr, loss in zip(curve.lrs, curve.average) if math.isfinite(loss)]
+    return min(finite)[1] / 10 if finite else None
+
+
+def _centred(curve: Curve) -> tuple[list[float], torch.Tensor]:
+    """The finite step losses and their centred smoothing on a log scale, as phalanx's rule has them."""
+    pairs = [(lr, loss) for lr, loss in zip(curve.lrs, curve.raw) if math.isfinite(loss)]
+    y = torch.tensor([p[1] for p in pairs], dtype=torch.float64).log()
+    return [p[0] for p in pairs], smooth(y, max(1.0, len(y) * WIDTH_FRACTION))
+
+
+def lowest_over_2(curve: Curve) -> float | None:
+    """The learning rate of the centred curve's lowest point, halved (the fit's best learning rate lies
+    just below the edge of stability for plain SGD; the lowest point is near that edge)."""
+    lrs, centred = _centred(curve)
+    return lrs[int(centred.argmin())] / 2 if len(lrs) >= 3 else None
+
+
+def steepest_centred(curve: Curve) -> float | None:
+    """phalanx's rule without its refusal: the steepest slope of the centred curve against log(lr)
+    before its lowest point, whatever the noise."""
+    lrs, centred = _centred(curve)
+    low = int(centred.argmin())
+    if low < 1:
+        return None
+    x = torch.tensor(lrs[:low + 1], dtype=torch.float64).log()
+    return lrs[int(torch.gradient(centred[:low + 1], spacing=(x,))[0].argmin())]
+
+
+def phalanx_now(curve: Curve) -> float | None:
+    """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the steepest slope of the centred
+    curve before its lowest point; none when that point is not 4 standard errors below the start."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a refusal is counted, its message is for users
+        return curve.result.suggestion()
+
+
+# Short names for the tables; each function's docstring says what it does.
+RULES: dict[str, Callable[[Curve], float | None]] = {
+    "phalanx before": phalanx_before,
+    "Lightning 2.6.6": lightning,
+    "fastai valley": valley,
+    "fastai minimum": minimum_over_10,
+    "lowest / 2": lowest_over_2,
+    "steepest, centred": steepest_centred,
+    "phalanx now": phalanx_now,
+}
