@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,9 @@ from torch.nn import functional as F
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(REPO / "tests" / "support")]
 import gpu  # noqa: E402  (bench/gpu.py: the GPT-2 model and the raw contenders)
+from host_reads import DeviceSyncs  # noqa: E402  (what the CUDA tests count with)
 
 FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
 TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_writer.py",
@@ -66,38 +66,22 @@ def _batches(args: argparse.Namespace, vocab: int, seq: int, n: int = 8) -> list
     return out
 
 
-class SyncCounter:
-    """Counts torch's "called a synchronizing CUDA operation" warnings while ``active`` (sync debug mode)."""
+def _sync_counter(args: argparse.Namespace) -> DeviceSyncs:
+    """torch's sync debug mode, counted (tests/support/host_reads.py); on the CPU smoke run, one that sees none."""
+    if not args.cpu_smoke:
+        return DeviceSyncs()
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.active, self.count = enabled, False, 0
-        self.where: dict[str, int] = {}
-        self._log: Any = None
+    class Nothing(DeviceSyncs):
+        def __enter__(self) -> DeviceSyncs:
+            return self
 
-    def __enter__(self) -> SyncCounter:
-        if self.enabled:
-            torch.cuda.set_sync_debug_mode("warn")
-            self._log = warnings.catch_warnings(record=True)
-            self.records = self._log.__enter__()
-            warnings.simplefilter("always")
-        return self
+        def tick(self) -> None:
+            pass
 
-    def tick(self) -> None:
-        """Move what was recorded since the last tick into the count when active."""
-        if not self.enabled:
-            return
-        for w in self.records:
-            if "synchroniz" in str(w.message) and self.active:
-                self.count += 1
-                key = f"{Path(w.filename).name}:{w.lineno}"
-                self.where[key] = self.where.get(key, 0) + 1
-        self.records.clear()
+        def __exit__(self, *exc: Any) -> None:
+            pass
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self.tick()
-            torch.cuda.set_sync_debug_mode("default")
-            self._log.__exit__(*exc)
+    return Nothing()
 
 
 # ---------------------------------------------------------------------- 1. synchronizations
@@ -120,7 +104,7 @@ def syncs_fabric(args: argparse.Namespace, strategy: Any) -> dict[str, Any]:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4, **kind))
     seq = 64 if args.cpu_smoke or precision == "32-true" else 256
     batches = [(x.to(fabric.device), y.to(fabric.device)) for x, y in _batches(args, vocab, seq)]
-    counter = SyncCounter(not args.cpu_smoke)
+    counter = _sync_counter(args)
     with counter:
         for step in range(1, LAST + 6):
             counter.active = FIRST < step <= LAST
@@ -136,7 +120,7 @@ def syncs_fabric(args: argparse.Namespace, strategy: Any) -> dict[str, Any]:
             fabric.stop_requested()
             counter.tick()
     fabric.teardown()
-    return {"syncs": counter.count, "where": counter.where, "steps": LAST - FIRST}
+    return {"syncs": sum(counter.syncs.values()), "where": dict(counter.syncs), "steps": LAST - FIRST}
 
 
 def syncs_trainer(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,7 +128,7 @@ def syncs_trainer(args: argparse.Namespace) -> dict[str, Any]:
     from phalanx.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, Snapshot
     from phalanx.loggers import CSVLogger
 
-    counter = SyncCounter(not args.cpu_smoke)
+    counter = _sync_counter(args)
 
     class GPTModule(phalanx.Module):
         def __init__(self) -> None:
@@ -177,7 +161,7 @@ def syncs_trainer(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[Count(), ModelCheckpoint("trainer-ckpt", monitor="loss"), LearningRateMonitor(), Snapshot()])
     with counter:
         trainer.fit(GPTModule(), loader)
-    return {"syncs": counter.count, "where": counter.where, "steps": LAST - FIRST}
+    return {"syncs": sum(counter.syncs.values()), "where": dict(counter.syncs), "steps": LAST - FIRST}
 
 
 # ---------------------------------------------------------------------- 2. GPT-2 small, ms per step
@@ -187,76 +171,92 @@ def _gpt2_batches(args: argparse.Namespace) -> list[Any]:
             _batches(args, gpu.SMOKE["vocab"] if args.cpu_smoke else 50257, args.seq)]
 
 
+class Timed:
+    """What the Trainer contenders share: GPT-2 small's step (the loss every contender computes), its optimizer,
+    the loader over the same batches (pinned, as users load), and a clock read (synchronized) at the end of the
+    warm-up and of the timed steps."""
+
+    def __init__(self, args: argparse.Namespace, batches: list[Any]) -> None:
+        self.args, self.clock = args, {}  # type: ignore[var-annotated]
+        cpu = [(x.cpu(), y.cpu()) for x, y in batches]
+        self.steps = args.warmup + args.steps
+        self.loader = torch.utils.data.DataLoader([cpu[i % len(cpu)] for i in range(self.steps)], batch_size=None,
+                                                  pin_memory=not args.cpu_smoke)
+
+    def model(self) -> gpu.GPT:
+        return gpu.make_model() if not self.args.cpu_smoke else gpu.GPT(**gpu.SMOKE)
+
+    @staticmethod
+    def loss(gpt: gpu.GPT, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = gpt(x)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+    @staticmethod
+    def optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(module.parameters(), lr=3e-4, fused=True)
+
+    def tick(self, step: int, outputs: Any) -> None:
+        if step in (self.args.warmup, self.steps):
+            gpu._sync()
+            self.clock[step] = time.perf_counter()
+            self.clock["loss"] = float(outputs["loss"])
+
+    def result(self) -> tuple[float, float]:
+        return (self.clock[self.steps] - self.clock[self.args.warmup]) / self.args.steps, self.clock["loss"]
+
+
 def speed_trainer(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
     import phalanx
     from phalanx.callbacks import Callback
 
-    clock: dict[str, float] = {}
+    timed = Timed(args, batches)
 
     class Module(phalanx.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gpt = gpu.make_model() if not args.cpu_smoke else gpu.GPT(**gpu.SMOKE)
+            self.gpt = timed.model()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            logits = self.gpt(x)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+            return timed.loss(self.gpt, batch)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+            return timed.optimizer(self)
 
     class Clock(Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *rest: Any) -> None:
-            if trainer.global_step in (args.warmup, args.warmup + args.steps):
-                gpu._sync()
-                clock[str(trainer.global_step)] = time.perf_counter()
-                clock["loss"] = float(outputs["loss"]) if trainer.global_step > args.warmup else 0.0
+            timed.tick(trainer.global_step, outputs)
 
-    cpu = [(x.cpu(), y.cpu()) for x, y in batches]
-    loader = torch.utils.data.DataLoader([cpu[i % len(cpu)] for i in range(args.warmup + args.steps)],
-                                         batch_size=None, pin_memory=not args.cpu_smoke)
-    trainer = phalanx.Trainer(accelerator=_device(args), devices=1, precision="bf16-mixed",
-                              max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
-                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                              callbacks=[Clock()])
-    trainer.fit(Module(), loader)
-    return (clock[str(args.warmup + args.steps)] - clock[str(args.warmup)]) / args.steps, clock["loss"]
+    trainer = phalanx.Trainer(accelerator=_device(args), devices=1, precision="bf16-mixed", max_steps=timed.steps,
+                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                              enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Clock()])
+    trainer.fit(Module(), timed.loader)
+    return timed.result()
 
 
 def speed_lightning(args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
     import lightning as L
 
-    clock: dict[str, float] = {}
+    timed = Timed(args, batches)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.gpt = gpu.make_model()
+            self.gpt = timed.model()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            logits = self.gpt(x)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+            return timed.loss(self.gpt, batch)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=True)
+            return timed.optimizer(self)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            step = self.trainer.global_step
-            if step in (args.warmup, args.warmup + args.steps):
-                gpu._sync()
-                clock[str(step)] = time.perf_counter()
-                clock["loss"] = float(outputs["loss"])
+            timed.tick(self.trainer.global_step, outputs)
 
-    cpu = [(x.cpu(), y.cpu()) for x, y in batches]
-    loader = torch.utils.data.DataLoader([cpu[i % len(cpu)] for i in range(args.warmup + args.steps)],
-                                         batch_size=None, pin_memory=True)
-    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=args.warmup + args.steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(Module(), loader)
-    return (clock[str(args.warmup + args.steps)] - clock[str(args.warmup)]) / args.steps, clock["loss"]
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=timed.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module(), timed.loader)
+    return timed.result()
 
 
 def speed_2d(kind: str, args: argparse.Namespace, batches: list[Any]) -> tuple[float, float]:
@@ -315,10 +315,15 @@ def snapshot_cost(args: argparse.Namespace, every: str) -> dict[str, Any]:
     model = fabric.setup_module(gpu.make_model() if not args.cpu_smoke else gpu.GPT(**gpu.SMOKE))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
     batches = _gpt2_batches(args)
-    steps = args.snapshot_steps * (4 if every == "auto" else 1)  # several of its gaps in the window
+    # Timed after the snapshots that allocate (the pinned staging, the shared-memory slots: once per run) and over
+    # several gaps of the cadence.
+    first = 21 if every in ("none", "auto") else 3 * int(every) + 1
+    if every == "auto":
+        first = 5 * args.snapshot_steps // 6
+    steps = first - 1 + (args.snapshot_steps * 4 if every == "auto" else max(args.snapshot_steps, 5 * int(every)))
     start = 0.0
     for step in range(1, steps + 1):
-        if step == 21:
+        if step == first:
             gpu._sync()
             start = time.perf_counter()
         x, y = batches[step % len(batches)]
@@ -330,7 +335,7 @@ def snapshot_cost(args: argparse.Namespace, every: str) -> dict[str, Any]:
             fabric.save_snapshot({"model": model, "optimizer": optimizer, "step": step}, step, "gpt2-snapshots",
                                  every_n_steps=int(every) if every != "auto" else "auto")
     gpu._sync()
-    per_step = (time.perf_counter() - start) / (steps - 20)
+    per_step = (time.perf_counter() - start) / (steps - first + 1)
     out: dict[str, Any] = {"ms_per_step": per_step * 1e3}
     if every != "none":
         folder = fabric._snapshot_folder("gpt2-snapshots")

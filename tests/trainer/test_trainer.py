@@ -15,9 +15,10 @@ from trainer_support import CountingSGD, Regressor, dataset, flat, loader, quiet
 
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
+from phalanx.trainer.board import MetricBoard
 from phalanx.trainer.data import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
-from phalanx.trainer.results import MetricBoard, Results
+from phalanx.trainer.results import Results
 from phalanx.utils.errors import MisconfigurationError
 
 

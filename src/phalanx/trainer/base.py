@@ -28,11 +28,12 @@ from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import Profiler
 from phalanx.trainer import stepping
 from phalanx.trainer.assembly import deterministic, ordered
+from phalanx.trainer.board import MetricBoard
 from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.hooks import TrainerHooks
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
-from phalanx.trainer.results import MetricBoard, Results
+from phalanx.trainer.results import Results
 from phalanx.trainer.settings import Settings, sequential
 from phalanx.trainer.state import LoopState
 from phalanx.trainer.stepping import StepOptimizer, StepPlan

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer.results import reads_metrics
+from phalanx.trainer.board import reads_metrics
 from phalanx.trainer.settings import checkpoint_marks, off_in_fast_dev_run
 from phalanx.utils.errors import MisconfigurationError
 

@@ -36,10 +36,10 @@ import torch
 
 from phalanx.core.module import overrides
 from phalanx.trainer import survival
+from phalanx.trainer.board import host_floats
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import step_schedulers
-from phalanx.trainer.results import host_floats
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
