@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Set up .venv with the test extras and run the whole suite: ruff, mypy --strict, import-linter, pytest.
 # Tests marked `slow` run only with PHALANX_TEST_ALL=1; `gpu` tests skip where no CUDA device exists.
+# --fast: the edit-test loop (under 2 minutes): ruff, then the tests that start no process (a test that would
+# start one skips there); mypy, import-linter and the jobs are the full run's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test"
 .venv/bin/ruff check src tests examples bench
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec .venv/bin/python -m pytest -m "not slow" --fast -q "$@"
+fi
 .venv/bin/mypy --strict src
 # The layers of docs/architecture.md: import only downward, no import cycle (contracts in pyproject.toml).
 .venv/bin/lint-imports --no-cache

@@ -1,11 +1,32 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+import multiprocessing.process
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from run_if import run_if
+
+
+# ---------------------------------------------------------------- the fast tier (`bash scripts/test.sh --fast`)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="the edit-test loop: every test that starts a process skips where it would start it")
+
+
+@pytest.fixture(autouse=True)
+def _no_launches_in_the_fast_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Under ``--fast`` a test that starts a process (a job, a launcher, a CLI) is skipped at that point, so the
+    tier holds exactly the tests that never launch, without a list to keep up to date."""
+    if request.config.getoption("--fast"):
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            pytest.skip("starts a process: not in the fast tier (bash scripts/test.sh runs it)")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
 
 
 # ---------------------------------------------------------------- multi-process jobs (tests/support/mp.py)
