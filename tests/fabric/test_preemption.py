@@ -6,10 +6,11 @@ snapshot; the final weights equal an uninterrupted run's bit for bit."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
-from mp import run_job
+from mp import Job, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
@@ -47,7 +48,7 @@ while state["step"] < 20:
         fabric.save_snapshot(state, state["step"])  # per step, in /dev/shm: a restart loses nothing
     if fabric.global_rank == signal_rank and state["step"] == signal_step:
         if mode == "kill" and fabric.restart_count == 0:
-            os._exit(9)  # like kill -9: no cleanup at all
+            os.kill(os.getpid(), signal.SIGKILL)
         if mode == "signal" and not os.path.exists("signalled"):
             open("signalled", "w").close()
             os.kill(os.getpid(), signal.SIGTERM)
@@ -60,6 +61,21 @@ report(fabric, weights=flat(model), step=state["step"], snapshots=str(fabric.sna
 """
 
 _references: dict[str, list[float]] = {}
+
+
+def logs(folder: Path) -> str:
+    """The job's run log folder as the terminal names it: a Fabric without loggers keeps it in the working
+    directory."""
+    (found,) = (folder / "phalanx_logs").glob("phalanx-*")
+    return str(found.relative_to(folder))
+
+
+def terminal(job: Job, strategy: str, lines: int) -> list[str]:
+    """The last ``lines`` lines of the job's stderr, which under ddp must be all of it (FSDP and DeepSpeed may warn
+    before them)."""
+    out = job.stderr.splitlines()
+    assert strategy != "ddp" or len(out) == lines, job.stderr[-3000:]
+    return out[len(out) - lines:]
 
 
 def reference(tmp_path_factory: pytest.TempPathFactory, strategy: str) -> list[float]:
@@ -91,10 +107,13 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_step_and_the_rerun_matches(
     for r in (0, 1):  # both ranks stopped at the step the signal came, and agree on who got it
         assert job.reports[r]["stopped_at"] == step, (why, job.reports)
         assert job.reports[r]["stop"] == f"SIGTERM on rank {rank}"
-    line = f"[phalanx] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: ckpts/step-{step}.ckpt"
-    assert line in job.stderr, job.stderr[-2000:]
-    assert "Traceback" not in job.stderr
+    # All the terminal shows: the stop and how to resume, in one line; the rerun says where it resumed.
+    (stop,) = terminal(job, strategy, 1)
+    assert re.fullmatch(rf"\[phalanx\] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: "
+                        rf"ckpts/step-{step}\.ckpt \(\d+\.\d s after the signal\)\. Run the same command again to "
+                        rf"resume from it\. Logs: {re.escape(logs(tmp_path))}", stop), job.stderr[-2000:]
     rerun = run_job(LOOP, tmp_path, timeout=120, args=(strategy, str(rank), str(step), "signal")).check()
+    assert terminal(rerun, strategy, 1) == [f"[phalanx] Resumed from ckpts/step-{step}.ckpt at step {step}."]
     assert rerun.reports[0]["resumed_at"] == step
     assert rerun.reports[0]["weights"] == expected, why  # bit-identical
 
@@ -112,6 +131,11 @@ def test_kill_9_under_max_restarts_resumes_from_the_snapshot(
     # Small states are copied before save_snapshot returns, so nothing is recomputed (a large state's copy
     # overlaps the next step; losing it costs one step: tests/checkpoint/test_rank_snapshot.py).
     assert job.reports[0]["attempt"] == 1 and job.reports[0]["resumed_at"] == step, (why, job.reports)
-    assert "snapshot-step=" in job.reports[0]["resumed_from"]
+    assert job.reports[0]["resumed_from"].endswith(f"snapshot-step={step:09d}"), (why, job.reports)
+    # The restart is said in one line: what failed, where the loop resumed (fabric.load of what
+    # fabric.latest_checkpoint found), where the logs are.
+    said = (f"[phalanx] Restart 1 of at most 1: rank {rank} was killed by SIGKILL; rank {1 - rank} stopped as a "
+            f"consequence. Resumed from {job.reports[0]['resumed_from']} at step {step}. Logs: {logs(tmp_path)}")
+    assert terminal(job, strategy, 1) == [said], (why, job.stderr)
     assert job.reports[0]["weights"] == expected, why  # bit-identical, no step lost
     assert not Path(job.reports[0]["snapshots"]).exists()  # removed when the job ended well

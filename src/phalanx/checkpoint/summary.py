@@ -47,8 +47,9 @@ def _loadable_by(kind: str, meta: dict[str, Any]) -> list[str]:
             "optimizer state; then any strategy and world size)"]
 
 
-def _counters(tree: dict[str, Any]) -> dict[str, Any]:
-    """Step and epoch: a Trainer checkpoint's ``loops`` entry, else plain top-level ``step``/``epoch`` values."""
+def counters(tree: dict[str, Any]) -> dict[str, Any]:
+    """Step and epoch: a Trainer checkpoint's ``loops`` entry, else plain top-level ``step``/``global_step``
+    and ``epoch`` values (a Fabric loop's state)."""
     loops = tree.get("loops")
     if isinstance(loops, dict):
         return {"step": loops.get("global_step"), "epoch": loops.get("epoch"),
@@ -89,7 +90,7 @@ def describe(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
         "format_version": meta.get("format_version"),
         "torch_version": meta.get("torch_version"),
         "converted_from": meta.get("converted_from"),
-        **_counters(source.tree),
+        **counters(source.tree),
         "entries": entries,
         "tensors": listed,
         "tensor_count": len(listed),
