@@ -183,6 +183,22 @@ def test_a_failed_attempt_is_handed_to_the_restarted_ranks(monkeypatch: pytest.M
     assert CAUSE_VARIABLE not in os.environ and RUN_VARIABLE not in os.environ  # this process may go on
 
 
+def test_a_signal_to_the_launcher_is_said_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The ranks saved and rank 0 said so: the launcher adds nothing (exit code 75). No rank saved (a loop that never
+    asks fabric.stop_requested()): the launcher says so, naming the logs, and exits as SIGTERM would (143)."""
+    monkeypatch.chdir(tmp_path)
+    logs = RunLogs("phalanx-x", root=str(tmp_path / "phalanx_logs"), dst=io.StringIO())
+    rank0 = tmp_path / "phalanx_logs" / "phalanx-x" / "phalanx-x_abc" / "attempt_0" / "0"
+    rank0.mkdir(parents=True)
+    assert logs.report_signal(signal.SIGTERM) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "[phalanx] The launcher received SIGTERM and passed it on to the ranks; no rank saved a checkpoint (a Fabric "
+        "loop saves when fabric.stop_requested() says so). Logs: phalanx_logs/phalanx-x\n")
+    (rank0 / "error.json").write_text(json.dumps({"message": {"message": "Preempted: preempted at step 5 by ..."}}))
+    assert logs.report_signal(signal.SIGTERM) == 75 and capsys.readouterr().err == ""
+
+
 def test_a_restarted_attempt_says_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
     said: list[str] = []
     monkeypatch.setattr(restarts.diagnostics, "notice", lambda text, rank=None: said.append(text))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.distributed.failures import failure_summary, preempted_summary, signal_name
-from phalanx.distributed.preemption import Preempted
+from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
 from phalanx.distributed.runlogs import RunLogs, log_root
 from phalanx.utils import exiting
 from phalanx.utils.diagnostics import notice
@@ -318,8 +318,10 @@ def launch_function(
         with logs:
             results = elastic_launch(_launch_config(nprocs, logs, max_restarts), _function_entry)(factory, fn, args)
     except SignalException as err:  # passed on to the ranks, as under launch_script; this process ends likewise
-        logs.report_signal(err.sigval)
-        raise Preempted(f"the launcher received {signal_name(err.sigval)}") from None
+        code = logs.report_signal(err.sigval)
+        if code == EXIT_PREEMPTED:
+            raise Preempted(f"the launcher received {signal_name(err.sigval)}") from None
+        raise SystemExit(code) from None
     except ChildFailedError as err:
         preempted = preempted_summary(err)
         if preempted is not None:  # rank 0 printed the line; end this process the same way (exit code 75)

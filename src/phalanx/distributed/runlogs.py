@@ -361,13 +361,15 @@ class RunLogs:
     def report_signal(self, signum: int) -> int:
         """The launcher received ``signum``; torch's agent passed it on to the ranks and waited for them. A rank
         that saved and stopped (a Trainer, or a loop asking ``fabric.stop_requested()``) recorded it, and rank 0
-        said so in one line; otherwise say here that nothing was saved. Returns the exit code (75)."""
-        if not any((recorded(Recorded.read(path)) or "").startswith("Preempted: ") for path in self.error_files()):
-            where = f" Logs: {self.shown()}" if self.dir is not None else ""
-            print(f"[phalanx] The launcher received {signal_name(signum)} and passed it on to the ranks; no rank "
-                  "saved a checkpoint (a Fabric loop saves when fabric.stop_requested() says so)." + where,
-                  file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        said so in one line: exit code 75. Otherwise say here that nothing was saved, and exit as a process
+        ended by that signal does (128 + its number), not as a preemption that can be resumed."""
+        if any((recorded(Recorded.read(path)) or "").startswith("Preempted: ") for path in self.error_files()):
+            return EXIT_PREEMPTED
+        where = f" Logs: {self.shown()}" if self.dir is not None else ""
+        print(f"[phalanx] The launcher received {signal_name(signum)} and passed it on to the ranks; no rank saved a "
+              "checkpoint (a Fabric loop saves when fabric.stop_requested() says so)." + where,
+              file=sys.stderr, flush=True)
+        return 128 + signum
 
     def failed_logs(self, err: Any) -> str:
         """The line naming the run's log (the first-failed rank's stderr file first), or ''."""
