@@ -83,7 +83,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # The ranks' stderr goes to a log file (torch's --redirects), shown here without tracebacks; a failure
     # ends with the log's path and the cause (see phalanx.distributed.runlogs). The log folder is under the
     # working directory: this process starts before the script says where its root is.
-    logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None, ranks=args.devices)
+    # On several nodes each launcher sees its own ranks only, numbered globally: it names the failed ones alone.
+    logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None,
+                   ranks=args.devices if args.num_nodes == 1 else None)
     torchrun += logs.torchrun_args()
     if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
         torchrun += ["--signals-to-handle", AGENT_SIGNALS]
