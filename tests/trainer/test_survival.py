@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOB_PYTHONPATH, Job, run_job
+from mp import JOB_PYTHONPATH, Job, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
@@ -61,17 +61,6 @@ def resumed_line(done: Job) -> str:
     return f"Resumed from {path} at step {step} (epoch {epoch})."
 
 
-def assert_terminal(done: Job, strategy: str, *expected: str) -> None:
-    """The terminal's stderr is exactly ``expected`` (lines; a pattern where one starts with ``re:``). Under FSDP and
-    DeepSpeed their own warnings may come first; the lines must still be there, in order, at the end."""
-    lines = done.stderr.splitlines()
-    if strategy != "ddp":
-        lines = lines[len(lines) - len(expected):]
-    assert len(lines) == len(expected), done.stderr[-3000:]
-    for line, want in zip(lines, expected):
-        assert re.fullmatch(want[3:], line) if want.startswith("re:") else line == want, (want, done.stderr[-3000:])
-
-
 def reference(tmp_path_factory: pytest.TempPathFactory, strategy: str) -> list[float]:
     """The uninterrupted run's final weights (one run per strategy per session)."""
     if strategy not in _references:
@@ -104,12 +93,12 @@ def test_sigterm_on_a_random_rank_and_step_then_rerun(tmp_path: Path, tmp_path_f
     assert first.returncode == EXIT_PREEMPTED, (why, first.output[-3000:])
     # What the terminal shows, all of it: the stop and how to resume, in one line.
     took = r" \(\d+\.\d s after the signal\)" if rank == 0 else ""  # rank 0 prints; it knows when it got its own
-    assert_terminal(first, strategy, FIRST_RUN, (
+    assert_terminal(first.stderr, strategy, FIRST_RUN, (
         rf"re:\[phalanx\] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: run/checkpoints/last\.ckpt"
         rf"{took}\. Run the same command again to resume from it\. Logs: {re.escape(logs(tmp_path))}"))
     second = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step)).check()
     assert second.reports[0]["resumed"][:2] == ["run/checkpoints/last.ckpt", step], (why, second.reports)
-    assert_terminal(second, strategy, f"[phalanx] {resumed_line(second)}")
+    assert_terminal(second.stderr, strategy, f"[phalanx] {resumed_line(second)}")
     assert second.reports[0]["step"] == STEPS
     assert second.reports[0]["weights"] == expected, why  # bit-identical
     assert_each_sample_once(tmp_path)
@@ -185,8 +174,8 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
                "1", "--snapshot", "--fresh").check()
     assert (tmp_path / "killed").exists(), why
     # The terminal says it in one line: which rank failed and how, where the run resumed, where the logs are.
-    assert_terminal(done, strategy, f"[phalanx] Restart 1 of at most 1: rank {rank} was killed by SIGKILL; rank "
-                                    f"{1 - rank} stopped as a consequence. {resumed_line(done)} Logs: {logs(tmp_path)}")
+    assert_terminal(done.stderr, strategy, f"[phalanx] Restart 1 of at most 1: rank {rank} was killed by SIGKILL; "
+                    f"rank {1 - rank} stopped as a consequence. {resumed_line(done)} Logs: {logs(tmp_path)}")
     # Nothing recomputed: the restart resumed from the snapshot of the step the rank died after. (These states
     # are small, so the copy was complete before the callback returned; a large state's copy overlaps the next
     # step, and losing it costs one step: tests/checkpoint/test_rank_snapshot.py.) Shared-memory snapshots are
