@@ -5,6 +5,7 @@ Data: scikit-learn's bundled digits (1797 8x8 images, no download).
 
     python examples/train_digits.py                 # re-runs itself in 2 processes
     phalanx run --devices 2 examples/train_digits.py
+    python examples/train_digits.py --resume        # after a preemption (exit code 75): go on where it stopped
 """
 
 from __future__ import annotations
@@ -75,17 +76,26 @@ def digits_datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a digits classifier with phalanx.Trainer on --devices processes (DDP on CPU).")
+    parser.add_argument("--devices", type=int, default=2, help="processes to train on (DDP; default %(default)s)")
+    parser.add_argument("--epochs", type=int, default=12, help="epochs to train for (default %(default)s)")
+    parser.add_argument("--out", default="runs/train_digits",
+                        help="the run's root folder: checkpoints, CSV and TensorBoard logs, the LR finder's plot, "
+                             "and the launcher's logs (phalanx_logs/) go under it (default %(default)s)")
+    parser.add_argument("--no-progress-bar", action="store_true", help="no progress bar (the line per epoch stays)")
+    parser.add_argument("--max-restarts", type=int, default=2,
+                        help="restart the processes up to this many times after one dies (kill -9, out of memory); "
+                             "each restart resumes from the snapshot of the last step (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --out (ckpt_path='last'), e.g. after a "
+                             "preemption (exit code 75)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--out", default="runs/train_digits")
-    parser.add_argument("--no-progress-bar", action="store_true")
-    # Survival: a rank that dies (kill -9, out of memory) restarts the job, which resumes from the snapshot
-    # of the last step; after a preemption (SIGTERM/SIGUSR1, exit code 75) rerun with --resume.
-    parser.add_argument("--max-restarts", type=int, default=2)
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (ckpt_path='last')")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     out = Path(args.out)
 
     phalanx.seed_everything(42)

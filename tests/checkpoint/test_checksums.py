@@ -253,7 +253,7 @@ for name in ("step2", "step1", "async3"):
         fabric.load(name, state)
         out[name] = torch.equal(full(fresh), full(model)) and state["step"] > 0
     except CheckpointError as err:
-        out[name] = str(err)
+        out[name] = f"{type(err).__name__}: {err}"
 report(fabric, **out)
 """
 
@@ -272,9 +272,9 @@ def test_flipped_bytes_in_a_shard_file_are_refused_on_every_rank(tmp_path: Path)
                 f"{root / 'step2' / '__1_0.distcp'} does not match its checksum (crc32 {saved:#010x} saved, "
                 f"{now:#010x} now). {REFUSED} Use the previous checkpoint, {root / 'step1'}.")
 
-    # Rank 0 verifies every rank's files before any rank reads a shard; the others hear its verdict.
-    assert job.reports[0]["step2"] == expected(Path()), job.reports[0]["step2"]
-    assert job.reports[1]["step2"] == f"Loading step2 failed on rank 0: {expected(Path())}", job.reports[1]
+    # Rank 0 verifies every rank's files before any rank reads a shard; the others hear its verdict, as the same error.
+    assert job.reports[0]["step2"] == f"CorruptCheckpointError: {expected(Path())}", job.reports[0]["step2"]
+    assert job.reports[1]["step2"] == f"CorruptCheckpointError: Loading step2 failed on rank 0: {expected(Path())}"
     for rank in (0, 1):
         assert job.reports[rank]["step1"] is True and job.reports[rank]["async3"] is True, job.reports[rank]
     # The asynchronous save recorded its shards' checksums too, and every file of both is covered.

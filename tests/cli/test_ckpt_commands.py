@@ -239,7 +239,7 @@ def test_safetensors_export_loads_with_from_pretrained(saved: tuple[Path, dict[i
                          "--config", tmp_path / "config.json")
     assert code == 0, err
     assert "stripped model." in out
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "phalanx_checksums.json"]
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     model.eval()
     with torch.no_grad():
@@ -319,7 +319,7 @@ def test_bad_arguments_give_one_line_errors(saved: tuple[Path, Any], tmp_path: P
 def test_convert_refuses_a_checkpoint_whose_bytes_changed(saved: tuple[Path, Any], tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A conversion verifies the checksums phalanx recorded: a flipped byte is not handed on under new
-    (unrecorded) checksums. Inspect reads no tensor data and still describes the file."""
+    (unrecorded) checksums. Inspect refuses it too; with --no-verify it reads no tensor data and describes it."""
     import shutil
 
     job_dir, _ = saved
@@ -339,7 +339,57 @@ def test_convert_refuses_a_checkpoint_whose_bytes_changed(saved: tuple[Path, Any
         code, _, err = cli(capsys, "ckpt", "convert", tmp_path / src, tmp_path / f"{src}.out", "--to", "sharded")
         assert code == 1 and "is corrupt" in err and err.count("\n") == 1, err
         assert not (tmp_path / f"{src}.out").exists()
-    assert cli(capsys, "ckpt", "inspect", tmp_path / "bad.pt")[0] == 0
+    assert cli(capsys, "ckpt", "inspect", tmp_path / "bad.pt")[0] == 1
+    code, out, _ = cli(capsys, "ckpt", "inspect", tmp_path / "bad.pt", "--no-verify")
+    assert code == 0 and "  checksums: not verified (--no-verify)" in out.splitlines()
+
+
+def test_a_converted_file_carries_checksums_and_a_damaged_one_is_refused_by_name(
+        saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every --to writes checksums as a phalanx save does; inspect verifies them by default, and inspect and
+    fabric.load refuse a flipped byte, naming the tensor; the file's zip records are named after it."""
+    import zipfile
+    import zlib
+
+    from phalanx.checkpoint.format import MARKER, META_KEY
+    from phalanx.utils.errors import CorruptCheckpointError
+
+    job_dir, _ = saved
+    outs = {"single": tmp_path / "single" / "model.pt", "sharded": tmp_path / "sharded" / "model",
+            "safetensors": tmp_path / "safetensors" / "model"}
+    for to, dst in outs.items():  # each alone in its folder: no earlier checkpoint beside it
+        assert cli(capsys, "ckpt", "convert", job_dir / "ckpt.pt", dst, "--to", to)[0] == 0
+        code, out, _ = cli(capsys, "ckpt", "inspect", dst)
+        assert code == 0 and "  checksums: verified (crc32 of every tensor matches what was saved)" in out, out
+    assert {name.split("/")[0] for name in zipfile.ZipFile(outs["single"]).namelist()} == {"model"}
+    assert {name.split("/")[0] for name in zipfile.ZipFile(outs["sharded"] / MARKER).namelist()} == {"phalanx_meta"}
+
+    # One flipped byte in the first weight of each: its region, from the checksums each output recorded.
+    record = torch.load(outs["single"], weights_only=True)[META_KEY]["checksums"]
+    (_, saved_crc), *_ = record["entries"]["model"]["tensors"]
+    offset = torch._C.PyTorchFileReader(str(outs["single"])).get_record_offset("data/0")
+    flip_at = {"single": (outs["single"], offset, 16 * 6 * 4, saved_crc)}  # the weight: 16 x 6 float32
+    files = torch.load(outs["sharded"] / MARKER, weights_only=True)[META_KEY]["checksums"]["files"]
+    files2 = json.loads((outs["safetensors"] / "phalanx_checksums.json").read_text())["files"]
+    for to, recorded in (("sharded", files), ("safetensors", files2)):
+        name, (start, length, _, crc) = next((n, r) for n, f in recorded.items() for r in f["regions"]
+                                             if r[2] == ["model", "0.weight"])
+        flip_at[to] = (outs[to] / name, start, length, crc)
+    for to, (file, at, length, crc) in flip_at.items():
+        data = bytearray(file.read_bytes())
+        data[at] ^= 0xFF
+        file.write_bytes(bytes(data))
+        now = zlib.crc32(data[at:at + length])
+        where = "" if file == outs[to] else f" in {file}"
+        expected = (f"Checkpoint {outs[to]} is corrupt: tensor '0.weight' of entry 'model'{where} does not match its "
+                    f"checksum (crc32 {crc:#010x} saved, {now:#010x} now). Its bytes changed after phalanx saved it (a "
+                    "failing disk, a damaged copy), so loading it would silently give wrong values; it was refused. "
+                    "Use an earlier checkpoint.")
+        assert cli(capsys, "ckpt", "inspect", outs[to]) == (1, "", f"phalanx ckpt inspect: {expected}\n"), to
+        if to != "safetensors":  # what phalanx loads (a safetensors export is for from_pretrained)
+            with pytest.raises(CorruptCheckpointError) as err:
+                Fabric(accelerator="cpu", devices=1).load(outs[to], {"model": mlp()})
+            assert str(err.value) == expected
 
 
 # ---------------------------------------------------------------------- DeepSpeed

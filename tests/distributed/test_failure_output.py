@@ -6,6 +6,9 @@ file:line), once; the ranks' full tracebacks and stderr are in the log it names.
 from __future__ import annotations
 
 import io
+import json
+import logging
+import os
 import re
 import signal
 import sys
@@ -15,8 +18,9 @@ from typing import Any
 import pytest
 from mp import run_job
 
-from phalanx.distributed.launch import failure_summary
-from phalanx.distributed.runlogs import RunLogs, TracebackFilter, _Tailed
+from phalanx.distributed import restarts
+from phalanx.distributed.failures import CAUSE_VARIABLE, failure_summary, oom_kills
+from phalanx.distributed.runlogs import RUN_VARIABLE, RunLogs, TracebackFilter, _Tailed, log_root
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,9 +106,129 @@ def test_summary_names_ranks_that_failed_alike_together_and_a_consequence_withou
                                      "cause", 12), 1: _Failure(1, cause, 10), 2: _Failure(-signal.SIGTERM, None, 13)}
 
     text, _ = failure_summary(Consequence())
-    assert text == (f"rank 1 exited with code 1: {cause}; rank 0 exited with code 1: RankGoneError, a consequence "
-                    "of rank 1's error; the launcher then stopped rank(s) [2]")
+    assert text == f"rank 1 exited with code 1: {cause}; ranks 0 and 2 stopped as a consequence"
     assert text.count("job.py:9") == 1
+
+
+def test_summary_of_a_killed_rank_reads_the_same_whichever_way_its_peer_stopped() -> None:
+    gone = ("RankGoneError: stop_requested (collective #60, on rank 0) failed on rank 0 because rank 1 stopped sending "
+            "heartbeats (last seen in 'backward' (#59) at job.py:12 (<module>)); it was killed or crashed.")
+    for peer in (_Failure(1, gone, 10), _Failure(-signal.SIGTERM, None, 10)):  # it noticed first, or was stopped first
+
+        class Killed:
+            failures = {0: peer, 1: _Failure(-signal.SIGKILL, None, 11)}
+
+        assert failure_summary(Killed()) == ("rank 1 was killed by SIGKILL; rank 0 stopped as a consequence", 1)
+
+    class Alone:  # the agent reported only the killed rank (a restart): the others are named from the rank count
+        failures = {1: _Failure(-signal.SIGKILL, None, 11)}
+
+    text = failure_summary(Alone(), ranks=3)[0]
+    assert text == "rank 1 was killed by SIGKILL; ranks 0 and 2 stopped as a consequence"
+    # The kernel's out-of-memory counter rose meanwhile: said, with what to do; never without that evidence.
+    assert failure_summary(Alone(), ranks=2, oom=1)[0] == (
+        "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer: this cgroup's oom_kill count rose by 1; give "
+        "the job more memory or use less, e.g. a smaller batch or fewer dataloader workers); rank 0 stopped as a "
+        "consequence")
+    assert "memory" not in failure_summary(Alone(), ranks=2, oom=0)[0]
+
+
+def test_summary_of_a_corrupt_checkpoint_on_two_ranks_states_the_cause_once() -> None:
+    # What a 2-rank fit(ckpt_path=...) of a corrupt file recorded: rank 1's error quotes rank 0's, cut off at 500
+    # characters by the error record.
+    corrupt = ("Checkpoint run/checkpoints/last.ckpt is corrupt: tensor 'net.0.weight' of entry 'model' does not match "
+               "its checksum (crc32 0x923608df saved, 0xd6d42956 now). Its bytes changed after phalanx saved it (a "
+               "failing disk, a damaged copy), so loading it would silently give wrong values; it was refused. Use the "
+               "previous checkpoint, run/checkpoints/epoch=0-step=4.ckpt.")
+    own = f"CorruptCheckpointError: {corrupt} (raised at format.py:175 (read_file), called from job.py:5 (<module>))"
+    quoted = f"CorruptCheckpointError: Loading run/checkpoints/last.ckpt failed on rank 0: {corrupt}"[:500]
+
+    class Both:
+        failures = {0: _Failure(1, own, 10), 1: _Failure(1, quoted + " (raised at layer.py:77 (_raise_failure))", 10)}
+
+    assert failure_summary(Both()) == (f"rank 0 exited with code 1: {own}; rank 1 stopped as a consequence", 1)
+
+
+def test_the_kernels_out_of_memory_count_is_read_from_the_cgroup(tmp_path: Path) -> None:
+    (tmp_path / "cgroup").write_text("4:memory:/job/a\n0::/job/a\n")
+    v1 = tmp_path / "fs" / "memory" / "job" / "a"
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    assert oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == 2
+    (tmp_path / "cgroup").write_text("0::/job/b\n")
+    v2 = tmp_path / "fs" / "job" / "b"
+    v2.mkdir(parents=True)
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n")
+    assert oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == 1
+    assert oom_kills(str(tmp_path / "none"), str(tmp_path / "fs")) is None
+
+
+def test_a_failed_attempt_is_handed_to_the_restarted_ranks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The launcher's recorder turns torch's agent record of a failed attempt into the summary the restarted rank 0
+    quotes in its one line (through the environment the agent gives the ranks)."""
+    monkeypatch.delenv(CAUSE_VARIABLE, raising=False)
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(tmp_path))
+    logs = RunLogs("phalanx-x", dst=io.StringIO(), ranks=2)
+    attempt = tmp_path / "phalanx-x" / "phalanx-x_abc" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    gone = "RankGoneError: backward failed on rank 0 because rank 1 stopped sending heartbeats; it was killed"
+    (attempt / "0" / "error.json").write_text(json.dumps({"message": {"message": gone}}))
+    with logs:
+        assert os.environ[RUN_VARIABLE] == str(tmp_path / "phalanx-x")
+        record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py", 1,
+                                   "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                                   (-9, 1, 4242, "python"), None)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").handle(record)
+        assert os.environ[CAUSE_VARIABLE] == "rank 1 was killed by SIGKILL; rank 0 stopped as a consequence"
+    assert CAUSE_VARIABLE not in os.environ and RUN_VARIABLE not in os.environ  # this process may go on
+
+
+def test_a_signal_to_the_launcher_is_said_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The ranks saved and rank 0 said so: the launcher adds nothing (exit code 75). No rank saved (a loop that never
+    asks fabric.stop_requested()): the launcher says so, naming the logs, and exits as SIGTERM would (143)."""
+    monkeypatch.chdir(tmp_path)
+    logs = RunLogs("phalanx-x", root=str(tmp_path / "phalanx_logs"), dst=io.StringIO())
+    rank0 = tmp_path / "phalanx_logs" / "phalanx-x" / "phalanx-x_abc" / "attempt_0" / "0"
+    rank0.mkdir(parents=True)
+    assert logs.report_signal(signal.SIGTERM) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "[phalanx] The launcher received SIGTERM and passed it on to the ranks; no rank saved a checkpoint (a Fabric "
+        "loop saves when fabric.stop_requested() says so). Logs: phalanx_logs/phalanx-x\n")
+    (rank0 / "error.json").write_text(json.dumps({"message": {"message": "Preempted: preempted at step 5 by ..."}}))
+    assert logs.report_signal(signal.SIGTERM) == 75 and capsys.readouterr().err == ""
+
+
+def test_a_restarted_attempt_says_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(restarts.diagnostics, "notice", lambda text, rank=None: said.append(text))
+    monkeypatch.setattr(restarts, "_pending", None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv(CAUSE_VARIABLE, "rank 1 exited with code 3; rank 0 stopped as a consequence")
+    monkeypatch.setenv(RUN_VARIABLE, os.path.abspath("run/phalanx_logs/phalanx-x"))
+    assert restarts.pending()
+    restarts.resumed("run/checkpoints/last.ckpt", 8, 1, rank=0)
+    restarts.started_over("never said: the attempt said where it resumed", rank=0)
+    restarts.resumed("run/checkpoints/last.ckpt", 9, None, rank=0)  # a later fit in the same process
+    assert said == ["Restart 2 of at most 3: rank 1 exited with code 3; rank 0 stopped as a consequence. Resumed from "
+                    "run/checkpoints/last.ckpt at step 8 (epoch 1). Logs: run/phalanx_logs/phalanx-x",
+                    "Resumed from run/checkpoints/last.ckpt at step 9."]
+    assert not restarts.pending()
+
+
+def test_the_run_logs_go_under_the_runs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import phalanx
+    from phalanx.loggers import CSVLogger
+
+    monkeypatch.delenv("PHALANX_LOG_DIR", raising=False)
+    assert phalanx.Trainer(accelerator="cpu", default_root_dir=tmp_path / "t").fabric._run_root == tmp_path / "t"
+    fabric = phalanx.Fabric(accelerator="cpu", loggers=CSVLogger(root_dir=tmp_path / "f"))
+    assert fabric._run_root == tmp_path / "f"
+    assert log_root(fabric._run_root) == str(tmp_path / "f" / "phalanx_logs")
+    assert phalanx.Fabric(accelerator="cpu")._run_root is None and log_root(None) == os.path.join(".", "phalanx_logs")
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(tmp_path / "elsewhere"))  # the user's choice wins
+    assert log_root(tmp_path / "f") == str(tmp_path / "elsewhere")
 
 
 # ---------------------------------------------------------------- real 2-rank jobs that crash

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from phalanx.checkpoint import MARKER, latest
-from phalanx.distributed.launch import preempted_summary
+from phalanx.distributed.failures import preempted_summary
 from phalanx.distributed.preemption import (
     EXIT_PREEMPTED,
     Preempted,

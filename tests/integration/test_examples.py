@@ -65,6 +65,20 @@ def test_main_job_trainer_digits(tmp_path: Path) -> None:
     assert list((out / "checkpoints").glob("*.ckpt"))
 
 
+def test_main_job_help_describes_every_option() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_digits", REPO / "examples" / "train_digits.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) == 6 and all(a.help for a in options), [a.dest for a in options if not a.help]
+    text = " ".join(parser.format_help().split())
+    assert "(default runs/train_digits)" in text and "(default 2)" in text
+
+
 def _readme_block(heading: str) -> str:
     text = (REPO / "README.md").read_text()
     section = text.split(heading, 1)[1]
@@ -131,5 +145,7 @@ def test_main_job_survives_kill_9_of_a_rank(tmp_path: Path) -> None:
     os.kill(ranks[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "Restart 1 of at most 2 after a rank failed: resumed from" in stderr, stderr[-3000:]
+    said = "[phalanx] Restart 1 of at most 2: rank 1 was killed by SIGKILL; rank 0 stopped as a consequence. Resumed "
+    assert said in stderr, stderr[-3000:]
+    assert " Logs: runs/train_digits/phalanx_logs/phalanx-" in stderr  # under the run's root (--out)
     assert stdout.split("final validation accuracy ")[1].split(" ")[0] == expected

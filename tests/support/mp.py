@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,20 @@ def run_job(
     for path in sorted(out_dir.glob("rank*.json")):
         job.reports[int(path.stem[4:])] = json.loads(path.read_text())
     return job
+
+
+def assert_terminal(stderr: str, strategy: str, *expected: str) -> None:
+    """What a job's terminal said (its stderr) is exactly ``expected``: lines, or patterns where one starts with
+    ``re:``. Under FSDP and DeepSpeed, whose own warnings (and phalanx's notices about them) come and go, the
+    expected lines must be among phalanx's ``[phalanx]`` lines, in order."""
+    lines = stderr.splitlines()
+    if strategy != "ddp":
+        lines = [line for line in lines if line.startswith("[phalanx]")]
+    found = iter(lines)
+    for want in expected:
+        pattern = want[3:] if want.startswith("re:") else re.escape(want)
+        assert any(re.fullmatch(pattern, line) for line in found), (want, stderr[-3000:])
+    assert strategy != "ddp" or len(lines) == len(expected), stderr[-3000:]
 
 
 def run_logs(tmp_path: Path) -> str:

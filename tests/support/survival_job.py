@@ -56,7 +56,7 @@ class Tracked(Regressor):
 
 class Interrupt:
     """At optimizer step ``step`` on ``rank``: send this process ``sig`` (a real signal, handled like a
-    scheduler's), or on the first attempt die at once with ``os._exit`` (like kill -9) when ``sig`` is "KILL".
+    scheduler's; "KILL": SIGKILL, on the first attempt only).
     ``in_save``: send it while that step's periodic checkpoint is being written instead. ``twice``: send it
     again while the preemption checkpoint is being written."""
 
@@ -72,10 +72,14 @@ class Interrupt:
         if self.sig == "KILL":
             if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists("killed"):
                 open("killed", "w").close()
-                os._exit(9)
+                os.kill(os.getpid(), signal.SIGKILL)
         elif not os.path.exists("signalled"):
             open("signalled", "w").close()
             os.kill(os.getpid(), getattr(signal, self.sig))
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        if trainer.ckpt_path and trainer.is_global_zero:  # where it resumed, to check what the terminal said
+            report(rank=0, resumed=[trainer.ckpt_path, trainer.global_step, trainer.current_epoch])
 
     def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
         if trainer.global_rank != self.rank:

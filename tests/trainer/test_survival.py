@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOB_PYTHONPATH, Job, run_job
+from mp import JOB_PYTHONPATH, Job, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
@@ -44,6 +44,21 @@ _references: dict[str, list[float]] = {}
 def job(folder: Path, *args: str, timeout: float = 180) -> Job:
     folder.mkdir(exist_ok=True)
     return run_job(JOB, folder, timeout=timeout, env=ENV, args=args)
+
+
+FIRST_RUN = ("[phalanx] ckpt_path='last': no last.ckpt in ['run/checkpoints'] yet; training starts from scratch (a "
+             "later run with the same command resumes from the last.ckpt this one writes).")
+
+
+def logs(folder: Path) -> str:
+    """The run log folder of the job run in ``folder`` (under its default_root_dir), as the terminal names it."""
+    (found,) = (folder / "run" / "phalanx_logs").glob("phalanx-*")
+    return str(found.relative_to(folder))
+
+
+def resumed_line(done: Job) -> str:
+    path, step, epoch = done.reports[0]["resumed"]
+    return f"Resumed from {path} at step {step} (epoch {epoch})."
 
 
 def reference(tmp_path_factory: pytest.TempPathFactory, strategy: str) -> list[float]:
@@ -76,11 +91,14 @@ def test_sigterm_on_a_random_rank_and_step_then_rerun(tmp_path: Path, tmp_path_f
     why = f"{strategy}: SIGTERM to rank {rank} at step {step}"
     first = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step))
     assert first.returncode == EXIT_PREEMPTED, (why, first.output[-3000:])
-    line = (f"[phalanx] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: "
-            f"{Path('run', 'checkpoints', 'last.ckpt')}")
-    assert line in first.stderr, (why, first.stderr[-3000:])
-    assert "Traceback" not in first.stderr and "SignalException" not in first.stderr
+    # What the terminal shows, all of it: the stop and how to resume, in one line.
+    took = r" \(\d+\.\d s after the signal\)" if rank == 0 else ""  # rank 0 prints; it knows when it got its own
+    assert_terminal(first.stderr, strategy, FIRST_RUN, (
+        rf"re:\[phalanx\] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: run/checkpoints/last\.ckpt"
+        rf"{took}\. Run the same command again to resume from it\. Logs: {re.escape(logs(tmp_path))}"))
     second = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step)).check()
+    assert second.reports[0]["resumed"][:2] == ["run/checkpoints/last.ckpt", step], (why, second.reports)
+    assert_terminal(second.stderr, strategy, f"[phalanx] {resumed_line(second)}")
     assert second.reports[0]["step"] == STEPS
     assert second.reports[0]["weights"] == expected, why  # bit-identical
     assert_each_sample_once(tmp_path)
@@ -128,10 +146,16 @@ def test_sigusr1_to_the_launcher_under_slurm_checkpoints_and_requeues(tmp_path: 
     finally:
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
-    assert "by SIGUSR1 on rank 0;" in stderr, stderr[-3000:]  # the agent passed it on to both ranks
-    assert "[phalanx] SLURM job 4242 requeued" in stderr
+    # The agent passed it on to both ranks (the lower rank that had it at the step both agreed on is named); its own
+    # "Received 10 death signal" is in the run's launcher.log. The stop, then the requeue: nothing else.
+    stop = (r"\[phalanx\] preempted at step \d+ by SIGUSR1 on rank (0; checkpoint: run/checkpoints/last\.ckpt "
+            r"\(\d+\.\d s after the signal\)|1; checkpoint: run/checkpoints/last\.ckpt)\. Run the same command again "
+            rf"to resume from it\. Logs: {re.escape(logs(tmp_path))}")
+    lines = stderr.splitlines()
+    assert len(lines) == 3 and lines[0] == FIRST_RUN and re.fullmatch(stop, lines[1]), stderr[-3000:]
+    assert lines[2] == "[phalanx] SLURM job 4242 requeued: it resumes from this checkpoint when it starts again."
+    assert "Received 10 death signal" in next((tmp_path / "run" / "phalanx_logs").glob("*/launcher.log")).read_text()
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]  # once, by rank 0
-    assert "Traceback" not in stderr
     env.pop("SLURM_JOB_ID")
     rerun = job(tmp_path, "ddp").check()
     assert rerun.reports[0]["weights"] == expected
@@ -149,12 +173,15 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
     done = job(tmp_path, strategy, "--interrupt", "KILL", "--rank", str(rank), "--step", str(step), "--max-restarts",
                "1", "--snapshot", "--fresh").check()
     assert (tmp_path / "killed").exists(), why
-    assert "Restart 1 of at most 1 after a rank failed: resumed from " in done.stderr, (why, done.stderr[-3000:])
+    # The terminal says it in one line: which rank failed and how, where the run resumed, where the logs are.
+    assert_terminal(done.stderr, strategy, f"[phalanx] Restart 1 of at most 1: rank {rank} was killed by SIGKILL; "
+                    f"rank {1 - rank} stopped as a consequence. {resumed_line(done)} Logs: {logs(tmp_path)}")
     # Nothing recomputed: the restart resumed from the snapshot of the step the rank died after. (These states
     # are small, so the copy was complete before the callback returned; a large state's copy overlaps the next
     # step, and losing it costs one step: tests/checkpoint/test_snapshot_writer.py.) Shared-memory snapshots are
     # named by a reference; under DeepSpeed they are checkpoint files.
-    assert re.search(rf"snapshot-step={step:09d}(\.ckpt)? at step {step}\b", done.stderr), (why, done.stderr[-3000:])
+    assert re.search(rf"snapshot-step={step:09d}(\.ckpt)?$", done.reports[0]["resumed"][0]), (why, done.reports)
+    assert done.reports[0]["resumed"][1] == step, (why, done.reports)
     assert done.reports[0]["weights"] == expected, why
     assert_each_sample_once(tmp_path)
     shm = Path(done.reports[0]["ckpt_path"]).parent
@@ -177,8 +204,12 @@ def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) ->
     trainer.fit(Regressor(), loader(32, 4))
     """
     done = run_job(code, tmp_path, timeout=180, env=ENV).check()
-    assert "This is restart 1 of the job, and no checkpoint to resume from was found" in done.stderr, done.stderr
-    assert "training starts again from step 0" in done.stderr
+    (logs,) = (tmp_path / "phalanx_logs").glob("phalanx-*")
+    assert done.stderr.splitlines() == [
+        f"[phalanx] Restart 1 of at most 1: rank 1 exited with code 3; rank 0 stopped as a consequence. No checkpoint "
+        f"to resume from in {tmp_path / 'checkpoints'}: training starts again from step 0 (add ModelCheckpoint("
+        "save_last=True, every_n_train_steps=...) or phalanx.callbacks.Snapshot so that a restart continues where "
+        f"the failed attempt was). Logs: {logs.relative_to(tmp_path)}"], done.stderr
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,26 +103,28 @@ def _crcs(tensors: list[torch.Tensor]) -> list[int | None]:
         return list(pool.map(tensor_crc, tensors))
 
 
-def of_entry(value: Any) -> dict[str, Any]:
+def of_entry(value: Any, crc_of: Callable[[torch.Tensor], int | None] | None = None) -> dict[str, Any]:
     """The record of one state entry: ``tensors``, [key, crc] in traversal order, and ``plain``, a CRC of
-    everything else (structure, plain values, tensor dtypes and shapes)."""
+    everything else (structure, plain values, tensor dtypes and shapes). ``crc_of``: each tensor's CRC where
+    the caller computed it already (a writer that streams the data: the tensors themselves hold none)."""
     tensors: list[tuple[str, torch.Tensor]] = []
     parts: list[str] = []
     _walk(value, "", tensors, parts)
-    crcs = _crcs([t for _, t in tensors])
+    crcs = [crc_of(t) for _, t in tensors] if crc_of is not None else _crcs([t for _, t in tensors])
     return {
         "tensors": [[key, crc] for (key, _), crc in zip(tensors, crcs)],
         "plain": zlib.crc32("\n".join(parts).encode("utf-8", "backslashreplace")),
     }
 
 
-def of_state(entries: dict[str, Any], layout: str, within: str | None = None) -> dict[str, Any]:
+def of_state(entries: dict[str, Any], layout: str, within: str | None = None,
+             crc_of: Callable[[torch.Tensor], int | None] | None = None) -> dict[str, Any]:
     """The checksum record of a checkpoint file's entries (``within``: the key they sit under in the
     file, e.g. a marker's ``"extras"``; None: the top level). ``layout``, the checkpoint's, ties the
     record to it: metadata copied into a checkpoint of another layout does not carry a stale record
     into it (see :func:`applies`)."""
     return {"algorithm": ALGORITHM, "layout": layout, "within": within,
-            "entries": {str(k): of_entry(v) for k, v in entries.items()}}
+            "entries": {str(k): of_entry(v, crc_of) for k, v in entries.items()}}
 
 
 def applies(meta: Any) -> dict[str, Any] | None:
@@ -214,15 +216,18 @@ def _file_crcs(file: Path, regions: Iterable[tuple[int, int]]) -> list[int]:
     return out
 
 
-def of_files(directory: Path, skip: Iterable[str] = ()) -> dict[str, Any]:
+def of_files(directory: Path, skip: Iterable[str] = (),
+             named: dict[str, list[tuple[int, int, list[str]]]] | None = None) -> dict[str, Any]:
     """The record of every file under ``directory`` (relative path -> size and [offset, length, name,
-    crc] regions covering every byte). Tensors' byte ranges in DCP shard files are regions of their own,
-    so a mismatch names the tensor; other bytes (headers, a backend's own files) are unnamed regions."""
+    crc] regions covering every byte). Tensors' byte ranges are regions of their own, so a mismatch names
+    the tensor: in DCP shard files found from DCP's metadata, elsewhere given as ``named`` (file -> [(offset,
+    length, [entry, key])]); other bytes (headers, a backend's own files) are unnamed regions."""
     skipped = set(skip)
-    try:
-        named = _dcp_regions(directory)
-    except Exception:  # unreadable metadata: fall back to ranges without names (still every byte)
-        named = {}
+    if named is None:
+        try:
+            named = _dcp_regions(directory)
+        except Exception:  # unreadable metadata: fall back to ranges without names (still every byte)
+            named = {}
     files: dict[str, Any] = {}
     for file in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = file.relative_to(directory).as_posix()

@@ -9,7 +9,9 @@ Every writer pulls tensors from the source one at a time (:mod:`phalanx.checkpoi
 stays near the largest tensor (or one batch of DCP shards) instead of the whole checkpoint: the
 single-file writer emits torch's zip format record by record, the DCP writer hands DCP each tensor
 only when it writes it, and the safetensors writer streams the format's header and bytes. Outputs
-appear atomically (a hidden temporary, renamed into place).
+appear atomically (a hidden temporary, renamed into place), and carry checksums in the form a phalanx save
+records them (:mod:`phalanx.checkpoint.checksums`), which every load verifies: in the metadata of a single
+file and of a sharded directory's marker, and for safetensors beside the weights (``phalanx_checksums.json``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ from typing import Any
 
 import torch
 
+import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import to_index_keyed
 from phalanx.checkpoint.format import FORMAT_VERSION, MARKER, META_KEY, check_plain
 from phalanx.checkpoint.layer import DCP_LAYOUT, FILE_LAYOUT
-from phalanx.checkpoint.sources import Source, open_source, tensors
+from phalanx.checkpoint.sources import (
+    SAFETENSORS,
+    SAFETENSORS_CHECKSUMS,
+    SAFETENSORS_FILE,
+    Source,
+    open_source,
+    tensors,
+)
 from phalanx.checkpoint.state import MODULE, OPTIMIZER
 from phalanx.utils.errors import CheckpointError
 
@@ -107,33 +117,49 @@ class _Pickler(pickle.Pickler):
 
 
 def stream_save(obj: Any, path: Path, load: Callable[[torch.Tensor], torch.Tensor],
-                expect: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+                expect: Callable[[list[torch.Tensor]], None] | None = None,
+                seal: Callable[[Callable[[torch.Tensor], int | None]], None] | None = None) -> None:
     """``torch.save(obj, path)`` where each tensor's data is ``load(tensor)``, called once per tensor just
     before its bytes are written (placeholders need no memory until then); ``expect`` is told that order
-    first. Atomic."""
+    first. ``seal(crc_of)`` is called once every tensor is written, with each tensor's CRC-32, and may add
+    plain values to ``obj`` (its checksum record): the object itself is pickled last. Atomic; the file's
+    records are named after ``path``, as ``torch.save(obj, path)`` names them."""
     check_plain(obj, "checkpoint")
-    buf = io.BytesIO()
-    pickler = _Pickler(buf)
-    pickler.dump(obj)
+    pickler = _Pickler(io.BytesIO())
+    pickler.dump(obj)  # the tensors' order only: the object is pickled again at the end
+    order = pickler.order
     if expect is not None:
-        expect(pickler.order)
+        expect(order)
     tmp = _temporary(path, ".tmp-")
     try:
-        with torch.serialization._open_zipfile_writer(str(tmp)) as zf:
-            zf.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+        tmp.mkdir()
+        file = tmp / path.name  # torch names the records after the file it writes
+        crcs: dict[int, int | None] = {}
+        with torch.serialization._open_zipfile_writer(str(file)) as zf:
             zf.write_record(".format_version", "1", 1)
             alignment = str(torch.serialization._get_storage_alignment())
             zf.write_record(".storage_alignment", alignment, len(alignment))
             zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            for key, tensor in enumerate(pickler.order):
+            for key, tensor in enumerate(order):
                 data = load(tensor)
                 if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
                     data = data.clone()  # a view into a larger storage: write only its own bytes
+                crcs[id(tensor)] = checksums.tensor_crc(data)
                 zf.write_record(f"data/{key}", data.untyped_storage(), data.nbytes)
                 del data
-        with open(tmp, "rb+") as fh:
+            if seal is not None:
+                seal(lambda t: crcs.get(id(t)))
+            check_plain(obj, "checkpoint")
+            buf = io.BytesIO()
+            final = _Pickler(buf)
+            final.dump(obj)
+            if [id(t) for t in final.order] != [id(t) for t in order]:
+                raise CheckpointError("The checkpoint's tensors changed while it was converted.")
+            zf.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+        with open(file, "rb+") as fh:
             os.fsync(fh.fileno())
-        _publish(tmp, path)
+        _publish(file, path)
+        storage.delete_now(tmp)
     except BaseException as err:
         raise _failed(err, tmp, path, "write checkpoint") from err
 
@@ -145,8 +171,7 @@ def _single_tree(source: Source) -> dict[str, Any]:
 
 
 def _meta(source: Source, layout: str, **extra: Any) -> dict[str, Any]:
-    # The source's checksums describe its own files, not these (a record whose layout differs is ignored,
-    # but one for the same layout would fail every load): the output carries none.
+    # The source's checksums describe its own files, not these: the writer records the output's own.
     base = {k: v for k, v in source.meta.items() if k not in ("shards", "checksums")}
     base.setdefault("format_version", FORMAT_VERSION)
     base["entries"] = {k: source.kinds[k] for k in source.tree}
@@ -155,8 +180,13 @@ def _meta(source: Source, layout: str, **extra: Any) -> dict[str, Any]:
 
 def write_single(source: Source, dst: Path) -> None:
     payload = _single_tree(source)
-    payload[META_KEY] = _meta(source, FILE_LAYOUT)
-    stream_save(payload, dst, source.load, source.expect)
+    entries = dict(payload)
+    meta = payload[META_KEY] = _meta(source, FILE_LAYOUT)
+
+    def seal(crc_of: Callable[[torch.Tensor], int | None]) -> None:  # the record a phalanx save writes
+        meta["checksums"] = checksums.of_state(entries, FILE_LAYOUT, crc_of=crc_of)
+
+    stream_save(payload, dst, source.load, source.expect, seal)
 
 
 def write_sharded(source: Source, dst: Path) -> None:
@@ -186,8 +216,13 @@ def write_sharded(source: Source, dst: Path) -> None:
                  planner=_Planner(), no_dist=True)
         info = {"sharded": sharded, "optimizers": [k for k in sharded if source.kinds[k] == OPTIMIZER]}
         extras = {k: v for k, v in _single_tree(source).items() if k not in sharded}
-        stream_save({META_KEY: _meta(source, DCP_LAYOUT, shards=info), "extras": extras}, tmp / MARKER,
-                    source.load, source.expect)
+        meta = _meta(source, DCP_LAYOUT, shards=info)
+        files = checksums.of_files(tmp, skip=[MARKER])  # the shards, complete now
+
+        def seal(crc_of: Callable[[torch.Tensor], int | None]) -> None:  # the record a phalanx sharded save writes
+            meta["checksums"] = {**checksums.of_state(extras, DCP_LAYOUT, within="extras", crc_of=crc_of), **files}
+
+        stream_save({META_KEY: meta, "extras": extras}, tmp / MARKER, source.load, source.expect, seal)
         _publish(tmp, dst)
     except BaseException as err:
         raise _failed(err, tmp, dst, "write sharded checkpoint") from err
@@ -254,10 +289,13 @@ def write_safetensors(source: Source, dst: Path, entry: str | None, prefix: str 
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
     source.expect([weights[k] for k in order])
+    start = 8 + len(raw)
+    regions = [(start + header[names[k]]["data_offsets"][0], t.numel() * t.dtype.itemsize, [key, names[k]])
+               for k, t in ((k, weights[k]) for k in order)]
     tmp = _temporary(dst, ".partial-")
     try:
         tmp.mkdir(parents=True)
-        with open(tmp / "model.safetensors", "wb") as fh:
+        with open(tmp / SAFETENSORS_FILE, "wb") as fh:
             fh.write(len(raw).to_bytes(8, "little"))
             fh.write(raw)
             for k in order:
@@ -268,6 +306,13 @@ def write_safetensors(source: Source, dst: Path, entry: str | None, prefix: str 
             os.fsync(fh.fileno())
         if config is not None:
             shutil.copyfile(config, tmp / "config.json")
+        # The format has no room for them, so the checksums go beside it: a directory checkpoint's record, one
+        # region per tensor (a mismatch names it), read back from what was written.
+        record = {**checksums.of_files(tmp, named={SAFETENSORS_FILE: regions}), "layout": SAFETENSORS}
+        with open(tmp / SAFETENSORS_CHECKSUMS, "w") as fh:
+            json.dump(record, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         _publish(tmp, dst)
     except BaseException as err:
         raise _failed(err, tmp, dst, "write safetensors") from err

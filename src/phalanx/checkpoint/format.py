@@ -230,11 +230,13 @@ def corrupt(found: list[checksums.Mismatch], checkpoint: Path, what: str = "Chec
     )
 
 
-def check_directory(directory: Path, meta: dict[str, Any]) -> None:
-    """Verify the shard files of a directory checkpoint against the checksums its marker recorded
-    (a marker without them, from before format 3, is not checked)."""
+def check_directory(directory: Path, meta: dict[str, Any]) -> bool:
+    """Verify the shard files of a directory checkpoint against the checksums its marker recorded; False
+    when it recorded none (a marker from before format 3), which is then not checked."""
     record = checksums.applies(meta)
-    if record is not None and isinstance(record.get("files"), dict):
-        found = checksums.check_files(directory, record)
-        if found:
-            raise corrupt(found, directory)
+    if record is None or not isinstance(record.get("files"), dict):
+        return False
+    found = checksums.check_files(directory, record)
+    if found:
+        raise corrupt(found, directory)
+    return True

@@ -46,7 +46,7 @@ from phalanx.checkpoint.state import (
     sort_state,
 )
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import CheckpointError, CollectiveError
+from phalanx.utils.errors import CheckpointError, CollectiveError, CorruptCheckpointError
 
 FILE_LAYOUT = "file"
 DCP_LAYOUT = "torch.distributed.checkpoint"
@@ -56,12 +56,14 @@ T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------- every rank learns every failure
-def _describe(err: BaseException) -> str:
+def _describe(err: BaseException) -> tuple[bool, str]:
+    """What every rank learns of a failure: whether the checkpoint is corrupt (then every rank raises
+    :class:`CorruptCheckpointError`, whose advice holds for all of them), and the error in words."""
     if isinstance(err, CheckpointError):
-        return str(err)
+        return isinstance(err, CorruptCheckpointError), str(err)
     frames = traceback.extract_tb(err.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
+    return False, f"{type(err).__name__}: {err}{where}"
 
 
 def _raise_failure(host: Host, own: BaseException | None, statuses: list[Any], what: str) -> None:
@@ -71,9 +73,9 @@ def _raise_failure(host: Host, own: BaseException | None, statuses: list[Any], w
     if own is not None:
         if isinstance(own, CheckpointError):
             raise own
-        raise CheckpointError(f"{what} failed on rank {host.global_rank}: {_describe(own)}") from own
-    rank, status = failed[0]
-    raise CheckpointError(f"{what} failed on rank {rank}: {status}")
+        raise CheckpointError(f"{what} failed on rank {host.global_rank}: {_describe(own)[1]}") from own
+    rank, (corrupt, text) = failed[0]
+    raise (CorruptCheckpointError if corrupt else CheckpointError)(f"{what} failed on rank {rank}: {text}")
 
 
 def _together(host: Host, name: str, what: str, fn: Callable[[], T]) -> T:

@@ -30,7 +30,14 @@ from phalanx.checkpoint.state import MODULE, OPTIMIZER, PLAIN, looks_like_raw_st
 from phalanx.utils.errors import CheckpointError
 
 SINGLE, SHARDED, DEEPSPEED, PLAIN_DCP, STATE_DICT = "single", "sharded", "deepspeed", "dcp", "state_dict"
+SAFETENSORS = "safetensors"
 DEEPSPEED_LAYOUT = "deepspeed"
+#: ``phalanx ckpt convert --to safetensors`` writes a directory with these (and config.json if given).
+SAFETENSORS_FILE, SAFETENSORS_CHECKSUMS = "model.safetensors", "phalanx_checksums.json"
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
 #: dcp.load calls read shards in batches of about this many bytes (fewer calls; bounded memory).
 BATCH_BYTES = 16 * 2**20
 
@@ -57,6 +64,8 @@ class Source:
     loaders: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
     #: Told the order ``load`` will be called in (before the first call), a layout may read ahead in batches.
     expect: Callable[[list[torch.Tensor]], None] = lambda order: None
+    #: Whether the recorded checksums were verified: True, False (none recorded), None (not asked to).
+    verified: bool | None = None
 
     def load(self, tensor: torch.Tensor) -> torch.Tensor:
         """The data of a tensor of ``tree``, on the CPU and contiguous (read from disk if a placeholder)."""
@@ -107,10 +116,12 @@ def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a dict of state.")
     if looks_like_raw_state_dict(ckpt):
-        return Source(path, STATE_DICT, {}, {"model": ckpt}, {"model": MODULE}, [path])
+        return Source(path, STATE_DICT, {}, {"model": ckpt}, {"model": MODULE}, [path],
+                      verified=False if verify else None)
     meta = ckpt.get(META_KEY, {})
     record = checksums.applies(meta)
-    if verify and record is not None and record.get("entries") is not None:
+    checked = record is not None and record.get("entries") is not None
+    if verify and record is not None and checked:
         # Converting a damaged file would hand on wrong values under new, unrecorded checksums: refuse.
         found = checksums.check_state(ckpt, record, path)
         if found:
@@ -118,7 +129,8 @@ def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
     tree = {k: v for k, v in ckpt.items() if k != META_KEY}
     saved = meta.get("entries") if isinstance(meta, dict) else None
     kinds = {k: (saved or {}).get(k) or guess_kind(v) for k, v in tree.items()}
-    return Source(path, SINGLE, meta if isinstance(meta, dict) else {}, tree, kinds, [path])
+    return Source(path, SINGLE, meta if isinstance(meta, dict) else {}, tree, kinds, [path],
+                  verified=checked if verify else None)
 
 
 # ---------------------------------------------------------------------- torch.distributed.checkpoint shards
@@ -197,8 +209,7 @@ def _open_dcp(directory: Path, weights_only: bool, marker: dict[str, Any] | None
         raise CheckpointError(f"{directory} is not a complete sharded checkpoint: {METADATA} is missing.")
     if weights_only:
         check_metadata(directory)  # torch unpickles .metadata; refuse one that could run code first
-    if verify and marker is not None:
-        check_directory(directory, marker[META_KEY])  # the shard files' recorded checksums
+    checked = marker is not None and check_directory(directory, marker[META_KEY]) if verify else None
     md = FileSystemReader(str(directory)).read_metadata()
     paths = dict(md.planner_data or {})
     sizes = {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
@@ -206,7 +217,7 @@ def _open_dcp(directory: Path, weights_only: bool, marker: dict[str, Any] | None
     reader = _DCPReader(directory, sizes)
     tree: dict[str, Any] = {}
     source = Source(directory, SHARDED if marker is not None else PLAIN_DCP, {}, tree, {},
-                    sorted(p for p in directory.iterdir() if p.is_file()))
+                    sorted(p for p in directory.iterdir() if p.is_file()), verified=checked)
     keys: dict[int, str] = {}
     for key, (shape, dtype) in sizes.items():
         t = placeholder(shape, dtype)
@@ -267,7 +278,7 @@ def _model_states(directory: Path) -> Path:
                           "mp_rank_00_model_states.pt).")
 
 
-def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any], full: bool) -> Source:
+def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any], full: bool, verify: bool) -> Source:
     meta = marker[META_KEY]
     info = meta.get("shards", {})
     entries = meta.get("entries", {})
@@ -275,13 +286,13 @@ def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any],
     model_key = next((k for k in sharded if entries.get(k) == MODULE), "model")
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     rest = {k: entries.get(k) or guess_kind(v) for k, v in marker["extras"].items()}
+    checked = check_directory(directory, meta) if verify else None
     if full:
-        check_directory(directory, meta)
         # ZeRO keeps each parameter group as one flat partition per rank: the state is rebuilt whole.
         merged = _read_deepspeed(directory, info, weights_only)
         if merged is not None:
             return Source(directory, DEEPSPEED, meta, {**merged, **marker["extras"]},
-                          {**{k: entries.get(k, MODULE) for k in merged}, **rest}, files)
+                          {**{k: entries.get(k, MODULE) for k in merged}, **rest}, files, verified=checked)
     # Shapes without reading the partitions: DeepSpeed's model-states file holds them (and the buffers).
     states = read_file(_model_states(directory), True, what="DeepSpeed model states")
     buffers = set(states.get("buffer_names", []))
@@ -299,7 +310,7 @@ def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any],
         if target in module:
             module[alias] = module[target]
     source = Source(directory, DEEPSPEED, meta, {model_key: module, **marker["extras"]}, {model_key: MODULE, **rest},
-                    files)
+                    files, verified=checked)
     merged_weights: dict[str, Any] = {}
 
     def weight(name: str) -> torch.Tensor:
@@ -344,29 +355,77 @@ def _zero_to_fp32(directory: Path, weights_only: bool) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------- a safetensors export
+def _open_safetensors(directory: Path, verify: bool) -> Source:
+    """``phalanx ckpt convert --to safetensors``'s directory: the weights (read when asked for) and, beside
+    them, the checksums it recorded (verified with ``verify``; a file from elsewhere has none)."""
+    import json
+
+    file = directory / SAFETENSORS_FILE
+    record = None
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((directory / SAFETENSORS_CHECKSUMS).read_text())
+    if verify and isinstance(record, dict):
+        found = checksums.check_files(directory, record)
+        if found:
+            raise corrupt(found, directory)
+    try:
+        with open(file, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} is truncated or corrupt and cannot be read: {type(err).__name__}: "
+                              f"{err}") from err
+    regions = [r for f in (record or {}).get("files", {}).values() for r in f.get("regions", [])]
+    entry = next((r[2][0] for r in regions if r[2]), "model")  # the module entry it was exported from
+    weights: dict[str, Any] = {}
+    source = Source(directory, SAFETENSORS, {"converted_from": "phalanx ckpt convert"} if record else {},
+                    {entry: weights}, {entry: MODULE}, sorted(p for p in directory.iterdir() if p.is_file()),
+                    verified=isinstance(record, dict) if verify else None)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        t = weights[name] = placeholder(info["shape"], _SAFETENSORS_DTYPES[info["dtype"]])
+        start, end = (8 + size + offset for offset in info["data_offsets"])
+
+        def read(t: torch.Tensor = t, start: int = start, end: int = end) -> torch.Tensor:
+            with open(file, "rb") as fh:
+                fh.seek(start)
+                return torch.frombuffer(bytearray(fh.read(end - start)), dtype=t.dtype).reshape(t.shape)
+
+        source.loaders[id(t)] = read
+    return source
+
+
 # ---------------------------------------------------------------------- any of them
-def open_source(path: str | Path, weights_only: bool = True, full: bool = False) -> Source:
+def open_source(path: str | Path, weights_only: bool = True, full: bool = False, verify: bool | None = None) -> Source:
     """Open the checkpoint at ``path`` (see the module docstring); raises ``CheckpointError`` with the reason.
-    ``full``: the caller will read every tensor (a conversion): the checksums the checkpoint recorded are
-    verified first, and layouts that can only be read whole (DeepSpeed's flat ZeRO partitions) are read
-    now, optimizer state included. Without it (``phalanx ckpt inspect``) no tensor data is read."""
+    ``full``: the caller will read every tensor (a conversion): layouts that can only be read whole (DeepSpeed's
+    flat ZeRO partitions) are read now, optimizer state included; without it no tensor data is read beyond what
+    verifying takes. ``verify`` (default: ``full``): first check the checksums the checkpoint recorded (a
+    mismatch raises :class:`~phalanx.utils.errors.CorruptCheckpointError`, naming the tensor)."""
     path = Path(path)
+    verify = full if verify is None else verify
+    if path.is_file() and path.suffix == ".safetensors" and path.name == SAFETENSORS_FILE:
+        path = path.parent
+    if (path / SAFETENSORS_FILE).is_file():
+        return _open_safetensors(path, verify)
     found = find(path)
     if found is None:
         raise CheckpointError(f"No checkpoint at {path}.")
     target = found.path
     if target.is_file():
-        return _open_file(target, weights_only, full)
+        return _open_file(target, weights_only, verify)
     if not (target / MARKER).is_file():
         if (target / ".metadata").is_file():
-            return _open_dcp(target, weights_only, None, full)  # written by torch.distributed.checkpoint directly
+            return _open_dcp(target, weights_only, None, verify)  # written by torch.distributed.checkpoint directly
         raise CheckpointError(found.problem or f"{target} is not a checkpoint.")
     marker = read_file(target / MARKER, weights_only, what="Checkpoint marker")
     meta = marker.get(META_KEY)
     if not isinstance(meta, dict) or not isinstance(marker.get("extras"), dict):
         raise CheckpointError(f"{target / MARKER} is not a marker this phalanx version reads.")
     if meta.get("layout") == DCP_LAYOUT:
-        return _open_dcp(target, weights_only, marker, full)
+        return _open_dcp(target, weights_only, marker, verify)
     if meta.get("layout") == DEEPSPEED_LAYOUT:
-        return _open_deepspeed(target, weights_only, marker, full)
+        return _open_deepspeed(target, weights_only, marker, full, verify)
     raise CheckpointError(f"{target} holds {meta.get('layout')!r} shards, which phalanx ckpt cannot read.")

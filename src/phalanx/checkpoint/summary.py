@@ -1,8 +1,9 @@
-"""What a checkpoint holds, read from its metadata only: ``phalanx ckpt inspect``.
+"""What a checkpoint holds, read from its metadata: ``phalanx ckpt inspect``.
 
-No tensor data is read (files are memory-mapped, shards described by DCP's metadata, DeepSpeed's
-weights by its recorded shapes), so inspecting a checkpoint of any size is quick and needs no trust
-in the file beyond what ``weights_only=True`` allows.
+Beyond the checksums it recorded, which are verified by default (every byte is read once, on several
+threads), no tensor data is read (files are memory-mapped, shards described by DCP's metadata, DeepSpeed's
+weights by its recorded shapes), so inspecting needs no trust in the file beyond what ``weights_only=True``
+allows.
 """
 
 from __future__ import annotations
@@ -12,11 +13,21 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint.sources import DEEPSPEED, PLAIN_DCP, SHARDED, SINGLE, STATE_DICT, open_source, tensors
+from phalanx.checkpoint.sources import (
+    DEEPSPEED,
+    PLAIN_DCP,
+    SAFETENSORS,
+    SHARDED,
+    SINGLE,
+    STATE_DICT,
+    open_source,
+    tensors,
+)
 
 _LAYOUTS = {
     SINGLE: "single file (torch.save)",
     STATE_DICT: "plain state dict file (torch.save(model.state_dict()))",
+    SAFETENSORS: "safetensors directory (model.safetensors, for from_pretrained)",
     SHARDED: "sharded directory (torch.distributed.checkpoint shards + phalanx marker)",
     PLAIN_DCP: "torch.distributed.checkpoint directory without phalanx's marker",
     DEEPSPEED: "DeepSpeed engine checkpoint directory (+ phalanx marker)",
@@ -36,6 +47,9 @@ def _loadable_by(kind: str, meta: dict[str, Any]) -> list[str]:
         return ["fabric.load(path, state) under any strategy and world size (DCP reshards)",
                 "torch.distributed.checkpoint (dcp.load, format_utils.dcp_to_torch_save)",
                 "phalanx ckpt convert --to single | safetensors (phalanx consolidate: --to single)"]
+    if kind == SAFETENSORS:
+        return ["transformers' from_pretrained(path) (with a config.json beside it)",
+                "safetensors.torch.load_file(path/model.safetensors)"]
     if kind == PLAIN_DCP:
         return ["torch.distributed.checkpoint (dcp.load, format_utils.dcp_to_torch_save)",
                 "phalanx ckpt convert --to single | sharded | safetensors"]
@@ -47,8 +61,9 @@ def _loadable_by(kind: str, meta: dict[str, Any]) -> list[str]:
             "optimizer state; then any strategy and world size)"]
 
 
-def _counters(tree: dict[str, Any]) -> dict[str, Any]:
-    """Step and epoch: a Trainer checkpoint's ``loops`` entry, else plain top-level ``step``/``epoch`` values."""
+def counters(tree: dict[str, Any]) -> dict[str, Any]:
+    """Step and epoch: a Trainer checkpoint's ``loops`` entry, else plain top-level ``step``/``global_step``
+    and ``epoch`` values (a Fabric loop's state)."""
     loops = tree.get("loops")
     if isinstance(loops, dict):
         return {"step": loops.get("global_step"), "epoch": loops.get("epoch"),
@@ -63,9 +78,16 @@ def _counters(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def describe(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
-    """Everything ``phalanx ckpt inspect`` shows, as plain JSON-able values; tensors largest first."""
-    source = open_source(path, weights_only)
+_CHECKSUMS = {True: "verified (crc32 of every tensor matches what was saved)",
+              False: "none recorded (not written by phalanx, or before checkpoint format 3): not verified",
+              None: "not verified (--no-verify)"}
+
+
+def describe(path: str | Path, weights_only: bool = True, verify: bool = True) -> dict[str, Any]:
+    """Everything ``phalanx ckpt inspect`` shows, as plain JSON-able values; tensors largest first. With
+    ``verify`` the recorded checksums are checked first: a mismatch raises CorruptCheckpointError, naming
+    the tensor."""
+    source = open_source(path, weights_only, verify=verify)
     meta = source.meta
     listed: list[dict[str, Any]] = sorted(
         ({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
@@ -89,13 +111,14 @@ def describe(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
         "format_version": meta.get("format_version"),
         "torch_version": meta.get("torch_version"),
         "converted_from": meta.get("converted_from"),
-        **_counters(source.tree),
+        **counters(source.tree),
         "entries": entries,
         "tensors": listed,
         "tensor_count": len(listed),
         "tensor_bytes": sum(int(row["bytes"]) for row in listed),
         "disk_bytes": source.disk_bytes,
         "files": len(source.files),
+        "checksums": _CHECKSUMS[source.verified],
         "loadable_by": _loadable_by(source.kind, meta),
         "notes": source.notes,
     }
@@ -119,6 +142,7 @@ def render(info: dict[str, Any], top: int | None) -> str:
         lines.append("  " + ", ".join(facts))
     lines.append(f"  size: {human(info['tensor_bytes'])} in {info['tensor_count']} tensors; "
                  f"{human(info['disk_bytes'])} on disk in {info['files']} file(s)")
+    lines.append(f"  checksums: {info['checksums']}")
     lines.append("entries:")
     for e in info["entries"]:
         what = f"{e['tensors']} tensors, {human(e['bytes'])}" if e["tensors"] else (e["value"] or "no tensors")

@@ -3,7 +3,8 @@
 ``phalanx ckpt convert --to single`` for a sharded directory, kept for existing scripts).
 
 All run in one plain process (no process group, no GPU). Exit codes: 0 done, 1 the checkpoint cannot be
-read or written (the reason on one line), 2 bad arguments (argparse's own errors too).
+read or written, or is corrupt (the reason on one line, naming the damaged tensor), 2 bad arguments
+(argparse's own errors too).
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmds = ckpt.add_subparsers(dest="ckpt_command", required=True)
     trust = ("the checkpoint comes from a trusted source: allow unpickling objects other than tensors and plain "
              "values, which can run code (phalanx's own checkpoints never need it)")
-    p = cmds.add_parser("inspect", help="what a checkpoint holds and what can load it",
-                        description="Strategy, world size, step/epoch, entries, tensors and sizes of PATH, and what "
-                                    "can load it. Reads metadata only.")
+    p = cmds.add_parser("inspect", help="verify a checkpoint; what it holds and what can load it",
+                        description="Verify PATH against the checksums it recorded (exit code 1 and the damaged "
+                                    "tensor named if it is corrupt), then show its strategy, world size, step/epoch, "
+                                    "entries, tensors and sizes, and what can load it.")
     p.add_argument("path", help="checkpoint file or directory")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the largest --top)")
     p.add_argument("--top", type=int, default=10, help="how many of the largest tensors to list (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object (every tensor) for scripts")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip verifying the checksums (which reads every byte once); read metadata only")
     p.add_argument("--trust", action="store_true", help=trust)
     p.set_defaults(func=_cmd_inspect)
     p = cmds.add_parser(
@@ -75,7 +79,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.top < 0:
         return _fail("inspect", ValueError("--top must be >= 0"), 2)
     try:
-        info = describe(args.path, weights_only=not args.trust)
+        info = describe(args.path, weights_only=not args.trust, verify=not args.no_verify)
     except CheckpointError as err:
         return _fail("inspect", err)
     print(json.dumps(info, indent=1) if args.json else render(info, None if args.all else args.top))

@@ -76,14 +76,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ]
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from phalanx.distributed.launch import AGENT_SIGNALS, new_run_id, prepare_agent_process, report_failure
-    from phalanx.distributed.preemption import EXIT_PREEMPTED
+    from phalanx.distributed.launch import AGENT_SIGNALS, new_run_id, prepare_agent_process
     from phalanx.distributed.runlogs import RunLogs
 
     prepare_agent_process()
     # The ranks' stderr goes to a log file (torch's --redirects), shown here without tracebacks; a failure
-    # ends with the log's path and the cause (see phalanx.distributed.runlogs).
-    logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None)
+    # ends with the log's path and the cause (see phalanx.distributed.runlogs). The log folder is under the
+    # working directory: this process starts before the script says where its root is.
+    # On several nodes each launcher sees its own ranks only, numbered globally: it names the failed ones alone.
+    logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None,
+                   ranks=args.devices if args.num_nodes == 1 else None)
     torchrun += logs.torchrun_args()
     if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
         torchrun += ["--signals-to-handle", AGENT_SIGNALS]
@@ -93,10 +95,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         with logs:
             run(parsed)
     except ChildFailedError as err:
-        return report_failure(err, logs, see_above="See the failing rank's output above.")
+        return logs.report_failure(err, see_above="See the failing rank's output above.")
     except SignalException as err:  # passed on to the ranks, which saved and said so (a preemption)
-        print(f"[phalanx] phalanx run received signal {err.sigval} and passed it on to the ranks.", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return logs.report_signal(err.sigval)
     return 0
 
 

@@ -9,7 +9,8 @@
   failing rank's exit code. There is no home-made process management here.
 * A failed job reads once: the ranks' stderr goes to a log file written by torch's agent, shown on the
   terminal without tracebacks, and the launcher ends with the log's path and the cause
-  (:mod:`phalanx.distributed.runlogs`, :func:`failure_summary`).
+  (:mod:`phalanx.distributed.runlogs`, :mod:`phalanx.distributed.failures`); a restarted attempt's rank 0
+  says in one line what failed and where it resumed (:mod:`phalanx.distributed.restarts`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 import time
 import traceback
@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.distributed.failures import failure_summary, preempted_summary, signal_name
 from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
-from phalanx.distributed.runlogs import RunLogs
+from phalanx.distributed.runlogs import RunLogs, log_root
 from phalanx.utils import exiting
 from phalanx.utils.diagnostics import notice
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
@@ -231,132 +232,6 @@ def _launch_config(nprocs: int, logs: RunLogs, max_restarts: int = 0) -> Any:
     )
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def failure_summary(err: Any) -> tuple[str, int]:
-    """Words for a launcher's ChildFailedError, and the job's exit code. When one rank fails the launcher
-    stops the others with SIGTERM; those are reported as stopped, so the rank that failed first stands out
-    (e.g. "rank 1 was killed by SIGKILL; the launcher then stopped rank(s) [0]"). A rank that recorded its
-    error (phalanx does, see :func:`record_failure`) is quoted: the first-failed rank's cause comes first.
-    Each cause is quoted once: ranks that failed alike are named together, and a rank whose error only
-    reports another rank's failure (a RankGoneError quoting it) is named without repeating it."""
-    stopped = sorted(set(_all_failures(err)) - set(dict(_causes(err))))
-    groups: list[tuple[list[int], str, str | None]] = []  # (ranks, how they ended, cause)
-    code = 0
-    for rank, failure in _causes(err):
-        exitcode = getattr(failure, "exitcode", 1)
-        if exitcode < 0:
-            how = f"killed by {_signal_name(-exitcode)}"
-        else:
-            how = f"exited with code {exitcode}"
-            code = code or exitcode
-        cause = _recorded(failure)
-        same = next((g for g in groups if g[1] == how and g[2] == cause), None)
-        if same is not None and cause is not None:
-            same[0].append(rank)
-            continue
-        source = next((g for g in groups if g[2] and cause and (g[2] in cause or any(
-            f"rank {r} failed: " in cause for r in g[0]))), None)
-        if source is not None and cause is not None:
-            kind = cause.split(":", 1)[0]
-            groups.append(([rank], how, f"{kind}, a consequence of rank {source[0][0]}'s error"))
-            continue
-        groups.append(([rank], how, cause))
-    parts = []
-    for ranks, how, cause in groups:
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
-        verb = "was " if how.startswith("killed") and len(ranks) == 1 else "were " if how.startswith("killed") else ""
-        parts.append(f"{who} {verb}{how}: {cause}" if cause else f"{who} {verb}{how}")
-    if stopped:
-        parts.append(f"the launcher then stopped rank(s) {stopped}")
-    return "; ".join(parts) or str(err), code or 1
-
-
-@dataclass
-class _Recorded:
-    """A rank torch's agent did not report (``launch(fn)``'s agent reports only the first process it saw
-    exit), found by the error file it wrote next to a reported rank's."""
-
-    error_file: str
-    error_file_data: dict[str, Any]
-    exitcode: int = 1  # a Python exception ends a launched rank with 1
-
-    @property
-    def timestamp(self) -> int:
-        message = self.error_file_data.get("message")
-        extra = message.get("extraInfo") if isinstance(message, dict) else None
-        try:
-            return int(extra.get("timestamp", 0)) if isinstance(extra, dict) else 0
-        except (TypeError, ValueError):
-            return 0
-
-
-def _all_failures(err: Any) -> dict[int, Any]:
-    """The agent's failures, plus the ranks that recorded an error beside them (``<attempt>/<rank>/error.json``)."""
-    failures = dict(getattr(err, "failures", {}) or {})
-    files = [getattr(f, "error_file", "") or "" for f in failures.values()]
-    if len(failures) != 1 or not files[0]:
-        return failures
-    attempt = os.path.dirname(os.path.dirname(files[0]))
-    for entry in sorted(os.listdir(attempt)) if os.path.isdir(attempt) else []:
-        path = os.path.join(attempt, entry, "error.json")
-        if entry.isdigit() and int(entry) not in failures and os.path.isfile(path):
-            try:
-                with open(path) as fh:
-                    data = json.load(fh)
-                failures[int(entry)] = _Recorded(path, data if isinstance(data, dict) else {})
-            except (OSError, ValueError):
-                continue
-    return failures
-
-
-def _causes(err: Any) -> list[tuple[int, Any]]:
-    """The ranks that failed on their own (not stopped by the launcher's SIGTERM), first-failed first: a rank
-    whose error reports another failed rank's ("rank 1 failed: ...") comes after it."""
-    failures = _all_failures(err)
-    causes = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
-
-    def follows(rank: int, failure: Any) -> bool:
-        text = _recorded(failure) or ""
-        return any(f"rank {other} failed: " in text for other in causes if other != rank)
-
-    return sorted(causes.items(), key=lambda item: (
-        _recorded(item[1]) is None, follows(*item), _when(item[1]), item[0]))
-
-
-def failed_logs(err: Any, logs: RunLogs) -> str:
-    """The line naming the run's log (the first-failed rank's stderr file first), or ''."""
-    files = []
-    for _, failure in _causes(err):
-        error_file = getattr(failure, "error_file", "") or ""
-        path = os.path.join(os.path.dirname(error_file), "stderr.log") if error_file else ""
-        if path and os.path.isfile(path):
-            files.append(path)
-    return logs.where(files)
-
-
-def _recorded(failure: Any) -> str | None:
-    """The one-line cause a rank wrote to its error file, if it wrote one."""
-    data = getattr(failure, "error_file_data", None) or {}
-    message = data.get("message") if isinstance(data, dict) else None
-    text = message.get("message") if isinstance(message, dict) else message
-    if not text or text == "<NONE>":  # torch's placeholder when the rank wrote nothing
-        return None
-    return " ".join(str(text).split())[:2000]
-
-
-def _when(failure: Any) -> int:
-    try:
-        return int(getattr(failure, "timestamp", 0) or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
 def script_command() -> list[str]:
     """How to re-run the current program: ``python script.py args`` or ``python -m pkg args``."""
     main = sys.modules.get("__main__")
@@ -374,39 +249,9 @@ def script_command() -> list[str]:
     return [os.path.abspath(script), *sys.argv[1:]]
 
 
-_SEE_ABOVE = (
-    "The failing rank's traceback is above (a rank killed by a signal, e.g. by the kernel's out-of-memory "
-    "killer, leaves none)."
-)
-_SIGNAL_NOTE = "A rank killed by a signal (e.g. by the kernel's out-of-memory killer) leaves no traceback."
-
-
-def preempted_summary(err: Any) -> str | None:
-    """The preemption line rank 0 recorded, when every rank that ended on its own ended preempted."""
-    causes = _causes(err)
-    if not causes or any(getattr(f, "exitcode", 1) != EXIT_PREEMPTED for _, f in causes):
-        return None
-    return next((text for _, f in causes if (text := _recorded(f))), "preempted").removeprefix("Preempted: ")
-
-
-def report_failure(err: Any, logs: RunLogs, see_above: str = _SEE_ABOVE) -> int:
-    """Print the end of a failed job: where its log is, then the cause (the last line). Returns the exit code."""
-    preempted = preempted_summary(err)
-    if preempted is not None:  # not a failure: rank 0 already said it in one line; exit with its code
-        return EXIT_PREEMPTED
-    summary, code = failure_summary(err)
-    where = failed_logs(err, logs)
-    if where:
-        note = f" {_SIGNAL_NOTE}" if "killed by" in summary else ""
-        print(f"{where}{note}", file=sys.stderr)
-        print(f"[phalanx] job failed: {summary}.", file=sys.stderr, flush=True)
-    else:
-        print(f"[phalanx] job failed: {summary}. {see_above}", file=sys.stderr, flush=True)
-    return code
-
-
-def launch_script(nprocs: int, max_restarts: int = 0) -> int:
-    """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code."""
+def launch_script(nprocs: int, max_restarts: int = 0, root: str | os.PathLike[str] | None = None) -> int:
+    """Re-run this script in ``nprocs`` processes and wait; returns the job's exit code. ``root``: the run's
+    root folder, where its log folder goes (:func:`phalanx.distributed.runlogs.log_root`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -414,18 +259,16 @@ def launch_script(nprocs: int, max_restarts: int = 0) -> int:
     command = script_command()
     _threads_per_rank(nprocs)
     prepare_agent_process()
-    logs = RunLogs(new_run_id())
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs)
     try:
         with logs:
             elastic_launch(_launch_config(nprocs, logs, max_restarts), sys.executable)(*command)
     except ChildFailedError as err:
-        return report_failure(err, logs)
+        return logs.report_failure(err)
     except SignalException as err:
-        # torch's agent forwarded the signal to the ranks and waited for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+        # torch's agent passed the signal on to the ranks and waited for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
         # 30 s by default): a Trainer or a loop asking fabric.stop_requested() saved and said so.
-        print(f"[phalanx] the launcher received {_signal_name(err.sigval)} and passed it on to the ranks.",
-              file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return logs.report_signal(err.sigval)
     return 0
 
 
@@ -455,9 +298,11 @@ def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tu
 
 
 def launch_function(
-    nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...], max_restarts: int = 0
+    nprocs: int, factory: Callable[[], Any], fn: Callable[..., Any], args: tuple[Any, ...], max_restarts: int = 0,
+    root: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Run ``fn(fabric, *args)`` in ``nprocs`` processes; returns rank 0's return value."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -468,16 +313,21 @@ def launch_function(
         )
     _threads_per_rank(nprocs)
     prepare_agent_process()
-    logs = RunLogs(new_run_id())
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs)
     try:
         with logs:
             results = elastic_launch(_launch_config(nprocs, logs, max_restarts), _function_entry)(factory, fn, args)
+    except SignalException as err:  # passed on to the ranks, as under launch_script; this process ends likewise
+        code = logs.report_signal(err.sigval)
+        if code == EXIT_PREEMPTED:
+            raise Preempted(f"the launcher received {signal_name(err.sigval)}") from None
+        raise SystemExit(code) from None
     except ChildFailedError as err:
         preempted = preempted_summary(err)
         if preempted is not None:  # rank 0 printed the line; end this process the same way (exit code 75)
             raise Preempted(preempted) from None
-        summary, _ = failure_summary(err)
-        where = failed_logs(err, logs)
+        summary, _ = failure_summary(err, logs.ranks, logs.oom)
+        where = logs.failed_logs(err)
         error = PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}."
                              + (f" {where.removeprefix('[phalanx] ')}" if where else ""))
         if where:  # torch's error block (the ranks' tracebacks again) is in the log: leave it out here

@@ -1,21 +1,26 @@
 """Where the output of a job phalanx launches goes, so that a failure reads once, at the end.
 
-When a rank fails, every rank used to print its traceback, torch's elastic agent its own error block,
-and only then phalanx its one-line cause. Under the launchers phalanx owns (``fabric.launch()`` and
-``fabric.launch(fn)`` under ``python train.py``, the Trainer with ``devices=N``, ``phalanx run``):
+Under the launchers phalanx owns (``fabric.launch()`` and ``fabric.launch(fn)`` under ``python train.py``,
+the Trainer with ``devices=N``, ``phalanx run``):
 
+* the run's log folder is ``<root>/phalanx_logs/<run id>``: the root is the Trainer's ``default_root_dir``,
+  a Fabric's first logger's ``root_dir`` (else the working directory), and the working directory under
+  ``phalanx run`` (it starts before the script says anything); ``$PHALANX_LOG_DIR`` replaces
+  ``<root>/phalanx_logs``. The ranks learn it (``PHALANX_RUN_LOGS``) so that their fault lines name it;
 * each rank's **stderr** is written to a file by torch's elastic agent itself
   (``DefaultLogsSpecs(redirects=Std.ERR)``, torchrun's ``--redirects 2 --log-dir``):
-  ``<log dir>/<run id>/<torch run id>_<x>/attempt_0/<local rank>/stderr.log``. Nothing is lost: the file
-  has all of it, tracebacks included. The log dir is ``$PHALANX_LOG_DIR``, else ``./phalanx_logs``;
+  ``<run folder>/<torch run id>_<x>/attempt_<n>/<local rank>/stderr.log``. Nothing is lost: the file has all
+  of it, tracebacks included;
 * each rank's **stdout** is left alone: training prints reach the terminal live, as before;
 * a thread shows the stderr files on the terminal as they grow (progress bars, warnings, phalanx's
   notices), leaving out traceback blocks (:class:`TracebackFilter`);
-* torch's agent logs about the failed rank (its traceback for ``launch(fn)``, "Sending process ...
-  closing signal") go to ``<log dir>/<run id>/launcher.log`` instead of the terminal;
-* the launcher then prints where the log is and the cause (:func:`phalanx.distributed.launch.failure_summary`).
+* torch's agent logs (about a failed rank, its traceback for ``launch(fn)``, "Sending process ... closing
+  signal", "Received 15 death signal") go to ``<run folder>/launcher.log`` instead of the terminal;
+* a failed attempt's summary is recorded for the restarted ranks
+  (:class:`phalanx.distributed.failures.AttemptRecorder`);
+* at the end the launcher prints where the log is and the cause (:mod:`phalanx.distributed.failures`).
 
-``PHALANX_SHOW_TRACEBACKS=1`` (``phalanx run --show-tracebacks``) turns all of this off: every rank
+``PHALANX_SHOW_TRACEBACKS=1`` (``phalanx run --show-tracebacks``) turns the redirection off: every rank
 prints to the terminal as torch's launcher does by default. Under a plain ``torchrun`` phalanx changes
 nothing.
 """
@@ -34,14 +39,45 @@ import threading
 from types import TracebackType
 from typing import Any, TextIO
 
+from phalanx.distributed.failures import (
+    CAUSE_VARIABLE,
+    AttemptRecorder,
+    Recorded,
+    all_failures,
+    causes,
+    failure_summary,
+    preempted_summary,
+    recorded,
+    signal_name,
+)
+from phalanx.distributed.preemption import EXIT_PREEMPTED
+
 SHOW_VARIABLE = "PHALANX_SHOW_TRACEBACKS"
 DIR_VARIABLE = "PHALANX_LOG_DIR"
 DEFAULT_DIR = "phalanx_logs"
+#: Set by the launcher for its ranks: the run's log folder, which their fault lines name.
+RUN_VARIABLE = "PHALANX_RUN_LOGS"
 
-# torch's agent loggers whose records about a failed rank move to launcher.log (the agent's own warnings,
-# e.g. "Received SIGINT death signal", come from torch.distributed.elastic.agent and stay on the terminal).
-_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing")
+# torch's agent loggers whose records move to launcher.log: about a failed rank, and the agent's own (e.g.
+# "Received 15 death signal, shutting down workers", which a preemption's one line already says).
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing",
+                  "torch.distributed.elastic.agent")
+_FAILURES_LOGGER = "torch.distributed.elastic.multiprocessing"
 _POLL_SECONDS = 0.1
+_SEE_ABOVE = "The failing rank's traceback is above (a rank killed by a signal leaves none)."
+_SIGNAL_NOTE = "A rank killed by a signal leaves no traceback."
+
+
+def log_root(run_root: str | os.PathLike[str] | None = None) -> str:
+    """The folder that holds the run folders: ``$PHALANX_LOG_DIR``, else ``<run_root>/phalanx_logs`` (the
+    working directory's when ``run_root`` is None)."""
+    return os.environ.get(DIR_VARIABLE) or os.path.join(run_root or ".", DEFAULT_DIR)
+
+
+def shown_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def show_tracebacks() -> bool:
@@ -163,17 +199,22 @@ class _Tailed:
 class RunLogs:
     """The log directory of one launch, and (as a context manager) the terminal view of it."""
 
-    def __init__(self, run_id: str, *, show: bool | None = None, root: str | None = None, dst: TextIO | None = None):
+    def __init__(self, run_id: str, *, show: bool | None = None, root: str | None = None, dst: TextIO | None = None,
+                 ranks: int | None = None):
+        """``root``: the folder for run folders (default :func:`log_root`); ``ranks``: how many the job starts
+        on this node (the ranks a failure summary names as stopped)."""
         self.run_id = run_id
         self.show = show_tracebacks() if show is None else show
-        root = root or os.environ.get(DIR_VARIABLE) or DEFAULT_DIR
-        self.dir = None if self.show else os.path.abspath(os.path.join(root, run_id))
+        self.dir = None if self.show else os.path.abspath(os.path.join(root or log_root(), run_id))
+        self.ranks = ranks
         self._dst = dst
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handler: logging.Handler | None = None
+        self._recorder: AttemptRecorder | None = None
         self._saved: list[tuple[logging.Logger, bool]] = []
         self._tailed: dict[str, _Tailed] = {}
+        self._environ: dict[str, str | None] = {}
 
     # -- what torch is told
     def logs_specs(self) -> Any:
@@ -190,8 +231,13 @@ class RunLogs:
 
     # -- while the job runs
     def __enter__(self) -> RunLogs:
+        self._environ = {name: os.environ.get(name) for name in (RUN_VARIABLE, CAUSE_VARIABLE)}
+        os.environ.pop(CAUSE_VARIABLE, None)
+        self._recorder = AttemptRecorder(self.error_file, self.ranks)
+        logging.getLogger(_FAILURES_LOGGER).addHandler(self._recorder)
         if self.dir is None:
             return self
+        os.environ[RUN_VARIABLE] = self.dir
         os.makedirs(self.dir, exist_ok=True)
         handler = logging.FileHandler(os.path.join(self.dir, "launcher.log"), delay=True)  # created if used
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -219,6 +265,14 @@ class RunLogs:
         return os.path.exists(launcher_log) or any(t.filter.hid for t in self._tailed.values())
 
     def close(self) -> None:
+        if self._recorder is not None:
+            logging.getLogger(_FAILURES_LOGGER).removeHandler(self._recorder)
+        for name, value in self._environ.items():  # this process may go on (launch(fn)): leave no trace
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._environ = {}
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=10)
@@ -234,14 +288,41 @@ class RunLogs:
 
     def rank_logs(self) -> dict[int, str]:
         """local rank -> its stderr file, for the (last) attempt of this run."""
+        return self._rank_files("stderr.log")
+
+    def error_files(self) -> list[str]:
+        """The error files the ranks of the last attempt wrote (phalanx records a rank's failure or preemption
+        there, see :func:`phalanx.distributed.launch.record_failure`)."""
+        return list(self._rank_files("error.json").values())
+
+    def _rank_files(self, name: str) -> dict[int, str]:
         if self.dir is None:
             return {}
         found: dict[int, str] = {}
-        for path in sorted(glob.glob(os.path.join(self.dir, "*", "attempt_*", "*", "stderr.log"))):
+        attempts = glob.glob(os.path.join(glob.escape(self.dir), "*", "attempt_*"))
+        last = max(attempts, key=lambda a: int(a.rsplit("_", 1)[1]) if a.rsplit("_", 1)[1].isdigit() else -1,
+                   default=None)
+        for path in sorted(glob.glob(os.path.join(glob.escape(last), "*", name))) if last else []:
             rank = os.path.basename(os.path.dirname(path))
             if rank.isdigit():
                 found[int(rank)] = path
         return found
+
+    def error_file(self, attempt: int, rank: int) -> str:
+        """Where the rank ``rank`` of attempt ``attempt`` writes its error ('' when nothing is redirected)."""
+        if self.dir is None:
+            return ""
+        found = glob.glob(os.path.join(glob.escape(self.dir), "*", f"attempt_{attempt}"))
+        return os.path.join(found[0], str(rank), "error.json") if found else ""
+
+    @property
+    def oom(self) -> int | None:
+        """The kernel's out-of-memory kills counted during the attempt that failed last (None: unknown)."""
+        return self._recorder.oom if self._recorder is not None else None
+
+    def shown(self) -> str:
+        """The run's log folder as the terminal shows it."""
+        return shown_path(str(self.dir))
 
     def _tail(self) -> None:
         tailed = self._tailed
@@ -262,21 +343,54 @@ class RunLogs:
             self._stop.wait(_POLL_SECONDS)
 
     # -- after it failed
+    def report_failure(self, err: Any, see_above: str = _SEE_ABOVE) -> int:
+        """Print the end of a failed job (a ChildFailedError): where its log is, then the cause (the last line).
+        Returns the exit code."""
+        if preempted_summary(err) is not None:  # not a failure: rank 0 already said it in one line
+            return EXIT_PREEMPTED
+        summary, code = failure_summary(err, self.ranks, self.oom)
+        where = self.failed_logs(err)
+        if where:
+            note = f" {_SIGNAL_NOTE}" if "killed by" in summary else ""
+            print(f"{where}{note}", file=sys.stderr)
+            print(f"[phalanx] job failed: {summary}.", file=sys.stderr, flush=True)
+        else:
+            print(f"[phalanx] job failed: {summary}. {see_above}", file=sys.stderr, flush=True)
+        return code
+
+    def report_signal(self, signum: int) -> int:
+        """The launcher received ``signum``; torch's agent passed it on to the ranks and waited for them. A rank
+        that saved and stopped (a Trainer, or a loop asking ``fabric.stop_requested()``) recorded it, and rank 0
+        said so in one line: exit code 75. Otherwise say here that nothing was saved, and exit as a process
+        ended by that signal does (128 + its number), not as a preemption that can be resumed."""
+        if any((recorded(Recorded.read(path)) or "").startswith("Preempted: ") for path in self.error_files()):
+            return EXIT_PREEMPTED
+        where = f" Logs: {self.shown()}" if self.dir is not None else ""
+        print(f"[phalanx] The launcher received {signal_name(signum)} and passed it on to the ranks; no rank saved a "
+              "checkpoint (a Fabric loop saves when fabric.stop_requested() says so)." + where,
+              file=sys.stderr, flush=True)
+        return 128 + signum
+
+    def failed_logs(self, err: Any) -> str:
+        """The line naming the run's log (the first-failed rank's stderr file first), or ''."""
+        files = []
+        for _, failure in causes(all_failures(err)):
+            error_file = getattr(failure, "error_file", "") or ""
+            path = os.path.join(os.path.dirname(error_file), "stderr.log") if error_file else ""
+            if path and os.path.isfile(path):
+                files.append(path)
+        return self.where(files)
+
     def where(self, failed: list[str]) -> str:
         """One line naming the run's log directory and the failed ranks' stderr files (first-failed
         first), or '' when nothing was redirected."""
         if self.dir is None:
             return ""
         ranks = {path: os.path.basename(os.path.dirname(path)) for path in failed}
-        named = "; ".join(f"rank {ranks[path]}: {_short(path)}" for path in failed)
-        return (f"[phalanx] Tracebacks and stderr of every rank: {_short(self.dir)}{f' ({named})' if named else ''}. "
+        named = "; ".join(f"rank {ranks[path]}: {shown_path(path)}" for path in failed)
+        return (f"[phalanx] Tracebacks and stderr of every rank: {self.shown()}{f' ({named})' if named else ''}. "
                 f"Set {SHOW_VARIABLE}=1 to print them here instead.")
 
 
-def _short(path: str) -> str:
-    """``path`` relative to the working directory when it lies inside it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
-__all__ = ["DEFAULT_DIR", "DIR_VARIABLE", "SHOW_VARIABLE", "RunLogs", "TracebackFilter", "show_tracebacks"]
+__all__ = ["DEFAULT_DIR", "DIR_VARIABLE", "RUN_VARIABLE", "SHOW_VARIABLE", "RunLogs", "TracebackFilter", "log_root",
+           "show_tracebacks", "shown_path"]

@@ -48,6 +48,9 @@ class CheckpointMethods:
 
     _snapshots: Snapshots
 
+    if TYPE_CHECKING:
+        def _said_where_resumed(self, path: str | Path, state: dict[str, Any]) -> None: ...
+
     def load(
         self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
         weights_only: bool | None = None,
@@ -56,10 +59,12 @@ class CheckpointMethods:
         for (or the whole checkpoint when ``state`` is None). Call it on every rank. ``strict=False``
         loads what matches and warns what it skipped. ``weights_only`` (None means True): open only
         tensors and plain values; pass False for a trusted file holding other objects (unpickling
-        those can run code)."""
+        those can run code). Loading what ``latest_checkpoint`` found says where the run resumed (rank 0)."""
         self._ensure_launched()
         self._snapshots.settle()  # a snapshot copied in the background is complete before anything is loaded
-        return self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
+        rest = self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
+        self._said_where_resumed(path, {**rest, **(state or {})})
+        return rest
 
     def load_raw(
         self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None

@@ -13,6 +13,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from phalanx.distributed import launch as launcher
+from phalanx.distributed import restarts
 from phalanx.distributed.preemption import PreemptionSignals
 from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
@@ -99,13 +101,16 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
         self._preemption, self._stop = PreemptionSignals(preemption_signals), None
+        self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
+        self._latest = None
+        # The run's logs go under it (phalanx.distributed.runlogs): the first logger's root_dir, else the working
+        # directory; the Trainer sets its default_root_dir.
+        self._run_root: Path | None = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
         self._strategy = configured_strategy(self._init_kwargs)
         self._snapshots = Snapshots(self._strategy, self.save, self.remove_checkpoint)
         self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
         self._loss_watch = LossWatch(lambda: self.global_rank) if watch else None
-        self._loggers: list[Any] = as_list(loggers)
-        self._callbacks: list[Any] = as_list(callbacks)
         self._launched = False
         self._modules: list[FabricModule] = []
         # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
@@ -129,12 +134,12 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             if self._launched:
                 raise MisconfigurationError("fabric.launch() was already called.")
             launcher.check_cpu_processes(self._strategy.devices, self._strategy.device_type)
+            limit, root = self._init_kwargs["max_restarts"], self._run_root
             if function is None:
-                sys.exit(launcher.launch_script(self._strategy.num_processes, self._init_kwargs["max_restarts"]))
+                sys.exit(launcher.launch_script(self._strategy.num_processes, limit, root))
             factory = functools.partial(Fabric, **self._init_kwargs)
             target = functools.partial(function, **kwargs) if kwargs else function
-            return launcher.launch_function(self._strategy.num_processes, factory, target, args,
-                                            self._init_kwargs["max_restarts"])
+            return launcher.launch_function(self._strategy.num_processes, factory, target, args, limit, root)
         self._join(env)
         return function(self, *args, **kwargs) if function is not None else None
 
@@ -354,6 +359,8 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         if not self._modules:
             self._backward_unmanaged(tensor, args, kwargs)
             return
+        if restarts.pending():  # a restarted attempt that did not say where it resumed says so now
+            self._said_where_started()
         targets = [model] if model is not None else self._modules
         anomaly = self._anomaly
         if anomaly is not None:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from phalanx import checkpoint
 from phalanx.checkpoint import snapshot
 from phalanx.checkpoint.snapshot import Cadence
+from phalanx.checkpoint.summary import counters
+from phalanx.distributed import restarts
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
 from phalanx.utils.late_reads import LateRead, defers_host_reads
@@ -34,6 +36,8 @@ class PreemptionMethods:
     _preemption: PreemptionSignals
     _stop: Stop | None
     _snapshots: Snapshots
+    #: What :meth:`latest_checkpoint` found last: loading it is resuming, and ``fabric.load`` says so.
+    _latest: Path | None
 
     if TYPE_CHECKING:
         def _ensure_launched(self) -> None: ...
@@ -88,7 +92,7 @@ class PreemptionMethods:
         since = self._preemption.received_at
         took = f" ({time.monotonic() - since:.1f} s after the signal)" if since is not None else ""
         message = (f"preempted{where} by {cause}; {saved}{took}. Run the same command again to resume"
-                   + (" from it" if checkpoint_path is not None else "") + ".")
+                   + (" from it" if checkpoint_path is not None else "") + "." + restarts.logs_named())
         error = Preempted(message)
         record_failure(error)  # what torch's launcher (and phalanx's) quotes for this rank
         if self._strategy.global_rank == 0:
@@ -108,8 +112,27 @@ class PreemptionMethods:
             world = self._strategy.world_size
             found = checkpoint.latest(dirs, world_size=world) if self._strategy.global_rank == 0 else None
             answer = self._strategy.broadcast(str(found) if found is not None else None)
-            return Path(answer) if answer is not None else None
-        return checkpoint.latest(dirs, world_size=1)
+            self._latest = Path(answer) if answer is not None else None
+        else:
+            self._latest = checkpoint.latest(dirs, world_size=1)
+        if self._latest is None:
+            restarts.started_over(f"Nothing to resume from in {', '.join(map(str, dirs))}: the loop starts from its "
+                                  "beginning", self._strategy.global_rank)
+        return self._latest
+
+    def _said_where_resumed(self, path: str | Path, state: dict[str, Any]) -> None:
+        """After ``fabric.load(path, ...)``: loading what :meth:`latest_checkpoint` found is resuming, said in one
+        line (rank 0) with the step and epoch the loaded state holds (``step``/``global_step``, ``epoch``)."""
+        if self._latest is None or Path(path) != self._latest:
+            return
+        found = counters(state)
+        restarts.resumed(path, found.get("step"), found.get("epoch"), self._strategy.global_rank)
+
+    def _said_where_started(self) -> None:
+        """At the first ``fabric.backward`` of a restarted attempt that did not resume through
+        :meth:`latest_checkpoint`: say so (rank 0), so that a restart is never silent."""
+        restarts.started_over("The script runs again from its start: it resumes only from what it loads itself "
+                              "(fabric.latest_checkpoint finds the newest checkpoint)", self._strategy.global_rank)
 
     @property
     def snapshot_dir(self) -> Path:

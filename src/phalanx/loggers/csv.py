@@ -34,6 +34,11 @@ class CSVLogger:
         self._flush_every = flush_every
 
     @property
+    def root_dir(self) -> Path:
+        """The folder holding ``<name>/version_<n>`` (Lightning's name); a Fabric's run logs go there too."""
+        return self._root
+
+    @property
     def log_dir(self) -> Path:
         # Resolved lazily, so only the rank that logs (rank 0) creates the folder.
         if self._log_dir is None:

@@ -28,6 +28,11 @@ class TensorBoardLogger:
         self._writer: SummaryWriter | None = None
 
     @property
+    def root_dir(self) -> Path:
+        """The folder holding ``<name>/version_<n>`` (Lightning's name); a Fabric's run logs go there too."""
+        return self._root
+
+    @property
     def log_dir(self) -> Path:
         if self._log_dir is None:
             self._log_dir = log_dir_of(self._root, self._name, self._version)

@@ -6,16 +6,17 @@
   ``<log_dir>/checkpoints``) and the process ends with exit code 75 and one line on the terminal.
 * **Restarts.** Under a restarting launcher (``Trainer(max_restarts=K)``, ``phalanx run --max-restarts K``,
   ``torchrun --max-restarts K``) a restarted attempt resumes by itself from the newest complete checkpoint
-  or snapshot (:func:`phalanx.trainer.checkpointing.newest_resumable`), and says which; never silently
-  from step 0. Rerunning the command after a preemption does the same with ``fit(ckpt_path="last")``.
+  or snapshot (:func:`phalanx.trainer.checkpointing.newest_resumable`), and says in one line what failed and
+  where it resumed (:mod:`phalanx.distributed.restarts`); never silently from step 0. Rerunning the command
+  after a preemption resumes with ``fit(ckpt_path="last")`` and says where too.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from phalanx.distributed import restarts
 from phalanx.trainer import checkpointing
 from phalanx.utils import diagnostics
 
@@ -55,21 +56,15 @@ def resume_after_restart(t: TrainerBase, ckpt_path: Any) -> Any:
                            f"another one): resuming from the disk checkpoint {found or '(none)'} instead.")
     if found is None:
         where = ", ".join(str(d) for d in checkpointing.checkpoint_dirs(t))
-        diagnostics.warn(
-            f"This is restart {attempt} of the job, and no checkpoint to resume from was found ({where}): training "
-            "starts again from step 0. Add ModelCheckpoint(save_last=True, every_n_train_steps=...) or "
-            "phalanx.callbacks.Snapshot so that a restart continues where the failed attempt was.",
-            rank=t.global_rank,
-        )
+        restarts.started_over(
+            f"No checkpoint to resume from in {where}: training starts again from step 0 (add "
+            "ModelCheckpoint(save_last=True, every_n_train_steps=...) or phalanx.callbacks.Snapshot so that a restart "
+            "continues where the failed attempt was)", t.global_rank)
     return found
 
 
-def announce_restart(t: TrainerBase, path: Path | None) -> None:
-    """On a restarted attempt, say where it continues (one line, rank 0)."""
-    attempt = t.fabric.restart_count
-    if attempt == 0 or path is None:
-        return
-    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-    of = f" of at most {limit}" if limit else ""
-    diagnostics.notice(f"Restart {attempt}{of} after a rank failed: resumed from {path} at step {t.global_step} "
-                       f"(epoch {t.current_epoch}).", rank=t.global_rank)
+def announce_resume(t: TrainerBase, path: Path | None) -> None:
+    """After a fit restored ``path`` (a rerun's ``ckpt_path``, or a restart's newest state), say where it
+    resumed (one line, rank 0; on a restarted attempt with what failed before)."""
+    if path is not None:
+        restarts.resumed(path, t.global_step, t.current_epoch, t.global_rank)

@@ -133,6 +133,7 @@ class Trainer(TrainerBase):
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
             warn_nonfinite_loss=False, max_restarts=max_restarts,
         )
+        fabric._run_root = settings.default_root_dir  # the run's logs go under it (<root>/phalanx_logs/<run id>)
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
                              "logging and checkpointing are off.", rank=fabric.global_rank)
@@ -172,7 +173,7 @@ class Trainer(TrainerBase):
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             checkpointing.restore(self, path)
-        survival.announce_restart(self, path)
+        survival.announce_resume(self, path)
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
             hparams = dict(module.hparams)
