@@ -338,7 +338,8 @@ attempt(lambda: fabric.load("sharded", {"model": model}))
         env=ENV,
         name="load.py",
     )
-    assert any(job.reports[r]["error"] == "CheckpointError" for r in job.reports), job.output[-3000:]
+    assert any(job.reports[r]["error"] == "CorruptCheckpointError" and f"{victim.name}" in job.reports[r]["message"]
+               for r in job.reports), (job.reports, job.output[-3000:])
 
 
 @CPU_FSDP

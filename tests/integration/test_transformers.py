@@ -138,6 +138,7 @@ report(fabric, first=first, hint=hint, hinted=hinted, layer=layer)
 """
 
 
+@pytest.mark.slow  # a hint's wording; the FSDP distillation test above keeps transformers under FSDP in CI
 @run_if(fsdp=True)
 def test_fsdp_direct_call_hint_names_a_class_that_works(tmp_path: Path) -> None:
     """The hint used to name the first layer hit (student.transformer.wte, an Embedding); following it
