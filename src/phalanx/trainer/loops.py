@@ -6,15 +6,11 @@ size, gradient sync is skipped on all but the last micro-batch (forward and back
 ``fabric.no_backward_sync``), and then exactly one optimizer step, one ``global_step`` increment,
 one round of step-interval schedulers and one ``on_before_optimizer_step`` happen.
 
-A non-finite training loss stops the run before the optimizer step, naming epoch, global step,
-batch and rank. The check costs no collective and no per-micro-batch host sync: the window's losses
-are read once, at the boundary, right before stepping (one ``.item()``/``.tolist()``; on a GPU that
-waits for the window's backward, which the step would wait for anyway). A rank that raises ends the
-job; its peers are stopped by the launcher with this rank's error as the cause. With a loss scaler
-(``16-mixed``) the check is the same: the scaler exists for *gradients* that overflow because of its
-scale, but the loss is computed before any scaling, so a non-finite loss is the forward pass or the
-data, and letting the scaler skip the step (and halve its scale, again at every recurrence) would
-hide it. ``Trainer(detect_anomaly=True)`` adds the full gradient check of :mod:`phalanx.fabric.anomaly`.
+A non-finite training loss stops the run, naming epoch, global step, batch and rank
+(:mod:`phalanx.trainer.loss_check`: on a CPU before the optimizer step, on a GPU a few steps late with the step
+skipped on the device, so the GPU never waits for the check). A rank that raises ends the job; its peers are
+stopped by the launcher with this rank's error as the cause. ``Trainer(detect_anomaly=True)`` adds the full
+gradient check of :mod:`phalanx.fabric.anomaly`.
 
 The loops run on :class:`~phalanx.trainer.base.TrainerBase` (what a Trainer holds, without its entry
 points, which call these loops); per batch they touch the loop state and the settings through locals
@@ -22,7 +18,9 @@ bound once per epoch, not through the Trainer's properties.
 
 Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
 at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
-before any hook of the user's callbacks or Module that could read them, and at epoch end.
+before any hook of the user's callbacks or Module that could read them, and at epoch end. A sync is a
+collective on the device; the host reads the values only at a logger flush and at epoch end
+(:mod:`phalanx.trainer.board`).
 """
 
 from __future__ import annotations

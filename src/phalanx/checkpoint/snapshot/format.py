@@ -1,4 +1,4 @@
-"""What a per-rank snapshot holds, and putting it back (see :mod:`phalanx.checkpoint.rank_snapshot`).
+"""What a per-rank snapshot holds, and putting it back (see :mod:`phalanx.checkpoint.snapshot.writer`).
 
 The state is pickled once per write with every tensor taken out: a tensor (a module's, an optimizer's,
 an RNG state, a metric accumulator) goes into the slot's data region, copied there by memory copies at a
@@ -41,7 +41,7 @@ class LocalShard:
 
 def tensor_at(index: int) -> Any:
     """How the metadata names the data region's tensor ``index`` (the reader resolves the name itself)."""
-    raise CheckpointError(f"tensor {index} of a snapshot is read with phalanx.checkpoint.rank_snapshot")
+    raise CheckpointError(f"tensor {index} of a snapshot is read with phalanx.checkpoint.snapshot.writer")
 
 
 class Capture(pickle.Pickler):
