@@ -128,7 +128,7 @@ def _reports(text: str, rank: int) -> bool:
     """Whether an error's words only report rank ``rank``'s failure (phalanx's own phrases for it)."""
     return any(phrase in text for phrase in (
         f"rank {rank} failed: ", f"failed on rank {rank}: ", f"because rank {rank} stopped sending heartbeats",
-        f"because rank {rank} is gone"))
+        f"because rank {rank} is gone", f"rank {rank} has not sent a heartbeat"))  # the last: the watchdog's verdict
 
 
 def causes(failures: dict[int, Any]) -> list[tuple[int, Any]]:
