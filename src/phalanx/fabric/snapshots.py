@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +53,9 @@ class Snapshots:
             entry.cadence = cadence
         if not entry.cadence.due(step):
             return None
+        start = time.perf_counter()
         path = self._write(entry, folder, state() if callable(state) else state, step, keep, overlap)
-        line = entry.cadence.taken(step, self._agree)
+        line = entry.cadence.taken(step, self._agree, time.perf_counter() - start)
         if line is not None and self._strategy.global_rank == 0:
             diagnostics.notice(f"Snapshots in {folder}: {line}.")
         return path

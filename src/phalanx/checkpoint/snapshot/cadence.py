@@ -11,7 +11,8 @@ Measured as wall time between the calls, which come once per step:
 
 * the step time s: the median of recent steps no snapshot touched (more than :data:`EFFECT` steps after one);
 * a snapshot's cost c: what the :data:`EFFECT` steps after it took beyond s (the call itself, the copy that
-  overlaps them, the optimizer step that waits for it); the median of the last few.
+  overlaps them, the optimizer step that waits for it), at least the call's own time; the median of the last
+  nine.
 
 Then k = ceil(c / (max_overhead x s)). Every rank must snapshot the same steps (a snapshot counts once
 every rank has written it), so the ranks agree on k: each snapshot starts a max-reduction of every rank's
@@ -36,6 +37,8 @@ WARMUP = 5
 FIRST_GAP = 4
 #: Steps after a snapshot that its copy may slow (a device copy is felt by the host a step or two late).
 EFFECT = 3
+#: Measured snapshots before the choice is said (the median of fewer is too easily an outlier).
+SETTLED = 5
 #: Snapshots whose cost is not measured: each of the first ones maps a new slot file (two are kept by default).
 MAPPING = 2
 #: Every this many snapshots, the gap after one is at least ``EFFECT + 2``, so the step time is measured
@@ -66,11 +69,13 @@ class Cadence:
         self._next: int | None = None  # the step of the next snapshot ("auto")
         self._taken = -1  # the step of the last snapshot
         self._clean: deque[float] = deque(maxlen=15)  # step times no snapshot touched
-        self._costs: deque[float] = deque(maxlen=5)
+        self._costs: deque[float] = deque(maxlen=9)  # a median robust to the odd slow step (a log flush)
         self._window: list[float] = []  # step times since the last snapshot, within its effect
         self._window_size = 0
         self._count = 0  # snapshots taken
+        self._call = 0.0  # what the call of the snapshot whose effect is being measured took: its cost at least
         self._agreement: LateRead | None = None
+        self._basis: tuple[float, float] | None = None  # (cost, step) this rank's pending proposal was made on
         self._announced: int | None = None
 
     @property
@@ -80,7 +85,7 @@ class Cadence:
 
     @property
     def snapshot_seconds(self) -> float | None:
-        """What one snapshot costs the run (median of the last few), or None before any was measured."""
+        """What one snapshot costs the run (median of the last nine), or None before any was measured."""
         return statistics.median(self._costs) if self._costs else None
 
     def due(self, step: int) -> bool:
@@ -106,19 +111,21 @@ class Cadence:
         self._window.append(seconds)
         base = self.step_seconds
         if len(self._window) == self._window_size and base is not None:
-            self._costs.append(max(0.0, sum(self._window) - base * len(self._window)))
+            self._costs.append(max(self._call, sum(self._window) - base * len(self._window)))
 
-    def taken(self, step: int, agree: Callable[[int], LateRead]) -> str | None:
-        """After the snapshot of ``step``: start the agreement on this rank's proposal and set the next snapshot
-        from the previous agreement. Returns a line to announce (the chosen cadence, when it is first measured
-        or has changed by 2x or more), else None."""
+    def taken(self, step: int, agree: Callable[[int], LateRead], seconds: float = 0.0) -> str | None:
+        """After the snapshot of ``step`` (its call took ``seconds``): start the agreement on this rank's proposal
+        and set the next snapshot from the previous agreement. Returns a line to announce (the chosen cadence, once
+        its measurements have settled, and again when it changes by 4x or more), else None."""
         self._taken = step
         self._count += 1
         if not self.auto:
             return None
         previous, self._agreement = self._agreement, None
         agreed = int(max(previous.values())) if previous is not None else 0
+        basis, self._basis = self._basis, None
         self._agreement = agree(self._proposal())
+        self._call = seconds
         gap = agreed if agreed > 0 else FIRST_GAP
         self.every_n_steps = gap
         if self._count % PROBE_EVERY == 0:
@@ -127,24 +134,29 @@ class Cadence:
         # The first snapshots' costs include mapping their files (one per slot kept): not what the next ones cost.
         self._window, self._window_size = [], min(EFFECT, gap) if self._count > MAPPING else 0
         said = self._announced
-        if agreed <= 0 or (said is not None and max(agreed, said) < 4 * min(agreed, said)):
+        settled = len(self._costs) >= SETTLED
+        if agreed <= 0 or basis is None or not settled or (
+                said is not None and max(agreed, said) < 4 * min(agreed, said)):
             return None
         self._announced = agreed
-        return self.describe()
+        return self.describe(*basis)
 
     def _proposal(self) -> int:
         """This rank's k (0: not measured yet)."""
         base, cost = self.step_seconds, self.snapshot_seconds
         if base is None or base <= 0 or cost is None:
             return 0
+        self._basis = (cost, base)
         return min(_MAX_GAP, max(1, math.ceil(cost / (self.max_overhead * base) - 1e-6)))  # 8.0000001 is 8
 
-    def describe(self) -> str:
-        """The cadence in effect and why, in one line."""
-        k, base = self.every_n_steps, self.step_seconds
+    def describe(self, cost: float | None = None, base: float | None = None) -> str:
+        """The cadence in effect and why, in one line (``cost`` and ``base``: the snapshot and step times it was
+        chosen on; the current measurements by default)."""
+        k = self.every_n_steps
+        base = base if base is not None else self.step_seconds
         if not self.auto or k is None or base is None:
             return f"snapshot every {k} steps"
-        cost = self.snapshot_seconds or 0.0
+        cost = cost if cost is not None else self.snapshot_seconds or 0.0
         return (f"snapshot every {k} step{'s' if k != 1 else ''}: {cost * 1e3:.3g} ms each, {base * 1e3:.3g} ms per "
                 f"step, {cost / (k * base):.1%} of the run (budget {self.max_overhead:.0%}); a crash loses at most "
                 f"{k} step{'s' if k != 1 else ''}")
