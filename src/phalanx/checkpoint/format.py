@@ -29,6 +29,9 @@ MARKER = "phalanx_meta.pt"
 #: 3: checksums recorded (``meta["checksums"]``, :mod:`phalanx.checkpoint.checksums`) and verified on
 #: every load; files of earlier versions have none and load unverified.
 FORMAT_VERSION = 3
+#: How a checkpoint's tensors are stored (``meta["layout"]``): one file, a torch.distributed.checkpoint
+#: directory, or a directory holding DeepSpeed's engine checkpoint; each directory layout has a marker.
+FILE_LAYOUT, DCP_LAYOUT, DEEPSPEED_LAYOUT = "file", "torch.distributed.checkpoint", "deepspeed"
 
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -142,6 +145,12 @@ def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -
         if found:
             raise corrupt(found, path.parent if path.name == MARKER else path, what)
     return ckpt
+
+
+def looks_like_raw_state_dict(ckpt: dict[str, Any]) -> bool:
+    """A file written by ``torch.save(model.state_dict())``: tensors under dotted parameter names."""
+    values = [v for k, v in ckpt.items() if k != META_KEY]
+    return META_KEY not in ckpt and bool(values) and all(hasattr(v, "shape") for v in values)
 
 
 def strip_meta(ckpt: dict[str, Any]) -> dict[str, Any]:
