@@ -114,9 +114,9 @@ def test_summary_of_a_killed_rank_reads_the_same_whichever_way_its_peer_stopped(
     gone = ("RankGoneError: stop_requested (collective #60, on rank 0) failed on rank 0 because rank 1 stopped sending "
             "heartbeats (last seen in 'backward' (#59) at job.py:12 (<module>)); it was killed or crashed.")
     # The watchdog's verdict while the peer waits inside a collective (seen under FSDP: a gradient all-reduce).
-    waiting = ("RankGoneError: all_reduce (collective #81, called at job.py:124 (main) on rank 0) is waiting for rank(s) "
-               "[1]; rank 1 has not sent a heartbeat for 15.0s (last seen in 'FSDP gradient-average check' (#1) at "
-               "job.py:124 (main), pid 4671 on vm). It was killed or is frozen.")
+    waiting = ("RankGoneError: all_reduce (collective #81, called at job.py:124 (main) on rank 0) is waiting for "
+               "rank(s) [1]; rank 1 has not sent a heartbeat for 15.0s (last seen in 'FSDP gradient-average check' "
+               "(#1) at job.py:124 (main), pid 4671 on vm). It was killed or is frozen.")
     # It noticed first (in a guarded call, or waiting in a collective), or was stopped first.
     for peer in (_Failure(1, gone, 10), _Failure(1, waiting, 10), _Failure(-signal.SIGTERM, None, 10)):
 
