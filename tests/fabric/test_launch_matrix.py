@@ -271,7 +271,8 @@ def trainer_cell(cell, index):
     trainer = new_trainer(cell, f"trainer-{index}")
     module = Regressor(by_hand)
     trainer.fit(module, train)
-    trained = flat(trainer.strategy.module_state_dict(module))
+    trained_state = trainer.strategy.module_state_dict(module)
+    trained = flat(trained_state)
     validated = trainer.validate(module, val, verbose=False)
     path = f"trainer-{index}.ckpt"
     trainer.save_checkpoint(path)
@@ -286,8 +287,11 @@ def trainer_cell(cell, index):
     other = Regressor(by_hand)
     try:
         from_file = weights_trainer.validate(other, val, ckpt_path=path, verbose=False)
-        weights = {"validate": from_file,
-                   "equal": bool(torch.equal(flat(weights_trainer.strategy.module_state_dict(other)), trained))}
+        loaded = weights_trainer.strategy.module_state_dict(other)
+        # In the dtype the evaluated module holds: under DeepSpeed in bf16 it is cast to bf16 (no engine
+        # keeps float32 masters for it), so it holds the trained float32 weights rounded to bf16.
+        as_held = {key: value.to(loaded[key].dtype) for key, value in trained_state.items()}
+        weights = {"validate": from_file, "equal": bool(torch.equal(flat(loaded), flat(as_held)))}
     except Exception as err:  # raised on every rank alike
         weights = {"error": f"{type(err).__name__}: {err}"}
     return {
