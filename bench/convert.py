@@ -80,7 +80,7 @@ SAFETENSORS_FROM_DCP = textwrap.dedent("""
     save_file(dict(sd["model"]), sys.argv[2] + "/model.safetensors")
 """)
 FLOOR = "import torch"
-FLOOR_PHALANX = "import torch, phalanx.cli.commands, phalanx.checkpoint.convert"
+FLOOR_PHALANX = "import torch, phalanx.cli.commands, phalanx.offline.convert"
 
 
 def _anon_mib(pid: int) -> float:

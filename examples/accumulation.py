@@ -43,7 +43,7 @@ def main() -> None:
         fabric.backward(model(torch.randn(8, 16)).sum())
     try:
         optimizer.step()
-    except phalanx.GradientSyncError as err:
+    except phalanx.errors.GradientSyncError as err:
         fabric.print(f"refused as expected: {str(err)[:90]}...")
 
 

@@ -13,47 +13,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from phalanx import _moved
 from phalanx.fabric.fabric import Fabric
 from phalanx.fabric.wrappers import is_wrapped
-from phalanx.utils.errors import (
-    CheckpointError,
-    CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GradientSyncError,
-    MisconfigurationError,
-    PhalanxError,
-    PhalanxWarning,
-    RankGoneError,
-)
 from phalanx.utils.seed import seed_everything
 
 __version__ = "0.1.0"
 
-_moved.install()
-
 if TYPE_CHECKING:
     from phalanx.callbacks import Callback
     from phalanx.cli.config import LightningCLI
-    from phalanx.core import DataModule, Module
-    from phalanx.trainer import Trainer
+    from phalanx.core.datamodule import DataModule
+    from phalanx.core.module import Module
+    from phalanx.trainer.trainer import Trainer
 
     LightningModule = Module
     LightningDataModule = DataModule
 
 # name -> (module, attribute); imported on first use so `import phalanx` stays light.
 _LAZY = {
-    "Trainer": ("phalanx.trainer", "Trainer"),
-    "Module": ("phalanx.core", "Module"),
-    "DataModule": ("phalanx.core", "DataModule"),
-    "LightningModule": ("phalanx.core", "Module"),
-    "LightningDataModule": ("phalanx.core", "DataModule"),
+    "Trainer": ("phalanx.trainer.trainer", "Trainer"),
+    "Module": ("phalanx.core.module", "Module"),
+    "DataModule": ("phalanx.core.datamodule", "DataModule"),
+    "LightningModule": ("phalanx.core.module", "Module"),
+    "LightningDataModule": ("phalanx.core.datamodule", "DataModule"),
     "Callback": ("phalanx.callbacks", "Callback"),
     "LightningCLI": ("phalanx.cli.config", "LightningCLI"),
 }
-_SUBMODULES = ("callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
-               "data", "checkpoint", "accelerators", "plugins")
+_SUBMODULES = ("errors", "callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
+               "checkpoint", "accelerators", "plugins")
 
 
 def __getattr__(name: str) -> Any:
@@ -69,21 +56,12 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Callback",
-    "CheckpointError",
-    "CollectiveError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
     "DataModule",
     "Fabric",
-    "GradientSyncError",
     "LightningCLI",
     "LightningDataModule",
     "LightningModule",
-    "MisconfigurationError",
     "Module",
-    "PhalanxError",
-    "PhalanxWarning",
-    "RankGoneError",
     "Trainer",
     "is_wrapped",
     "seed_everything",

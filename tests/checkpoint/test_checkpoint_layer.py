@@ -25,9 +25,10 @@ from torch import nn
 from trainer_support import Regressor, loader, quiet
 
 import phalanx
-from phalanx import CheckpointError, Fabric
+from phalanx import Fabric
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 from phalanx.checkpoint import MARKER, storage
+from phalanx.errors import CheckpointError, PhalanxWarning
 from phalanx.fabric.anomaly import NonFiniteError
 
 pytestmark = pytest.mark.timeout(420)
@@ -105,7 +106,7 @@ def test_every_single_file_checkpoint_opens_with_plain_torch_load(tmp_path: Path
     trainer = phalanx.Trainer(max_epochs=1, callbacks=[EarlyStopping("val_mae"), ModelCheckpoint(tmp_path / "mc")],
                               **quiet(enable_checkpointing=True, default_root_dir=tmp_path))
     module = HParamModel()
-    with pytest.warns(phalanx.PhalanxWarning, match=r"hyperparameter hparams\['odd'\] is a Opaque.*repr is stored"):
+    with pytest.warns(PhalanxWarning, match=r"hyperparameter hparams\['odd'\] is a Opaque.*repr is stored"):
         trainer.fit(module, loader(16, 4), loader(8, 4))
         trainer.save_checkpoint(tmp_path / "trainer.ckpt")
     files = [tmp_path / "fabric.ckpt", tmp_path / "trainer.ckpt", *sorted((tmp_path / "mc").glob("*.ckpt"))]
@@ -146,20 +147,6 @@ def test_unsafe_files_are_refused_by_default_with_the_way_out(tmp_path: Path) ->
     torch.save({"weight": torch.zeros(2, 4), "note": argparse.Namespace()}, tmp_path / "raw.pt")
     with pytest.raises(CheckpointError, match=r"State dict file .* argparse.Namespace"):
         fabric.load_raw(tmp_path / "raw.pt", nn.Linear(4, 2))
-
-
-def test_checkpoints_of_phalanx_0_1_still_open_safely(tmp_path: Path) -> None:
-    """Format 1 stored torch's version object and NumPy's RNG tuple; those inert types (and only those)
-    are allowed by name, so old checkpoints load with weights_only=True."""
-    fabric = Fabric(accelerator="cpu")
-    model = fabric.setup(_model())
-    legacy = {"model": _model().state_dict(), "rng": np.random.get_state(),
-              "__phalanx__": {"format_version": 1, "torch_version": torch.__version__, "precision_state": {}}}
-    torch.save(legacy, tmp_path / "old.ckpt")
-    with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
-        torch.load(tmp_path / "old.ckpt", weights_only=True)
-    rest = fabric.load(tmp_path / "old.ckpt", {"model": model})
-    assert rest["rng"][0] == "MT19937"
 
 
 def test_saving_refuses_values_that_would_not_open_safely(tmp_path: Path) -> None:
@@ -509,7 +496,7 @@ class Diverge:
 def test_a_diverged_run_never_replaces_the_last_good_checkpoint(tmp_path: Path, monitor: str | None) -> None:
     ckpt = ModelCheckpoint(tmp_path, monitor=monitor, every_n_train_steps=1, save_top_k=1)
     trainer = phalanx.Trainer(max_epochs=1, callbacks=[Diverge(at_step=4), ckpt], **quiet(enable_checkpointing=True))
-    with pytest.warns(phalanx.PhalanxWarning, match=r"ModelCheckpoint: the model's weights hold inf/nan at epoch 0, "
+    with pytest.warns(PhalanxWarning, match=r"ModelCheckpoint: the model's weights hold inf/nan at epoch 0, "
                       r"step 4; no checkpoint is written and the existing ones .* are kept"):
         # The next batch's loss is nan: the run stops there, before stepping (phalanx.trainer.loops).
         with pytest.raises(NonFiniteError, match=r"The training loss is nan at epoch 0, global step 4, batch 4"):
@@ -530,7 +517,7 @@ def test_a_non_finite_monitor_value_never_enters_the_top_k(tmp_path: Path) -> No
     cb = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1)
     cb.setup(trainer, None, "fit")
     _epoch(cb, trainer, 0.5)
-    with pytest.warns(phalanx.PhalanxWarning, match=r"val_loss=nan .* is not finite"):
+    with pytest.warns(PhalanxWarning, match=r"val_loss=nan .* is not finite"):
         _epoch(cb, trainer, float("nan"))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-val_loss=0.50.ckpt"]
     assert cb.best_model_score == 0.5

@@ -17,10 +17,11 @@ from torch import nn
 from trainer_support import Regressor, loader, quiet
 
 import phalanx
-from phalanx import CheckpointError, Fabric
+from phalanx import Fabric
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.checkpoint import MARKER, META_KEY, consolidate, read_everything
-from phalanx.checkpoint.lazy import lazy_load
+from phalanx.errors import CheckpointError
+from phalanx.offline.lazy import lazy_load
 
 pytestmark = pytest.mark.timeout(300)
 

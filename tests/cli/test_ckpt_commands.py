@@ -16,8 +16,8 @@ from mp import run_job
 from run_if import run_if
 
 from phalanx import Fabric
-from phalanx.checkpoint.convert import stream_save, strip_prefixes
 from phalanx.cli.commands import main as phalanx_main
+from phalanx.offline.convert import stream_save, strip_prefixes
 from phalanx.trainer.state import LoopState
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]

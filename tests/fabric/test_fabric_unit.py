@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import phalanx
-from phalanx import CheckpointError, Fabric, MisconfigurationError
+from phalanx import Fabric
+from phalanx.errors import CheckpointError, MisconfigurationError, PhalanxWarning
 from phalanx.fabric.data import distribute_dataloader
 from phalanx.precision import PRECISIONS
 
@@ -175,7 +176,7 @@ def test_load_of_another_model_lists_the_keys(tmp_path: Path) -> None:
     # strict=False loads what matches, leaves the rest, and says what it skipped.
     saved = fabric.load(tmp_path / "a.ckpt")["model"]
     untouched = {k: v.detach().clone() for k, v in other.module.state_dict().items() if k.startswith("3.")}
-    with pytest.warns(phalanx.PhalanxWarning, match=r"strict=False: loaded 4 of 6 entries of Sequential; skipped "
+    with pytest.warns(PhalanxWarning, match=r"strict=False: loaded 4 of 6 entries of Sequential; skipped "
                       r"missing from the checkpoint: \[3.weight, 3.bias\]"):
         fabric.load(tmp_path / "a.ckpt", {"model": other}, strict=False)
     now = other.module.state_dict()
@@ -183,7 +184,7 @@ def test_load_of_another_model_lists_the_keys(tmp_path: Path) -> None:
     assert all(torch.equal(now[k], v) for k, v in untouched.items())
     # A state entry the checkpoint lacks is left as it was, with a warning naming it.
     state = {"model": other, "step": 5}
-    with pytest.warns(phalanx.PhalanxWarning, match=r"has no entry for \['step'\]; they are left unchanged"):
+    with pytest.warns(PhalanxWarning, match=r"has no entry for \['step'\]; they are left unchanged"):
         fabric.load(tmp_path / "a.ckpt", state, strict=False)
     assert state["step"] == 5
 

@@ -25,9 +25,7 @@ with the same validation loss, and a third Trainer's ``validate(ckpt_path=...)``
 Process start-up dominates, so one job runs several cells in the same processes: a later Fabric (or
 Trainer) takes over the first one's process group at its ``launch()`` (docs/fabric.md, "A second
 Fabric"). The CI tier runs one job per launch path: every strategy in both forms, and on every launch
-path both forms and both precisions; the rest of the matrix is ``slow`` (``PHALANX_TEST_ALL=1``). What a
-bug in src/ breaks today is listed in KNOWN_BUGS: those parts must fail as recorded, the test xfails
-once everything else passed, and fails when a fix makes them pass (remove the entry then).
+path both forms and both precisions; the rest of the matrix is ``slow`` (``PHALANX_TEST_ALL=1``).
 """
 
 from __future__ import annotations
@@ -273,7 +271,8 @@ def trainer_cell(cell, index):
     trainer = new_trainer(cell, f"trainer-{index}")
     module = Regressor(by_hand)
     trainer.fit(module, train)
-    trained = flat(trainer.strategy.module_state_dict(module))
+    trained_state = trainer.strategy.module_state_dict(module)
+    trained = flat(trained_state)
     validated = trainer.validate(module, val, verbose=False)
     path = f"trainer-{index}.ckpt"
     trainer.save_checkpoint(path)
@@ -288,8 +287,11 @@ def trainer_cell(cell, index):
     other = Regressor(by_hand)
     try:
         from_file = weights_trainer.validate(other, val, ckpt_path=path, verbose=False)
-        weights = {"validate": from_file,
-                   "equal": bool(torch.equal(flat(weights_trainer.strategy.module_state_dict(other)), trained))}
+        loaded = weights_trainer.strategy.module_state_dict(other)
+        # In the dtype the evaluated module holds: under DeepSpeed in bf16 it is cast to bf16 (no engine
+        # keeps float32 masters for it), so it holds the trained float32 weights rounded to bf16.
+        as_held = {key: value.to(loaded[key].dtype) for key, value in trained_state.items()}
+        weights = {"validate": from_file, "equal": bool(torch.equal(flat(loaded), flat(as_held)))}
     except Exception as err:  # raised on every rank alike
         weights = {"error": f"{type(err).__name__}: {err}"}
     return {
@@ -319,32 +321,6 @@ if __name__ == "__main__":
 '''
 
 
-# What fails today because of a bug in src/: (part, strategy, form, api) -> (the error it raises, the bug).
-# part "cell": the whole cell raises; "weights_only": the Trainer's validate(ckpt_path=...). Such a part
-# must fail with that error, and the test then xfails once everything else passed; once the bug is fixed
-# the part passes and the test fails, asking for the entry's removal.
-KNOWN_BUGS: dict[tuple[str, str, str, str], tuple[str, str]] = {
-    **{("weights_only", name, form, "trainer"): (
-        "A sharded DeepSpeed checkpoint is the engine's",
-        "trainer.validate(ckpt_path=<sharded DeepSpeed checkpoint>) cannot load it: evaluation sets up the "
-        "module without its optimizer, so there is no engine (src/phalanx/trainer/checkpointing.py "
-        "load_weights, src/phalanx/strategies/deepspeed/strategy.py checkpoint_shards)",
-    ) for name in ("deepspeed_stage_2", "deepspeed_stage_3") for form in FORMS},
-}
-
-
-def _known(part: str, cell: str, launch: str, errors: list[str], known: dict[str, list[str]]) -> bool:
-    """True when ``part`` of ``cell`` is a known bug (its errors checked, the cell recorded under the bug)."""
-    name, form, _ = cell.split(",")
-    bug = KNOWN_BUGS.get((part, name, form, "trainer" if launch == "trainer" else "fabric"))
-    if bug is None:
-        return False
-    assert errors, f"{cell} ({part}) passes now: remove its entry from KNOWN_BUGS ({bug[1]})"
-    assert all(bug[0] in error for error in errors), f"{cell} ({part}): {errors}"
-    known.setdefault(bug[1], []).append(cell)
-    return True
-
-
 def _command(launch: str) -> list[str] | None:
     if launch == "cli":
         return [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2"]
@@ -364,21 +340,18 @@ def _missing(cell: str) -> str | None:
     return None
 
 
-def _check(job: Any, launch: str, cells: list[str]) -> dict[str, list[str]]:
-    """Assert every cell's results; returns the known bugs met (see KNOWN_BUGS), each with its cells."""
+def _check(job: Any, launch: str, cells: list[str]) -> None:
+    """Assert every cell's results."""
     assert sorted(job.reports) == [0, 1], job.output[-4000:]
     if launch == "launch_fn":
         assert "result 0" in job.stdout, job.output[-4000:]  # fn's return value, from rank 0
     expected_class = {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "model_parallel": "ModelParallelStrategy",
                       "deepspeed_stage_2": "DeepSpeedStrategy", "deepspeed_stage_3": "DeepSpeedStrategy"}
-    known: dict[str, list[str]] = {}
     for cell in cells:
         name, _, precision = cell.split(",")
         zero, one = (job.reports[rank].get(cell) for rank in (0, 1))
         assert zero is not None and one is not None, f"{cell}: a rank did not report\n{job.output[-4000:]}"
         errors = [report["error"] for report in (zero, one) if "error" in report]
-        if _known("cell", cell, launch, errors, known):
-            continue
         assert not errors, f"{cell} failed: {errors}\n{job.output[-6000:]}"
         assert zero["strategy"] == one["strategy"] == {
             "class": expected_class[name], "precision": precision, "world": 2,
@@ -398,9 +371,8 @@ def _check(job: Any, launch: str, cells: list[str]) -> dict[str, list[str]]:
                 assert report["revalidate"] == report["validate"] == zero["validate"], cell
             weights = [report["weights_only"] for report in (zero, one)]
             errors = [w["error"] for w in weights if "error" in w]
-            if not _known("weights_only", cell, launch, errors, known):
-                assert not errors, f"{cell}: validate(ckpt_path=...) failed: {errors}"
-                assert all(w["equal"] and w["validate"] == zero["validate"] for w in weights), f"{cell}: {weights}"
+            assert not errors, f"{cell}: validate(ckpt_path=...) failed: {errors}"
+            assert all(w["equal"] and w["validate"] == zero["validate"] for w in weights), f"{cell}: {weights}"
             continue
         assert zero["shards"] == ({"num_replicas": 1, "rank": 0} if name == "model_parallel"
                                   else {"num_replicas": 2, "rank": 0}), cell
@@ -411,7 +383,6 @@ def _check(job: Any, launch: str, cells: list[str]) -> dict[str, list[str]]:
         if precision == "32-true":  # the same run as one process on the concatenated data-parallel batches
             assert zero["ref_error"] < 1e-5 and one["ref_error"] < 1e-5, f"{cell}: {zero['ref_error']}"
             assert losses == pytest.approx(zero["ref_losses"], rel=1e-5, abs=1e-6), cell
-    return known
 
 
 def _run(tmp_path: Path, launch: str, cells: list[str], timeout: float) -> None:
@@ -422,11 +393,7 @@ def _run(tmp_path: Path, launch: str, cells: list[str], timeout: float) -> None:
     if not cells:
         pytest.skip("not run: " + "; ".join(missing))
     job = run_job(JOB, tmp_path, args=(launch, *cells), command=_command(launch), timeout=timeout).check()
-    known = _check(job, launch, cells)
-    if known:
-        pytest.xfail("every other cell passed; known bugs: "
-                     + "; ".join(f"{bug} [{', '.join(where)}]" for bug, where in known.items())
-                     + ("; not run: " + "; ".join(missing) if missing else ""))
+    _check(job, launch, cells)
     if missing:
         pytest.skip(f"{len(cells)} cells passed; not run: " + "; ".join(missing))
 
@@ -453,12 +420,10 @@ def _all_cells() -> list[str]:
 
 def _slow_groups() -> list[Any]:
     """The rest of the matrix: per launch path, one job for the torch strategies and one for DeepSpeed
-    (a missing DeepSpeed skips only that one). Cells with a known bug run last in their job."""
+    (a missing DeepSpeed skips only that one)."""
     params = []
     for launch in LAUNCHES:
         rest = [cell for cell in _all_cells() if cell not in CI_CELLS[launch]]
-        rest.sort(key=lambda cell: ("cell", *cell.split(",")[:2]) in
-                  {(part, name, form) for part, name, form, _ in KNOWN_BUGS})
         for family, deepspeed in (("torch", False), ("deepspeed", True)):
             cells = [cell for cell in rest if cell.startswith("deepspeed") == deepspeed]
             if cells:

@@ -11,7 +11,8 @@ import torch
 from mp import run_job
 from torch import nn
 
-from phalanx import Fabric, PhalanxWarning
+from phalanx import Fabric
+from phalanx.errors import PhalanxWarning
 from phalanx.fabric.anomaly import LOSS_CHECK_EVERY, LossWatch
 from phalanx.utils.late_reads import LateRead
 

@@ -582,7 +582,7 @@ def test_overfit_batches_reads_the_same_first_batches() -> None:
         def train_dataloader(self) -> Any:
             return DataLoader(data(32), batch_size=8, shuffle=True)
 
-    with pytest.warns(L.PhalanxWarning, match=r"overfit_batches"):
+    with pytest.warns(L.errors.PhalanxWarning, match=r"overfit_batches"):
         L.Trainer(max_epochs=2, overfit_batches=2, **quiet()).fit(Records())
     assert len(seen) == 4 and torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
     assert torch.equal(seen[0], data(32).tensors[0][:8])

@@ -151,7 +151,7 @@ def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, mode
                 model.module[2].bias.add_(1e-3)
         try:
             fabric.verify_in_sync(model, grads=False)
-        except phalanx.GradientSyncError as err:
+        except phalanx.errors.GradientSyncError as err:
             report(fabric, error=str(err))
         """,
         tmp_path,
@@ -189,7 +189,7 @@ def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, ob
             fabric.backward(model(x[:4]).sum())
         try:
             opt.step()
-        except phalanx.GradientSyncError as err:
+        except phalanx.errors.GradientSyncError as err:
             report(fabric, error=str(err))
         """,
         tmp_path,

@@ -287,6 +287,20 @@ def test_trainer_accumulation_matches_ddp(tmp_path: Path) -> None:
         torch.testing.assert_close(_params(ds, rank), _params(ddp, rank), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_validate_with_a_sharded_checkpoint_loads_the_fitted_weights(tmp_path: Path, stage: int) -> None:
+    """trainer.validate(ckpt_path=<sharded DeepSpeed checkpoint>) sets the module up without its optimizer,
+    so there is no engine: the ZeRO partitions are merged into full weights, and the new module validates
+    to the fitted model's metric (tests/support/deepspeed_validate_job.py)."""
+    job = run_job("from deepspeed_validate_job import main\nmain()\n", tmp_path, args=(str(stage),),
+                  timeout=TIMEOUT).check()
+    for rank in (0, 1):
+        report = job.reports[rank]
+        assert report["layout"] == "deepspeed", report  # the engine's own checkpoint, not a single file
+        assert report["moved"] and report["equal"], report
+        assert report["loaded"] == pytest.approx(report["fitted"], rel=1e-6), report
+
+
 # ---------------------------------------------------------------------- configuration (no processes)
 def _configured(precision: str = "32-true", **kwargs: Any) -> DeepSpeedStrategy:
     strategy = DeepSpeedStrategy(**kwargs)

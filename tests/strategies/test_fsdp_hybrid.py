@@ -180,7 +180,7 @@ for name, kwargs, precision in CASES:
     if kwargs.get("device_mesh") == "MESH_OBJECT":  # a DeviceMesh built in this process (a group exists now)
         try:
             FSDPStrategy(device_mesh=init_device_mesh("cpu", (2, 1)))
-        except phalanx.MisconfigurationError as err:
+        except phalanx.errors.MisconfigurationError as err:
             report(fabric, unnamed_mesh=str(err))
         kwargs = {**kwargs, "device_mesh": init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))}
     fabric = phalanx.Fabric(accelerator="cpu", devices=DEVICES, strategy=FSDPStrategy(**kwargs), precision=precision)

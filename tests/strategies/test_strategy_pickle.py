@@ -85,7 +85,7 @@ def test_every_strategy_pickles_after_fabric_selected_its_precision(
     strategy = cls(**options)
     try:
         fabric = phalanx.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)
-    except phalanx.MisconfigurationError as err:
+    except phalanx.errors.MisconfigurationError as err:
         pytest.skip(f"not a supported combination on CPU: {err}")
     clone = pickle.loads(pickle.dumps(fabric.strategy))
     assert type(clone) is cls

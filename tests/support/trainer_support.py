@@ -78,9 +78,9 @@ class Regressor(phalanx.Module):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.counts["before_step"] += 1
 
-    def optimizer_step(self, optimizer: Any) -> None:
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         self.counts["optimizer_step"] += 1
-        optimizer.step()
+        optimizer.step(closure=optimizer_closure)
 
 
 class KillAt:

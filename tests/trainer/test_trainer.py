@@ -15,6 +15,7 @@ from trainer_support import CountingSGD, Regressor, dataset, flat, loader, quiet
 
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
+from phalanx.errors import PhalanxWarning
 from phalanx.trainer.board import MetricBoard
 from phalanx.trainer.data import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
@@ -219,10 +220,11 @@ def test_gradient_clipping_bounds_the_norm() -> None:
     class Clip(Regressor):
         norms: list[float] = []
 
-        def optimizer_step(self, optimizer: Any) -> None:
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            optimizer_closure()
             norm = torch.cat([p.grad.reshape(-1) for p in self.parameters()]).norm()
             self.norms.append(float(norm))
-            super().optimizer_step(optimizer)
+            optimizer.step()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return super().training_step(batch, batch_idx) * 1e4
@@ -404,7 +406,7 @@ def test_deterministic_mode_lasts_for_the_run_only() -> None:
 
 def test_resuming_from_last_without_a_checkpoint_says_so(tmp_path: Any) -> None:
     trainer = phalanx.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet(enable_checkpointing=True))
-    with pytest.warns(phalanx.PhalanxWarning, match=r"ckpt_path='last': no last\.ckpt in the ModelCheckpoint "
+    with pytest.warns(PhalanxWarning, match=r"ckpt_path='last': no last\.ckpt in the ModelCheckpoint "
                                                     r"folders .*; training starts from scratch\. Give ModelCheckpoint "
                                                     r"save_last=True"):
         trainer.fit(Regressor(), loader(8, 4), ckpt_path="last")
@@ -421,7 +423,7 @@ def test_resuming_from_last_before_a_configured_checkpoint_exists_is_no_warning(
         return phalanx.Trainer(max_epochs=1, callbacks=[checkpoint], **quiet(enable_checkpointing=True))
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", phalanx.PhalanxWarning)
+        warnings.simplefilter("error", PhalanxWarning)
         with caplog.at_level(logging.INFO, logger="phalanx"):
             make().fit(Regressor(), loader(8, 4), ckpt_path="last")
     assert "no last.ckpt in" in caplog.text and "yet; training starts from scratch" in caplog.text

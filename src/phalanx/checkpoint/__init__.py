@@ -1,7 +1,7 @@
 """Checkpoints: one layer for every strategy (atomic publish, safe reads, one strict check and one
 mismatch report). Strategies plug in through :mod:`phalanx.checkpoint.protocol`."""
 
-from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, read_file
+from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, find_unsafe, read_file
 from phalanx.checkpoint.layer import (
     Found,
     consolidate,
@@ -13,6 +13,7 @@ from phalanx.checkpoint.layer import (
     save,
 )
 from phalanx.checkpoint.newest import finished_at, latest
+from phalanx.checkpoint.state import load_into_module
 
 __all__ = [
     "MARKER",
@@ -21,9 +22,11 @@ __all__ = [
     "check_plain",
     "consolidate",
     "find",
+    "find_unsafe",
     "finished_at",
     "latest",
     "load",
+    "load_into_module",
     "load_raw",
     "read_everything",
     "read_file",

@@ -42,10 +42,11 @@ import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import CollectiveScope, DCPShards, plain_failure
 from phalanx.checkpoint.format import MARKER, META_KEY, read_file
-from phalanx.checkpoint.layer import _together, begin_directory, write_marker
+from phalanx.checkpoint.layer import begin_directory, write_marker
 from phalanx.checkpoint.protocol import Host
 from phalanx.checkpoint.replace import publish_directory
 from phalanx.checkpoint.state import sort_state
+from phalanx.distributed.outcome import run_together
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 
@@ -195,8 +196,8 @@ class AsyncSaves:
         tmp = begin_directory(host, path)
         try:
             write_marker(host, tmp, path, shards.layout, entries, info, publish=False)
-            staged = _together(host, "save: every rank copied its shards to memory", f"Saving {path}",
-                               lambda: self._staging.stage(tensors))
+            staged = run_together(host, "save: every rank copied its shards to memory", f"Saving {path}",
+                               lambda: self._staging.stage(tensors), CheckpointError)
             # From here the write and its collectives run on torch's checkpoint thread, over self._group.
             started = async_save(staged, storage_writer=_Staged(str(tmp)), process_group=self._group)
         except BaseException:
@@ -218,7 +219,8 @@ class AsyncSaves:
                 pending._finished.wait()
             pending.wait()
 
-        _together(host, "save: the asynchronous write finished", f"The asynchronous save of {pending.path}", wait)
+        run_together(host, "save: the asynchronous write finished", f"The asynchronous save of {pending.path}", wait,
+                     CheckpointError)
 
     def close(self) -> None:
         """Teardown, on this rank alone: wait for a write still running (its process group must not be

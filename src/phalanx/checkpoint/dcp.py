@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
-from phalanx.checkpoint.protocol import Shapes
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry
+from phalanx.checkpoint.format import DCP_LAYOUT
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes
 from phalanx.utils.compat import FSDPModule
 from phalanx.utils.errors import CheckpointError
 
@@ -241,7 +241,7 @@ class DCPShards:
             records them, so a rank stuck elsewhere is named); a no-op outside a process group.
     """
 
-    layout = "torch.distributed.checkpoint"
+    layout = DCP_LAYOUT
 
     def __init__(self, collective: CollectiveScope | None = None) -> None:
         self._collective: CollectiveScope = collective or (lambda name: contextlib.nullcontext())

@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint.protocol import Shapes
-from phalanx.checkpoint.state import Entry
+from phalanx.checkpoint.format import DEEPSPEED_LAYOUT
+from phalanx.checkpoint.protocol import Entry, Shapes
 from phalanx.utils.errors import CheckpointError
 
-LAYOUT = "deepspeed"
 TAG = "checkpoint"
 PORTABLE = ("save it in the portable form instead: in the original setup, DeepSpeedStrategy(state_dict_type='full') "
             "writes one file every strategy and world size loads")
@@ -83,7 +82,7 @@ def _quiet() -> Iterator[None]:
 class DeepSpeedShards:
     """Reads a DeepSpeedStrategy sharded checkpoint in full (``ShardIO`` for reading only)."""
 
-    layout = LAYOUT
+    layout = DEEPSPEED_LAYOUT
 
     def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
         raise CheckpointError("DeepSpeed engine checkpoints are written by DeepSpeedStrategy only.")
@@ -229,4 +228,4 @@ def _optimizer(param_shapes: list[dict[str, Any]], torch_states: list[dict[int, 
     return {"state": state, "param_groups": groups}
 
 
-__all__ = ["LAYOUT", "DeepSpeedShards"]
+__all__ = ["DeepSpeedShards"]

@@ -13,7 +13,6 @@ import contextlib
 import pickle
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,9 @@ MARKER = "phalanx_meta.pt"
 #: 3: checksums recorded (``meta["checksums"]``, :mod:`phalanx.checkpoint.checksums`) and verified on
 #: every load; files of earlier versions have none and load unverified.
 FORMAT_VERSION = 3
+#: How a checkpoint's tensors are stored (``meta["layout"]``): one file, a torch.distributed.checkpoint
+#: directory, or a directory holding DeepSpeed's engine checkpoint; each directory layout has a marker.
+FILE_LAYOUT, DCP_LAYOUT, DEEPSPEED_LAYOUT = "file", "torch.distributed.checkpoint", "deepspeed"
 
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -98,33 +100,6 @@ def make_meta(host: Any, layout: str, entries: dict[str, str], **extra: Any) -> 
 
 
 # ---------------------------------------------------------------------- reading
-def _legacy_globals() -> list[Any]:
-    """The inert types phalanx 0.1 (format 1) put into its files: torch's version string class and a
-    NumPy RNG state array. Allowed by name so those checkpoints still open with weights_only=True;
-    none of them runs code when rebuilt."""
-    out: list[Any] = []
-    with contextlib.suppress(Exception):
-        from torch.torch_version import TorchVersion
-
-        out.append(TorchVersion)
-    with contextlib.suppress(Exception):
-        import numpy as np
-
-        core = getattr(np, "_core", None) or np.core
-        out += [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    return out
-
-
-@contextlib.contextmanager
-def _allow_legacy() -> Iterator[None]:
-    safe_globals = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
-    if safe_globals is None:
-        yield
-        return
-    with safe_globals(_legacy_globals()):
-        yield
-
-
 def _refused_global(err: BaseException) -> str | None:
     """The class or function a weights_only load refused to rebuild (None: the file is damaged instead)."""
     if not isinstance(err, pickle.UnpicklingError):
@@ -138,11 +113,7 @@ def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -
     path = Path(path)
     size = path.stat().st_size
     try:
-        if weights_only:
-            with _allow_legacy():
-                ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=weights_only)
     except (ImportError, AttributeError) as err:
         raise CheckpointError(
             f"{what} {path} refers to code that cannot be imported here ({type(err).__name__}: {err}). "
@@ -174,6 +145,12 @@ def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -
         if found:
             raise corrupt(found, path.parent if path.name == MARKER else path, what)
     return ckpt
+
+
+def looks_like_raw_state_dict(ckpt: dict[str, Any]) -> bool:
+    """A file written by ``torch.save(model.state_dict())``: tensors under dotted parameter names."""
+    values = [v for k, v in ckpt.items() if k != META_KEY]
+    return META_KEY not in ckpt and bool(values) and all(hasattr(v, "shape") for v in values)
 
 
 def strip_meta(ckpt: dict[str, Any]) -> dict[str, Any]:

@@ -10,104 +10,34 @@ checkpoint).
 
 from __future__ import annotations
 
-import os
-import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.snapshot as snapshot
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.format import (
+    DCP_LAYOUT,
+    DEEPSPEED_LAYOUT,
+    FILE_LAYOUT,
     FORMAT_VERSION,
     MARKER,
     META_KEY,
     check_directory,
     check_plain,
+    looks_like_raw_state_dict,
     make_meta,
     read_file,
     strip_meta,
 )
-from phalanx.checkpoint.protocol import Host, ShardIO
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, Host, ShardIO, of_kind
 from phalanx.checkpoint.replace import is_checkpoint_file, publish_directory
-from phalanx.checkpoint.state import (
-    MODULE,
-    OPTIMIZER,
-    PLAIN,
-    STATEFUL,
-    Entry,
-    check_entries,
-    looks_like_raw_state_dict,
-    module_mismatch,
-    of_kind,
-    sort_state,
-)
+from phalanx.checkpoint.state import check_entries, module_mismatch, sort_state
+from phalanx.distributed.outcome import run_on_rank0, run_together
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import CheckpointError, CollectiveError, CorruptCheckpointError
-
-FILE_LAYOUT = "file"
-DCP_LAYOUT = "torch.distributed.checkpoint"
-DEEPSPEED_LAYOUT = "deepspeed"  # phalanx.checkpoint.deepspeed_shards.LAYOUT (imported only when read)
-
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------- every rank learns every failure
-def _describe(err: BaseException) -> tuple[bool, str]:
-    """What every rank learns of a failure: whether the checkpoint is corrupt (then every rank raises
-    :class:`CorruptCheckpointError`, whose advice holds for all of them), and the error in words."""
-    if isinstance(err, CheckpointError):
-        return isinstance(err, CorruptCheckpointError), str(err)
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return False, f"{type(err).__name__}: {err}{where}"
-
-
-def _raise_failure(host: Host, own: BaseException | None, statuses: list[Any], what: str) -> None:
-    failed = [(rank, status) for rank, status in enumerate(statuses) if status is not None]
-    if not failed:
-        return
-    if own is not None:
-        if isinstance(own, CheckpointError):
-            raise own
-        raise CheckpointError(f"{what} failed on rank {host.global_rank}: {_describe(own)[1]}") from own
-    rank, (corrupt, text) = failed[0]
-    raise (CorruptCheckpointError if corrupt else CheckpointError)(f"{what} failed on rank {rank}: {text}")
-
-
-def _together(host: Host, name: str, what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it failed anywhere, every rank raises (the failing rank its own error)."""
-    result: Any = None
-    own: BaseException | None = None
-    try:
-        result = fn()
-    except CollectiveError:
-        raise  # the ranks are out of step already: the guard has said so to everyone
-    except Exception as err:
-        own = err
-    statuses = host.all_gather_object(None if own is None else _describe(own), name=name)
-    _raise_failure(host, own, statuses, what)
-    return result  # type: ignore[no-any-return]
-
-
-def _on_rank0(host: Host, name: str, what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 and hand its result (or its failure) to every rank."""
-    result: Any = None
-    own: BaseException | None = None
-    if host.is_global_zero:
-        try:
-            result = fn()
-        except CollectiveError:
-            raise
-        except Exception as err:
-            own = err
-    shared = host.all_gather_object((result, None if own is None else _describe(own)) if host.is_global_zero
-                                    else None, name=name)[0]
-    _raise_failure(host, own, [shared[1]], what)
-    return shared[0]  # type: ignore[no-any-return]
+from phalanx.utils.errors import CheckpointError, CollectiveError
 
 
 # ---------------------------------------------------------------------- where a checkpoint is
@@ -187,13 +117,13 @@ def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
                 # earlier attempt did) is replaced once this file is complete; any other directory is refused.
                 storage.write_file(payload, path, replace_dir=(path / MARKER).is_file())
 
-        _together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file)
+        run_together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file, CheckpointError)
         return
 
     tmp = begin_directory(host, path)
     try:
-        info = _together(host, "save: every rank wrote its shards", f"Saving {path}",
-                         lambda: _write_shards(shards, tmp, path, entries))
+        info = run_together(host, "save: every rank wrote its shards", f"Saving {path}",
+                         lambda: _write_shards(shards, tmp, path, entries), CheckpointError)
         write_marker(host, tmp, path, shards.layout, entries, info, publish=True)
     except BaseException:
         if host.is_global_zero:
@@ -222,7 +152,7 @@ def begin_directory(host: Host, path: Path) -> Path:
         storage.clear_stale(path)
         return uuid.uuid4().hex[:12]
 
-    token = _on_rank0(host, "save: agree on the temporary directory", f"Saving {path}", prepare)
+    token = run_on_rank0(host, "save: agree on the temporary directory", f"Saving {path}", prepare, CheckpointError)
     return storage.partial_dir(path, token)
 
 
@@ -248,7 +178,7 @@ def write_marker(
                 publish_directory(tmp, path)
 
     name = "save: rank 0 published the checkpoint" if publish else "save: rank 0 wrote the checkpoint marker"
-    _together(host, name, f"Saving {path}", write)
+    run_together(host, name, f"Saving {path}", write, CheckpointError)
 
 
 def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) -> dict[str, Any]:
@@ -372,12 +302,12 @@ def load(
     host.barrier("load")
     if snapshot.is_reference(path):
         # Each rank reads its own part: a snapshot is only ever restored on the topology that wrote it.
-        return _together(host, "load (finish)", f"Loading the snapshot {path}",
-                         lambda: snapshot.restore(host, path, state or {}, strict))
+        return run_together(host, "load (finish)", f"Loading the snapshot {path}",
+                         lambda: snapshot.restore(host, path, state or {}, strict), CheckpointError)
     if state is None:
         # Each rank reads everything for itself; nothing to agree on but the end.
-        everything = _together(host, "load (finish)", f"Loading {path}",
-                               lambda: strip_meta(read_everything(path, weights_only, host)))
+        everything = run_together(host, "load (finish)", f"Loading {path}",
+                               lambda: strip_meta(read_everything(path, weights_only, host)), CheckpointError)
         return everything
     entries = sort_state(state)
     local: dict[str, Any] = {}
@@ -387,13 +317,13 @@ def load(
         local.update(ckpt)
         return shared
 
-    verdict = _on_rank0(host, "load: rank 0 checked the checkpoint", f"Loading {path}", plan)
+    verdict = run_on_rank0(host, "load: rank 0 checked the checkpoint", f"Loading {path}", plan, CheckpointError)
 
     def restore() -> dict[str, Any]:
         return _restore(host, verdict, [e for e in entries if e.key in verdict["keys"]], state, strict,
                         local, weights_only)
 
-    return _together(host, "load (finish)", f"Loading {path}", restore)
+    return run_together(host, "load (finish)", f"Loading {path}", restore, CheckpointError)
 
 
 def _restore(
@@ -482,4 +412,5 @@ def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> 
 def remove(host: Host, path: str | Path) -> None:
     """Delete the checkpoint at ``path`` (file or directory); every rank calls, rank 0 deletes."""
     target = Path(path)
-    _on_rank0(host, "remove checkpoint", f"Removing {target}", lambda: storage.remove(target))
+    run_on_rank0(host, "remove checkpoint", f"Removing {target}", lambda: storage.remove(target),
+                 CheckpointError)

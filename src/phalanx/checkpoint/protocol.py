@@ -9,15 +9,38 @@ from importing each other and copying each other's logic.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.checkpoint.state import Entry
-
 Shapes = dict[str, tuple[int, ...] | None]
+
+#: The kinds of entry in a ``state`` dict, as a checkpoint records them.
+MODULE, OPTIMIZER, STATEFUL, PLAIN = "module", "optimizer", "stateful", "plain"
+
+
+class Entry(NamedTuple):
+    """One entry of the user's ``state``: ``obj`` is the user's object behind any Fabric wrapper. (A tuple:
+    built for every entry of every per-step snapshot, where a frozen dataclass cost a microsecond each.)"""
+
+    key: str
+    kind: str
+    obj: Any
+    #: For optimizers: the module set up together with it (None if phalanx does not know it).
+    module: nn.Module | None = None
+
+
+def of_kind(entries: Iterable[Entry], *kinds: str) -> list[Entry]:
+    return [e for e in entries if e.kind in kinds]
+
+
+def plain_shapes(module: nn.Module) -> Shapes:
+    """key -> shape (None for non-tensor entries) of an unsharded module's state dict."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in module.state_dict().items()}
 
 
 class PrecisionState(Protocol):

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.protocol import Host, Shapes, ShardIO
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry, of_kind
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Host, Shapes, ShardIO, of_kind
 from phalanx.utils.errors import CheckpointError, CollectiveError
 
 

@@ -1,5 +1,5 @@
 """What is in a ``state`` dict, and whether a checkpoint fits it: one sorting, one strict check and
-one mismatch report for every strategy and layout (they used to be written three times and drift).
+one mismatch report for every strategy and layout.
 
 A load that silently loads nothing is the failure this file exists to prevent: a mismatch names the
 keys, ``strict=False`` says what it skipped, and a load where nothing matches is refused.
@@ -7,31 +7,18 @@ keys, ``strict=False`` says what it skipped, and a load where nothing matches is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.checkpoint.format import META_KEY
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, plain_shapes
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 
-MODULE, OPTIMIZER, STATEFUL, PLAIN = "module", "optimizer", "stateful", "plain"
 _BUILTINS = frozenset({dict, list, tuple, int, float, str, bool, bytes, type(None)})
 _A = {MODULE: "a module", OPTIMIZER: "an optimizer", STATEFUL: "an object with state_dict()", PLAIN: "a plain value"}
-
-
-class Entry(NamedTuple):
-    """One entry of the user's ``state``: ``obj`` is the user's object behind any Fabric wrapper. (A tuple:
-    built for every entry of every per-step snapshot, where a frozen dataclass cost a microsecond each.)"""
-
-    key: str
-    kind: str
-    obj: Any
-    #: For optimizers: the module set up together with it (None if phalanx does not know it).
-    module: nn.Module | None = None
 
 
 def kind_of(value: Any) -> str:
@@ -62,19 +49,9 @@ def sort_state(state: dict[str, Any]) -> list[Entry]:
     return out
 
 
-def of_kind(entries: Iterable[Entry], *kinds: str) -> list[Entry]:
-    return [e for e in entries if e.kind in kinds]
-
-
 # ---------------------------------------------------------------------- checking a checkpoint against state
 def _clip(items: list[str], n: int = 12) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
-
-
-def looks_like_raw_state_dict(ckpt: dict[str, Any]) -> bool:
-    """A file written by ``torch.save(model.state_dict())``: tensors under dotted parameter names."""
-    values = [v for k, v in ckpt.items() if k != META_KEY]
-    return META_KEY not in ckpt and bool(values) and all(hasattr(v, "shape") for v in values)
 
 
 def check_entries(
@@ -154,11 +131,6 @@ def module_mismatch(
                         (("missing from the checkpoint:", missing), ("not in the model:", unexpected)) if items)
         )
     return None
-
-
-def plain_shapes(module: nn.Module) -> dict[str, tuple[int, ...] | None]:
-    """key -> shape (None for non-tensor entries) of an unsharded module's state dict."""
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in module.state_dict().items()}
 
 
 def load_into_module(module: nn.Module, state: dict[str, Any], strict: bool) -> None:

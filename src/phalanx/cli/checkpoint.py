@@ -72,7 +72,7 @@ def _fail(command: str, err: Exception, code: int = 1) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from phalanx.checkpoint.summary import describe, render
+    from phalanx.offline.summary import describe, render
 
     if not Path(args.path).exists() and not Path(args.path).is_symlink():
         return _fail("inspect", FileNotFoundError(f"no such file or directory: {args.path}"), 2)
@@ -87,8 +87,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from phalanx.checkpoint.convert import convert
-    from phalanx.checkpoint.summary import human
+    from phalanx.offline.convert import convert
+    from phalanx.offline.summary import human
 
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists() and not src.is_symlink():
@@ -124,7 +124,7 @@ def _describe(sd: dict[str, Any]) -> str:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from phalanx.checkpoint.layer import consolidate
+    from phalanx.checkpoint import consolidate
 
     src, dst = Path(args.sharded_dir), Path(args.out_file)
     if src.resolve() == dst.resolve():

@@ -91,7 +91,9 @@ class LightningCLI:
         auto_configure_optimizers: bool = True,
         load_from_checkpoint_support: bool = True,
     ) -> None:
-        from phalanx.trainer import DataModule, Module, Trainer
+        from phalanx.core.datamodule import DataModule
+        from phalanx.core.module import Module
+        from phalanx.trainer.trainer import Trainer
 
         self.jsonargparse = _jsonargparse()
         self.save_config_callback = save_config_callback

@@ -1,9 +1,5 @@
-"""The user's code as the Trainer sees it: ``Module`` and ``DataModule`` with Lightning's hooks,
-``save_hyperparameters``, loading from checkpoints, and snapshots of everything a module holds. Code
-here talks to a Trainer only through the :class:`~phalanx.core.view.TrainerView` protocol."""
-
-from phalanx.core.datamodule import DataModule
-from phalanx.core.module import Module
-from phalanx.core.view import TrainerView
-
-__all__ = ["DataModule", "Module", "TrainerView"]
+"""The user's code as the Trainer sees it: ``Module`` (:mod:`phalanx.core.module`) and ``DataModule``
+(:mod:`phalanx.core.datamodule`) with Lightning's hooks, ``save_hyperparameters``, loading from checkpoints,
+and snapshots of everything a module holds. Code here talks to a Trainer only through the
+:class:`~phalanx.core.view.TrainerView` protocol. Users import ``phalanx.Module`` / ``phalanx.LightningModule``
+(and the DataModule's two names) from the root package, their one public path."""

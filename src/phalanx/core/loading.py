@@ -69,7 +69,7 @@ def load_module(
 ) -> Any:
     """``Module.load_from_checkpoint``; ``builds_in_configure_model``: the class overrides
     ``configure_model`` (told by the caller, so this module needs no import of the Module class)."""
-    from phalanx.checkpoint.state import load_into_module
+    from phalanx.checkpoint import load_into_module
 
     device = _device(map_location)
     ckpt = _read(path, weights_only)

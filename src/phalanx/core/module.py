@@ -8,7 +8,6 @@ anything else belongs in a callback.
 The Module sits below the Trainer: it reaches its Trainer only through
 :class:`phalanx.core.view.TrainerView` (``manual_backward``, ``toggle_optimizer``, ``clip_gradients``
 are the Trainer's step machinery, called through that protocol), so it never imports the Trainer.
-``DataModule`` lives in :mod:`phalanx.core.datamodule` and is importable from here too.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ if TYPE_CHECKING:
     from phalanx.core.view import TrainerView
     from phalanx.fabric.fabric import Fabric
 
-__all__ = ["REDUCE_FX", "DataModule", "Module", "check_reduce_fx", "no_op_hooks", "overrides", "toggle_params",
-           "untoggle_params"]
+__all__ = ["REDUCE_FX", "Module", "check_reduce_fx", "no_op_hooks", "overrides"]
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 
@@ -336,10 +334,7 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Step the optimizer once per accumulation window. ``optimizer_closure`` runs the window's last
         training_step and backward (and ``on_before_optimizer_step`` and clipping): pass it on as
-        ``optimizer.step(closure=optimizer_closure)``, or call it yourself before stepping.
-
-        (A one-argument override ``optimizer_step(self, optimizer)`` is also accepted: phalanx then runs
-        the closure before calling it.)"""
+        ``optimizer.step(closure=optimizer_closure)``, or call it yourself before stepping."""
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

@@ -413,7 +413,6 @@ class Watchdog:
         self._exit(1)
 
 
-# The records and constants tests, benchmarks and older code import from here.
 __all__ = [
     "ABORT_GRACE",
     "HEARTBEAT_STORE_TIMEOUT",

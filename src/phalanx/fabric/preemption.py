@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from phalanx import checkpoint
 from phalanx.checkpoint import snapshot
 from phalanx.checkpoint.snapshot import Cadence
-from phalanx.checkpoint.summary import counters
 from phalanx.distributed import restarts
 from phalanx.distributed.launch import record_failure, restart_count
 from phalanx.distributed.preemption import Preempted, PreemptionSignals, Stop, requeue_slurm_job
+from phalanx.offline.summary import counters
 from phalanx.utils.late_reads import LateRead, defers_host_reads
 
 if TYPE_CHECKING:

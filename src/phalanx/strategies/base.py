@@ -17,8 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx import checkpoint
-from phalanx.checkpoint.protocol import Shapes, ShardIO
-from phalanx.checkpoint.state import plain_shapes
+from phalanx.checkpoint.protocol import Shapes, ShardIO, plain_shapes
 from phalanx.distributed.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place

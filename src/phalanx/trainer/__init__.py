@@ -1,6 +1,2 @@
-"""The managed training loop: ``phalanx.Trainer``, ``phalanx.Module``, ``phalanx.DataModule``."""
-
-from phalanx.core.module import DataModule, Module
-from phalanx.trainer.trainer import Trainer
-
-__all__ = ["DataModule", "Module", "Trainer"]
+"""The managed training loop, ``phalanx.Trainer`` (defined in :mod:`phalanx.trainer.trainer`; users import it
+from the root package, its one public path)."""

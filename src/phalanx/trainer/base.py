@@ -57,7 +57,6 @@ class TrainerBase(TrainerViews, TrainerHooks):
         # Loop state (saved in checkpoints). One object for the Trainer's life: the step path holds it.
         self.loop_state = LoopState()
         self._hook_methods: dict[str, tuple[tuple[Any, ...], list[tuple[Any, Any]]]] = {}
-        self.signature_cache: dict[Any, bool] = {}  # see stepping._legacy_optimizer_step
         self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
         self.loss_check = LossCheck(torch.device("cpu"), 1, None)  # one per fit (loops.run_fit)

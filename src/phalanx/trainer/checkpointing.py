@@ -283,13 +283,11 @@ def restore(trainer: TrainerBase, path: str | Path) -> None:
                            "not.", rank=t.global_rank)
         mine = {"rng": capture_rng_state(), "epoch_rng": None, "results": None}
     load_metric_states(t.module, mine.get("metrics"))
-    batches, samples = t.loop_state.batches_done, int(loops.get("samples_consumed", 0))
-    replicas, batch_size = int(loops.get("data_replicas", 0)), int(loops.get("batch_size", 0))
+    replicas, batch_size = int(loops["data_replicas"]), int(loops["batch_size"])
     t.set_resume_state({
-        "batches_done": batches, "samples": samples,
-        # The saved global batch (older checkpoints: derived from the position), for loops.resume_start.
-        "samples_per_batch": replicas * batch_size or (samples // batches if batches else 0),
-        "layout": (replicas, batch_size, int(loops.get("accumulate_grad_batches", 1))) if replicas else None,
+        "batches_done": t.loop_state.batches_done, "samples": int(loops["samples_consumed"]),
+        "samples_per_batch": replicas * batch_size,  # the saved global batch, for loops.resume_start
+        "layout": (replicas, batch_size, int(loops["accumulate_grad_batches"])) if replicas else None,
         "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
         "results": mine["results"],
     })

@@ -124,7 +124,8 @@ def _standard(loader: DataLoader[Any]) -> bool:
     )
 
 
-def _rebuild(loader: DataLoader[Any], **kwargs: Any) -> DataLoader[Any]:
+def rebuild_loader(loader: DataLoader[Any], **kwargs: Any) -> DataLoader[Any]:
+    """A new DataLoader over ``loader``'s dataset with its settings (workers, collate_fn, ...) and ``kwargs``."""
     keep = {name: getattr(loader, name) for name in _KEEP if hasattr(loader, name)}
     if loader.num_workers > 0:
         keep["prefetch_factor"] = loader.prefetch_factor
@@ -167,7 +168,7 @@ def prepare_train_loader(
     world, rank = data_split(fabric) if use_distributed_sampler else (1, 0)
     seed = shared_seed(fabric.broadcast)
     sampler = TrainSampler(len(loader.dataset), world, rank, isinstance(loader.sampler, RandomSampler), seed)  # type: ignore[arg-type]
-    rebuilt = _rebuild(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+    rebuilt = rebuild_loader(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
     return fabric.setup_dataloaders(rebuilt, use_distributed_sampler=False), sampler
 
 
@@ -183,7 +184,7 @@ def prepare_eval_loader(loader: DataLoader[Any], fabric: Fabric, use_distributed
         raise _custom_sampler_error(loader, "evaluation")
     replicas, rank = data_split(fabric)
     batch_sampler = EvalBatchSampler(len(loader.dataset), replicas, rank, loader.batch_size or 1)  # type: ignore[arg-type]
-    return fabric.setup_dataloaders(_rebuild(loader, batch_sampler=batch_sampler), use_distributed_sampler=False)
+    return fabric.setup_dataloaders(rebuild_loader(loader, batch_sampler=batch_sampler), use_distributed_sampler=False)
 
 
 def as_list(loaders: Any) -> list[Any]:

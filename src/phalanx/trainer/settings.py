@@ -226,11 +226,11 @@ def sequential(loader: Any) -> Any:
     """overfit_batches: the same first batches every epoch, so the training loader must not shuffle."""
     from torch.utils.data import DataLoader, RandomSampler
 
-    from phalanx.trainer.data import _rebuild
+    from phalanx.trainer.data import rebuild_loader
 
     if isinstance(loader, DataLoader) and isinstance(loader.sampler, RandomSampler):
         diagnostics.warn("overfit_batches: the training dataloader shuffles; phalanx reads it in order instead.")
-        return _rebuild(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
+        return rebuild_loader(loader, batch_size=loader.batch_size, shuffle=False, drop_last=loader.drop_last)
     return loader
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -81,8 +80,6 @@ class StepHost(Protocol):
     def window_losses(self) -> list[tuple[int, torch.Tensor]]: ...
     @property
     def loss_check(self) -> LossCheck: ...
-    @property
-    def signature_cache(self) -> dict[Any, bool]: ...
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]: ...
     @property
@@ -220,19 +217,6 @@ def clip(trainer: StepHost, optimizer: Any, value: float | None, algorithm: str 
         trainer.fabric.clip_gradients(trainer.model, fabric_opt, clip_val=value)
 
 
-def _legacy_optimizer_step(module: Module, cache: dict[Any, bool]) -> bool:
-    """phalanx's earlier ``optimizer_step(self, optimizer)`` override (one argument). Kept per function in
-    ``cache`` (the Trainer's): inspect.signature costs ~40 us."""
-    method = module.optimizer_step
-    function = getattr(method, "__func__", method)
-    known = cache.get(function)
-    if known is None:
-        params = [p for p in inspect.signature(method).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        known = cache[function] = len(params) == 1
-    return known
-
-
 # The hooks of one training batch (Lightning's order), each dispatched to the callbacks and the Module.
 STEP_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
               "on_before_optimizer_step", "on_train_batch_end")
@@ -255,7 +239,7 @@ class StepPlan:
     """
 
     __slots__ = ("automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step", "custom_zero_grad",
-                 "legacy", "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
+                 "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
     run_boundary: Callable[..., tuple[Any, torch.Tensor]]  # (training_step's output, its loss)
     run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
 
@@ -271,7 +255,6 @@ class StepPlan:
             or overrides(module, "clip_gradients")
         self.custom_zero_grad = overrides(module, "optimizer_zero_grad")
         self.custom_step = overrides(module, "optimizer_step")
-        self.legacy = _legacy_optimizer_step(module, t.signature_cache)
         # The set-up model's redirect runs the method as the strategy's forward (DDP arms its reducer);
         # it finds the method at each call, so only the attribute lookup is saved.
         self.training_step = timed(t, f"[LightningModule]{type(module).__name__}.training_step",
@@ -348,11 +331,7 @@ def train_batch(
             return loss
 
         t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
-        if plan.legacy:
-            closure()
-            module.optimizer_step(optimizer)  # type: ignore[call-arg, arg-type]
-        else:
-            module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
+        module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
         LossCheck.stepped(optimizer.optimizer)
         if not ran:
             raise MisconfigurationError(

@@ -146,7 +146,7 @@ class Tuner:
             raise MisconfigurationError(f"lr_find needs num_training >= 2, got {num_training}.")
         t = self.trainer
         if update_attr:
-            attr_name = _lr_attr(model, attr_name)
+            attr_name = lr_attribute(model, attr_name)
         inside_fit = t.stage == "fit" and t.model is not None and t._module is model
         separate = t.fabric.strategy.sets_up_optimizers_separately
         if inside_fit:
@@ -258,7 +258,8 @@ class Tuner:
         return result
 
 
-def _lr_attr(model: Any, attr_name: str) -> str:
+def lr_attribute(model: Any, attr_name: str) -> str:
+    """The model attribute that holds the learning rate: ``attr_name``, else ``lr`` or ``learning_rate``."""
     if attr_name:
         if not hasattr(model, attr_name):
             raise MisconfigurationError(f"lr_find(attr_name={attr_name!r}): the model has no such attribute.")

@@ -44,13 +44,13 @@ class LearningRateFinder(Callback):
         self.lr: float | None = None  # its suggestion (None: there was none)
 
     def on_fit_start(self, trainer: TrainerView, module: Module) -> None:
-        from phalanx.tuner.lr_find import Tuner, _lr_attr
+        from phalanx.tuner.lr_find import Tuner, lr_attribute
 
         if not isinstance(trainer, Trainer):  # the search runs the Trainer's own loop pieces
             raise MisconfigurationError(f"LearningRateFinder runs in a phalanx.Trainer, not {type(trainer).__name__}.")
         if trainer.ckpt_path is not None:
             if self.lr is not None and self.update_attr:
-                setattr(module, _lr_attr(module, self.attr_name), self.lr)
+                setattr(module, lr_attribute(module, self.attr_name), self.lr)
             return
         self.optimal_lr = result = Tuner(trainer).lr_find(
             module, min_lr=self.min_lr, max_lr=self.max_lr, num_training=self.num_training_steps, mode=self.mode,

@@ -1,6 +1,6 @@
-"""``lightning.fabric.utilities.load`` names: lazy, memory-mapped checkpoint loading (phalanx.checkpoint.lazy)."""
+"""``lightning.fabric.utilities.load`` names: lazy, memory-mapped checkpoint loading (phalanx.offline.lazy)."""
 
-from phalanx.checkpoint.lazy import NotYetLoadedTensor as _NotYetLoadedTensor
-from phalanx.checkpoint.lazy import lazy_load as _lazy_load
+from phalanx.offline.lazy import NotYetLoadedTensor as _NotYetLoadedTensor
+from phalanx.offline.lazy import lazy_load as _lazy_load
 
 __all__ = ["_NotYetLoadedTensor", "_lazy_load"]

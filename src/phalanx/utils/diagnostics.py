@@ -1,8 +1,8 @@
 """How phalanx speaks to its user outside of exceptions: one place, so users can filter it.
 
 * Something the user should change -> :func:`warn`: a :class:`~phalanx.utils.errors.PhalanxWarning` (a
-  ``UserWarning``). ``warnings.filterwarnings("ignore", category=phalanx.PhalanxWarning)`` silences
-  all of them, ``-W error::phalanx.PhalanxWarning`` makes a test suite fail on them, and Python shows
+  ``UserWarning``). ``warnings.filterwarnings("ignore", category=phalanx.errors.PhalanxWarning)`` silences
+  all of them, ``-W error::phalanx.errors.PhalanxWarning`` makes a test suite fail on them, and Python shows
   each once per call site.
 * Progress and notices (waiting for a slow rank, resuming from a checkpoint) -> :func:`info` and
   :func:`notice`, on the ``"phalanx"`` logger. It prints to stderr as ``[phalanx] ...`` unless the

@@ -101,16 +101,11 @@ class RngCapture:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]  # the words: a tensor, or a list or tuple in older checkpoints
-    words = py[1].tolist() if isinstance(py[1], torch.Tensor) else py[1]
-    random.setstate((py[0], tuple(int(w) for w in words), py[2]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1].tolist()), py[2]))
     npy = state["numpy"]
-    if isinstance(npy, dict):
-        keys = npy["keys"].numpy() if isinstance(npy["keys"], torch.Tensor) else npy["keys"]
-        np.random.set_state((npy["kind"], np.array(keys, dtype=np.uint32), npy["pos"], npy["has_gauss"],
-                             npy["cached_gaussian"]))
-    else:  # written by phalanx 0.1: NumPy's own tuple
-        np.random.set_state(npy)
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

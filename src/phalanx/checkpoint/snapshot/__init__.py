@@ -20,12 +20,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.protocol import Host
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, Host
 from phalanx.checkpoint.snapshot.cadence import Cadence
 from phalanx.checkpoint.snapshot.format import load_module_local, load_optimizer_local, plain_values
 from phalanx.checkpoint.snapshot.slots import DATA, FolderClaim, read_header
 from phalanx.checkpoint.snapshot.writer import RankSnapshots
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
+from phalanx.checkpoint.state import sort_state
 from phalanx.utils.errors import CheckpointError
 
 SHARED_MEMORY = Path("/dev/shm")

@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL
 from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, Job, Task, TornSnapshot, chunks
 from phalanx.checkpoint.snapshot.format import Capture, LocalShard, Reader, Table, data_size, extend
 from phalanx.checkpoint.snapshot.slots import HEADER_SIZE, VERSION, FolderClaim, Slot, data_name, read_header
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, STATEFUL, sort_state
+from phalanx.checkpoint.state import sort_state
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 

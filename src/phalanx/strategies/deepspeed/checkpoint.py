@@ -26,10 +26,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.checkpoint.deepspeed_shards import LAYOUT, DeepSpeedShards
-from phalanx.checkpoint.protocol import Shapes
+from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes
 from phalanx.checkpoint.reshard import converting
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, Entry
 from phalanx.utils.errors import CheckpointError
 
 TAG = "checkpoint"
@@ -103,7 +102,7 @@ class DeepSpeedCheckpointIO:
         guarded / unguarded: the strategy's lockstep scopes for phases that run DeepSpeed's collectives.
     """
 
-    layout = LAYOUT
+    layout = DeepSpeedShards.layout
 
     def __init__(
         self, engine: Any, optimizer: Optimizer, param_groups: list[list[nn.Parameter]], stage: int,

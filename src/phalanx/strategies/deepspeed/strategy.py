@@ -42,6 +42,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.checkpoint.dcp import DCPShards
+from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
 from phalanx.checkpoint.protocol import Shapes, ShardIO
 from phalanx.checkpoint.reshard import FullStateReader
 from phalanx.precision import Precision
@@ -417,6 +418,11 @@ class DeepSpeedStrategy(ParallelStrategy):
         if layout not in (None, DeepSpeedCheckpointIO.layout) or (layout is None and self.state_dict_type == "full"):
             return None
         io = self._checkpoint_io()
+        if io is None and layout is not None:
+            # A model set up without its optimizer (validate/test/predict(ckpt_path=...), a frozen model) is no
+            # engine, so nothing here holds ZeRO partitions to load into: every rank merges the checkpoint's
+            # partitions into full tensors and loads them as it would a single file's.
+            return FullStateReader(DeepSpeedShards(), self)
         if io is None:
             raise CheckpointError(
                 "A sharded DeepSpeed checkpoint is the engine's: set up the model with its optimizer first "

@@ -23,15 +23,23 @@ from typing import Any
 import torch
 
 import phalanx.checkpoint.checksums as checksums
+from phalanx.checkpoint import find
 from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
-from phalanx.checkpoint.format import MARKER, META_KEY, _allow_legacy, check_directory, corrupt, read_file
-from phalanx.checkpoint.layer import DCP_LAYOUT, find
-from phalanx.checkpoint.state import MODULE, OPTIMIZER, PLAIN, looks_like_raw_state_dict
+from phalanx.checkpoint.format import (
+    DCP_LAYOUT,
+    DEEPSPEED_LAYOUT,
+    MARKER,
+    META_KEY,
+    check_directory,
+    corrupt,
+    looks_like_raw_state_dict,
+    read_file,
+)
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN
 from phalanx.utils.errors import CheckpointError
 
 SINGLE, SHARDED, DEEPSPEED, PLAIN_DCP, STATE_DICT = "single", "sharded", "deepspeed", "dcp", "state_dict"
 SAFETENSORS = "safetensors"
-DEEPSPEED_LAYOUT = "deepspeed"
 #: ``phalanx ckpt convert --to safetensors`` writes a directory with these (and config.json if given).
 SAFETENSORS_FILE, SAFETENSORS_CHECKSUMS = "model.safetensors", "phalanx_checksums.json"
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -108,11 +116,11 @@ def guess_kind(value: Any) -> str:
 # ---------------------------------------------------------------------- one file
 def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
     try:  # memory-mapped: nothing is read until a tensor is used
-        with _allow_legacy(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except Exception:
-        ckpt = read_file(path, weights_only)  # the legacy format, or the clear error for a damaged file
+        ckpt = read_file(path, weights_only)  # torch's pre-zip format, or the clear error for a damaged file
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a dict of state.")
     if looks_like_raw_state_dict(ckpt):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint.sources import (
+from phalanx.offline.sources import (
     DEEPSPEED,
     PLAIN_DCP,
     SAFETENSORS,
