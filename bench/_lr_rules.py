@@ -140,6 +140,16 @@ def steepest_centred(curve: Curve) -> float | None:
     return lrs[int(torch.gradient(centred[:low + 1], spacing=(x,))[0].argmin())]
 
 
+def steepest_to_lowest(curve: Curve) -> float | None:
+    """Half way (in log(lr)) from the centred curve's steepest point to its lowest point halved: the
+    combination that brings the linear regression's late optimum within reach, with phalanx's refusal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steepest = curve.result.suggestion()
+    lrs, centred = _centred(curve)
+    return None if steepest is None else math.sqrt(steepest * lrs[int(centred.argmin())] / 2)
+
+
 def phalanx_now(curve: Curve) -> float | None:
     """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the steepest slope of the centred
     curve before its lowest point; none when that point is not 4 standard errors below the start."""
@@ -156,5 +166,6 @@ RULES: dict[str, Callable[[Curve], float | None]] = {
     "fastai minimum": minimum_over_10,
     "lowest / 2": lowest_over_2,
     "steepest, centred": steepest_centred,
+    "steepest to lowest / 2": steepest_to_lowest,
     "phalanx now": phalanx_now,
 }

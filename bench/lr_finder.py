@@ -8,7 +8,7 @@ For every problem and seed, ``phalanx.tuner.Tuner(trainer).lr_find(...)`` runs o
 ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
 Trainer. Every rule in ``_lr_rules.py`` is applied to that same curve: phalanx's rule before issue
 33, Lightning 2.6.6's (with Lightning's smoothing and early stop, rebuilt from the step losses),
-fastai's "valley" and "minimum", two candidates on the centred curve phalanx's rule uses, and
+fastai's "valley" and "minimum", three candidates on the centred curve phalanx's rule uses, and
 phalanx's rule as it is now (``LRFinderResult.suggestion``).
 
 Each suggestion is then trained the way the reference grid is: 3 epochs from the same

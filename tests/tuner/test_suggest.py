@@ -75,6 +75,16 @@ def test_a_short_curve_gets_the_steepest_point_of_its_descent(other_rules: Modul
     assert other_rules.lightning(curve) < 1e-3
 
 
+def test_a_curve_still_falling_at_max_lr_gets_its_steepest_point_not_the_end(other_rules: ModuleType) -> None:
+    """The linear regression's shape (plain SGD, bench/lr_finder.py): at max_lr the loss still falls at
+    a third of its steepest rate, so the lowest point is the last one and says nothing about where the
+    descent ends. The suggestion stays at the steepest point inside the range; a rule built on the
+    lowest point moves with max_lr instead."""
+    result = range_test(100, noise=0.1, seed=0, centre=-0.6, edge=1.0, steepness=4.0)  # steepest at 0.25
+    assert 0.15 <= result.suggestion() <= 0.35  # type: ignore[operator]
+    assert other_rules.lowest_over_2(other_rules.Curve(result)) == 0.5  # the lowest point is lr 1, the end
+
+
 def test_a_noise_free_curve_gets_its_steepest_point_and_the_plot_saves(tmp_path: Path) -> None:
     lrs = [10 ** (-6 + 6 * i / 59) for i in range(60)]
     # Flat, then falling fastest around 1e-3, then exploding: every rule agrees here.
