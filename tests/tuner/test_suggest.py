@@ -1,5 +1,5 @@
 """The learning rate ``LRFinderResult.suggestion()`` picks (phalanx.tuner.suggest), pinned on curves that
-tell rules apart: a noisy one, a short one, one that never descends.
+tell rules apart: a noisy one, a short one, one still falling at max_lr, one that never descends.
 
 The curves are synthetic and seeded: a plateau, a descent whose steepest point against log(lr) is
 known, then divergence; every step's loss carries multiplicative noise. phalanx's previous rule (the
