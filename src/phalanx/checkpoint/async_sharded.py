@@ -124,8 +124,8 @@ def _layout(obj: Any) -> Any:
 class _ReusedStaging:
     """This rank's shards copied into CPU memory that is kept from one save to the next.
 
-    With a fresh copy for every save (torch's default) the save call blocked training 1.3-2.5 s instead
-    of ~0.2 s in ``bench/checkpoint.py --stall`` (allocating and first touching the memory dominated);
+    With a fresh copy for every save (torch's default) the save call blocks training while the memory is
+    allocated and first touched, several times longer than the copy itself (``bench/checkpoint.py --stall``);
     torch's own reuse needs pinned memory, hence an accelerator. Reuse is safe because a save starts
     only after the previous write finished. Costs one copy of this rank's shards, held until teardown.
     """
