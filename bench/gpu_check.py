@@ -338,7 +338,7 @@ def snapshot_cost(args: argparse.Namespace, every: str) -> dict[str, Any]:
     per_step = (time.perf_counter() - start) / (steps - first + 1)
     out: dict[str, Any] = {"ms_per_step": per_step * 1e3}
     if every != "none":
-        folder = fabric._snapshot_folder("gpt2-snapshots")
+        folder = fabric._snapshots.folder("gpt2-snapshots")
         entry = fabric._snapshots._folders[folder]
         assert entry.writer is not None
         entry.writer.wait()

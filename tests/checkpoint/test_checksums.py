@@ -1,6 +1,7 @@
 """Checkpoints carry checksums and every load verifies them: bytes flipped on disk inside a tensor's data
 (which torch.load accepts silently) are refused with an error naming the file, the entry and the tensor,
-and pointing at the previous checkpoint. Checkpoints from before checksums still load."""
+and pointing at the previous checkpoint. A checkpoint of another format (without checksums) is refused,
+saying what to do."""
 
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ def test_an_intact_checkpoint_loads_bit_identically(tmp_path: Path) -> None:
             assert torch.equal(optimizer.state[p][name], fresh_opt.state[q][name])
 
 
-def test_checkpoints_without_checksums_still_load(tmp_path: Path) -> None:
-    """Format 2 (before checksums): loads as it did, unverified (there is nothing to verify against)."""
+def test_checkpoints_of_another_format_are_refused_saying_what_to_do(tmp_path: Path) -> None:
+    """Format 2 (before checksums) and markers without checksums: every reader refuses them."""
     fabric, model, _ = _setup()
     ckpt = tmp_path / "old.pt"
     fabric.save(ckpt, {"model": model, "step": 3})
@@ -165,13 +166,15 @@ def test_checkpoints_without_checksums_still_load(tmp_path: Path) -> None:
     content[META_KEY].pop("checksums")
     content[META_KEY]["format_version"] = 2
     torch.save(content, ckpt)
-    fresh = _fresh()[0]
-    state: dict[str, Any] = {"model": fresh, "step": 0}
-    fabric.load(ckpt, state)
-    assert state["step"] == 3 and torch.equal(fresh[0].weight, model[0].weight)
-    flip(ckpt, _raw(model[0].weight))
-    fabric.load(ckpt, state)  # old format: no checksums, so the damage goes unnoticed, as before
-    assert not torch.equal(fresh[0].weight, model[0].weight)
+    refused = (r"old.pt is a phalanx checkpoint of format 2 without checksums; this phalanx version reads only "
+               r"format 3, whose checksums every load verifies. Load it with the phalanx version that wrote it and "
+               r"save it again with this one")
+    with pytest.raises(CheckpointError, match=refused):
+        fabric.load(ckpt, {"model": _fresh()[0], "step": 0})
+    with pytest.raises(CheckpointError, match=refused):
+        read_everything(ckpt)
+    with pytest.raises(CheckpointError, match=refused):
+        lazy_load(ckpt)
 
 
 def test_lazy_load_verifies_each_tensor_when_first_used(tmp_path: Path) -> None:

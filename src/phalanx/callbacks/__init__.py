@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.callbacks.checkpoint import ModelCheckpoint
 from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.extras import (
     BasePredictionWriter,
@@ -20,6 +19,7 @@ from phalanx.callbacks.extras import (
     TQDMProgressBar,
 )
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
+from phalanx.callbacks.model_checkpoint import ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
 from phalanx.callbacks.progress import ProgressBar
 from phalanx.callbacks.snapshot import Snapshot

@@ -43,7 +43,7 @@ import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import CollectiveScope, DCPShards, plain_failure
 from phalanx.checkpoint.format import MARKER, META_KEY, read_file
 from phalanx.checkpoint.layer import begin_directory, write_marker
-from phalanx.checkpoint.protocol import Host
+from phalanx.checkpoint.protocol import StateOwner
 from phalanx.checkpoint.replace import publish_directory
 from phalanx.checkpoint.state import sort_state
 from phalanx.distributed.outcome import run_together
@@ -124,8 +124,8 @@ def _layout(obj: Any) -> Any:
 class _ReusedStaging:
     """This rank's shards copied into CPU memory that is kept from one save to the next.
 
-    With a fresh copy for every save (torch's default) the save call blocked training 1.3-2.5 s instead
-    of ~0.2 s in ``bench/checkpoint.py --stall`` (allocating and first touching the memory dominated);
+    With a fresh copy for every save (torch's default) the save call blocks training while the memory is
+    allocated and first touched, several times longer than the copy itself (``bench/checkpoint.py --stall``);
     torch's own reuse needs pinned memory, hence an accelerator. Reuse is safe because a save starts
     only after the previous write finished. Costs one copy of this rank's shards, held until teardown.
     """
@@ -178,37 +178,37 @@ class AsyncSaves:
         self._staging = _ReusedStaging()
         self.pending: AsyncCheckpoint | None = None
 
-    def save(self, host: Host, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint:
+    def save(self, owner: StateOwner, path: str | Path, state: dict[str, Any]) -> AsyncCheckpoint:
         """Write ``state`` like ``layer.save``, the shards in the background; a collective."""
         path = Path(path)
         entries = sort_state(state)
-        host.barrier("save")  # enter together: a save reached by some ranks only fails here, named
-        self.finish(host)
-        shards = host.checkpoint_shards()
+        owner.barrier("save")  # enter together: a save reached by some ranks only fails here, named
+        self.finish(owner)
+        shards = owner.checkpoint_shards()
         if not isinstance(shards, DCPShards):
             raise MisconfigurationError(
-                f"Asynchronous saves write sharded torch.distributed.checkpoint directories; strategy {host.name!r} "
+                f"Asynchronous saves write sharded torch.distributed.checkpoint directories; strategy {owner.name!r} "
                 "is not set up to save sharded checkpoints. Use its sharded state_dict_type or async_save=False."
             )
         if self._group is None:
             self._group = self._new_group()
         tensors, info = shards.state_dicts(entries)
-        tmp = begin_directory(host, path)
+        tmp = begin_directory(owner, path)
         try:
-            write_marker(host, tmp, path, shards.layout, entries, info, publish=False)
-            staged = run_together(host, "save: every rank copied its shards to memory", f"Saving {path}",
+            write_marker(owner, tmp, path, shards.layout, entries, info, publish=False)
+            staged = run_together(owner, "save: every rank copied its shards to memory", f"Saving {path}",
                                lambda: self._staging.stage(tensors), CheckpointError)
             # From here the write and its collectives run on torch's checkpoint thread, over self._group.
             started = async_save(staged, storage_writer=_Staged(str(tmp)), process_group=self._group)
         except BaseException:
-            if host.is_global_zero:
+            if owner.is_global_zero:
                 storage.delete_now(tmp)
             raise
         future = started if isinstance(started, Future) else started.upload_completion
-        self.pending = AsyncCheckpoint(path, tmp, future, publishes=host.is_global_zero)
+        self.pending = AsyncCheckpoint(path, tmp, future, publishes=owner.is_global_zero)
         return self.pending
 
-    def finish(self, host: Host) -> None:
+    def finish(self, owner: StateOwner) -> None:
         """Wait for the save in flight; if it failed on any rank, raise on every rank (a collective)."""
         pending, self.pending = self.pending, None
         if pending is None:
@@ -219,7 +219,7 @@ class AsyncSaves:
                 pending._finished.wait()
             pending.wait()
 
-        run_together(host, "save: the asynchronous write finished", f"The asynchronous save of {pending.path}", wait,
+        run_together(owner, "save: the asynchronous write finished", f"The asynchronous save of {pending.path}", wait,
                      CheckpointError)
 
     def close(self) -> None:

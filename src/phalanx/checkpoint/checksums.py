@@ -7,9 +7,9 @@ its metadata, and for a directory checkpoint a CRC-32 of every byte range of eve
 ``torch.distributed.checkpoint`` file, one range per tensor, so a mismatch names the tensor). Loads
 recompute and compare them (:mod:`phalanx.checkpoint.format` turns a mismatch into the error).
 
-zlib's CRC-32 runs at ~2 GB/s on one core and releases the GIL, so tensors are hashed on a few threads;
-it catches every burst of flipped bits up to 32 bits long and any other change with probability
-1 - 2**-32. This is about corruption, not tampering: whoever can rewrite the file can rewrite the CRCs.
+zlib's CRC-32 releases the GIL, so tensors are hashed on a few threads; it catches every burst of
+flipped bits up to 32 bits long and any other change with probability 1 - 2**-32. This is about
+corruption, not tampering: whoever can rewrite the file can rewrite the CRCs.
 
 This module knows nothing of the checkpoint's layout (no phalanx imports besides torch), so
 :mod:`phalanx.checkpoint.format` and the shard writers can both use it.

@@ -25,9 +25,9 @@ META_KEY = "__phalanx__"
 #: The file inside a directory checkpoint that holds phalanx's metadata and the non-sharded entries;
 #: written last, so a directory without it is an interrupted save.
 MARKER = "phalanx_meta.pt"
-#: 2: only plain values (loads with weights_only=True); entry kinds and the shard layout recorded.
-#: 3: checksums recorded (``meta["checksums"]``, :mod:`phalanx.checkpoint.checksums`) and verified on
-#: every load; files of earlier versions have none and load unverified.
+#: The one format this version writes and reads: only plain values (loads with weights_only=True), entry
+#: kinds and the shard layout recorded, and checksums (``meta["checksums"]``,
+#: :mod:`phalanx.checkpoint.checksums`) verified on every load. Any other is refused (:func:`check_format`).
 FORMAT_VERSION = 3
 #: How a checkpoint's tensors are stored (``meta["layout"]``): one file, a torch.distributed.checkpoint
 #: directory, or a directory holding DeepSpeed's engine checkpoint; each directory layout has a marker.
@@ -139,8 +139,10 @@ def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -
         ) from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{what} {path} holds a {type(ckpt).__name__}, not a dict of state.")
-    record = checksums.applies(ckpt.get(META_KEY))
-    if record is not None and record.get("entries") is not None:
+    if META_KEY not in ckpt:
+        return ckpt  # not written by phalanx (torch.save(model.state_dict())): nothing recorded to check
+    record = check_format(ckpt[META_KEY], path)
+    if record.get("entries") is not None:
         found = checksums.check_state(ckpt, record, path)
         if found:
             raise corrupt(found, path.parent if path.name == MARKER else path, what)
@@ -207,13 +209,27 @@ def corrupt(found: list[checksums.Mismatch], checkpoint: Path, what: str = "Chec
     )
 
 
-def check_directory(directory: Path, meta: dict[str, Any]) -> bool:
-    """Verify the shard files of a directory checkpoint against the checksums its marker recorded; False
-    when it recorded none (a marker from before format 3), which is then not checked."""
+def check_format(meta: Any, path: Path) -> dict[str, Any]:
+    """The checksum record of phalanx metadata ``meta`` (of the checkpoint at ``path``), after refusing
+    metadata of any format but :data:`FORMAT_VERSION`, or without the record that format carries."""
+    version = meta.get("format_version") if isinstance(meta, dict) else None
     record = checksums.applies(meta)
-    if record is None or not isinstance(record.get("files"), dict):
-        return False
+    if version != FORMAT_VERSION or record is None:
+        raise CheckpointError(
+            f"{path} is a phalanx checkpoint of format {version if version is not None else 'unknown'}"
+            f"{' without checksums' if record is None else ''}; this phalanx version reads only format "
+            f"{FORMAT_VERSION}, whose checksums every load verifies. Load it with the phalanx version that wrote "
+            "it and save it again with this one, or load its weights into the model yourself and save them here."
+        )
+    return record
+
+
+def check_directory(directory: Path, meta: dict[str, Any]) -> None:
+    """Verify the shard files of a directory checkpoint against the checksums its marker recorded."""
+    record = check_format(meta, directory)
+    if not isinstance(record.get("files"), dict):
+        raise CheckpointError(f"The marker of {directory} records no checksums of its shard files: the save that "
+                              "wrote it did not finish. Use an earlier checkpoint.")
     found = checksums.check_files(directory, record)
     if found:
         raise corrupt(found, directory)
-    return True

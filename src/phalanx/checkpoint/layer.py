@@ -32,7 +32,7 @@ from phalanx.checkpoint.format import (
     read_file,
     strip_meta,
 )
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, Host, ShardIO, of_kind
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, ShardIO, StateOwner, of_kind
 from phalanx.checkpoint.replace import is_checkpoint_file, publish_directory
 from phalanx.checkpoint.state import check_entries, module_mismatch, sort_state
 from phalanx.distributed.outcome import run_on_rank0, run_together
@@ -86,14 +86,14 @@ def _locate_for_load(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- save
-def _gather(host: Host, entries: list[Entry]) -> dict[str, Any]:
+def _gather(owner: StateOwner, entries: list[Entry]) -> dict[str, Any]:
     """Plain state of each entry (modules and optimizers: collectives; rank 0's result is complete)."""
     out: dict[str, Any] = {}
     for e in entries:
         if e.kind == MODULE:
-            out[e.key] = host.gather_module_state(e.obj)
+            out[e.key] = owner.gather_module_state(e.obj)
         elif e.kind == OPTIMIZER:
-            out[e.key] = host.gather_optimizer_state(e.module, e.obj)
+            out[e.key] = owner.gather_optimizer_state(e.module, e.obj)
         elif e.kind == STATEFUL:
             out[e.key] = e.obj.state_dict()
         else:
@@ -101,38 +101,38 @@ def _gather(host: Host, entries: list[Entry]) -> dict[str, Any]:
     return out
 
 
-def save(host: Host, path: str | Path, state: dict[str, Any]) -> None:
+def save(owner: StateOwner, path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     entries = sort_state(state)
-    host.barrier("save")  # enter together: a save reached by some ranks only fails here, named
-    shards = host.checkpoint_shards()
+    owner.barrier("save")  # enter together: a save reached by some ranks only fails here, named
+    shards = owner.checkpoint_shards()
     if shards is None:
         def write_file() -> None:
-            payload = _gather(host, entries)
-            if host.is_global_zero:
+            payload = _gather(owner, entries)
+            if owner.is_global_zero:
                 record = checksums.of_state(payload, FILE_LAYOUT)  # before the metadata joins the payload
-                payload[META_KEY] = make_meta(host, FILE_LAYOUT, {e.key: e.kind for e in entries}, checksums=record)
+                payload[META_KEY] = make_meta(owner, FILE_LAYOUT, {e.key: e.kind for e in entries}, checksums=record)
                 check_plain(payload)
                 # A checkpoint of the directory layout at `path` (a run that changed strategy saves where the
                 # earlier attempt did) is replaced once this file is complete; any other directory is refused.
                 storage.write_file(payload, path, replace_dir=(path / MARKER).is_file())
 
-        run_together(host, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file, CheckpointError)
+        run_together(owner, "save: rank 0 wrote the checkpoint", f"Saving {path}", write_file, CheckpointError)
         return
 
-    tmp = begin_directory(host, path)
+    tmp = begin_directory(owner, path)
     try:
-        info = run_together(host, "save: every rank wrote its shards", f"Saving {path}",
+        info = run_together(owner, "save: every rank wrote its shards", f"Saving {path}",
                          lambda: _write_shards(shards, tmp, path, entries), CheckpointError)
-        write_marker(host, tmp, path, shards.layout, entries, info, publish=True)
+        write_marker(owner, tmp, path, shards.layout, entries, info, publish=True)
     except BaseException:
-        if host.is_global_zero:
+        if owner.is_global_zero:
             storage.delete_now(tmp)
         raise
 
 
 # The phases of a directory save, shared with the asynchronous save (phalanx.checkpoint.async_sharded).
-def begin_directory(host: Host, path: Path) -> Path:
+def begin_directory(owner: StateOwner, path: Path) -> Path:
     """Rank 0 checks ``path`` can take a directory checkpoint; every rank gets the hidden directory
     the checkpoint is assembled in (a collective)."""
 
@@ -152,12 +152,12 @@ def begin_directory(host: Host, path: Path) -> Path:
         storage.clear_stale(path)
         return uuid.uuid4().hex[:12]
 
-    token = run_on_rank0(host, "save: agree on the temporary directory", f"Saving {path}", prepare, CheckpointError)
+    token = run_on_rank0(owner, "save: agree on the temporary directory", f"Saving {path}", prepare, CheckpointError)
     return storage.partial_dir(path, token)
 
 
 def write_marker(
-    host: Host, tmp: Path, path: Path, layout: str, entries: list[Entry], info: dict[str, Any], publish: bool
+    owner: StateOwner, tmp: Path, path: Path, layout: str, entries: list[Entry], info: dict[str, Any], publish: bool
 ) -> None:
     """Rank 0 writes the marker into ``tmp``: phalanx's metadata and every entry the shards (``info``)
     do not hold, as of now. With ``publish`` it then moves ``tmp`` to ``path``. A collective: a failure
@@ -165,20 +165,20 @@ def write_marker(
     rest = [e for e in entries if e.key not in info["sharded"]]
 
     def write() -> None:
-        extras = _gather(host, rest)
-        if host.is_global_zero:
+        extras = _gather(owner, rest)
+        if owner.is_global_zero:
             kinds = {e.key: e.kind for e in entries}
             record = checksums.of_state(extras, layout, within="extras")
             if publish:  # the shards are complete; an asynchronous save adds theirs once written
                 record.update(checksums.of_files(tmp, skip=[MARKER]))
-            marker = {META_KEY: make_meta(host, layout, kinds, shards=info, checksums=record), "extras": extras}
+            marker = {META_KEY: make_meta(owner, layout, kinds, shards=info, checksums=record), "extras": extras}
             check_plain(marker)
             storage.write_file(marker, tmp / MARKER, "checkpoint marker")
             if publish:
                 publish_directory(tmp, path)
 
     name = "save: rank 0 published the checkpoint" if publish else "save: rank 0 wrote the checkpoint marker"
-    run_together(host, name, f"Saving {path}", write, CheckpointError)
+    run_together(owner, name, f"Saving {path}", write, CheckpointError)
 
 
 def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) -> dict[str, Any]:
@@ -203,8 +203,8 @@ def _read_marker(directory: Path, weights_only: bool) -> dict[str, Any]:
     return marker
 
 
-def _reader(host: Host | None, layout: str, path: Path) -> ShardIO:
-    io = host.checkpoint_shards(layout) if host is not None else None
+def _reader(owner: StateOwner | None, layout: str, path: Path) -> ShardIO:
+    io = owner.checkpoint_shards(layout) if owner is not None else None
     if io is None and layout == DCP_LAYOUT:
         from phalanx.checkpoint.dcp import DCPShards
 
@@ -214,24 +214,24 @@ def _reader(host: Host | None, layout: str, path: Path) -> ShardIO:
         from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
         from phalanx.checkpoint.reshard import FullStateReader
 
-        io = DeepSpeedShards() if host is None else FullStateReader(DeepSpeedShards(), host)
+        io = DeepSpeedShards() if owner is None else FullStateReader(DeepSpeedShards(), owner)
     if io is None:
         raise CheckpointError(
-            f"{path} holds {layout} shards, which {'this strategy' if host is None else repr(host.name)} cannot "
+            f"{path} holds {layout} shards, which {'this strategy' if owner is None else repr(owner.name)} cannot "
             "read. Load it with the strategy that wrote it (or save it there with state_dict_type='full', a single "
             "file every strategy reads)."
         )
     return io
 
 
-def read_everything(path: str | Path, weights_only: bool = True, host: Host | None = None) -> dict[str, Any]:
+def read_everything(path: str | Path, weights_only: bool = True, owner: StateOwner | None = None) -> dict[str, Any]:
     """Every entry of a checkpoint as plain CPU state (full tensors), without a process group."""
     found = _locate_for_load(Path(path))
     if not found.is_dir():
         return read_file(found, weights_only)
     marker = _read_marker(found, weights_only)
     meta = marker[META_KEY]
-    io = _reader(host, meta["layout"], found)
+    io = _reader(owner, meta["layout"], found)
     io.check(found, meta.get("shards", {}), [], weights_only)  # a file that could run code: that error first
     check_directory(found, meta)
     out = io.read_all(found, meta.get("shards", {}), weights_only)
@@ -241,7 +241,7 @@ def read_everything(path: str | Path, weights_only: bool = True, host: Host | No
 
 
 def _plan(
-    host: Host, path: Path, entries: list[Entry], strict: bool, weights_only: bool
+    owner: StateOwner, path: Path, entries: list[Entry], strict: bool, weights_only: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Rank 0: check the checkpoint against ``entries``. Returns what every rank needs (plain, small)
     and, for a single file, the file's content (kept on rank 0)."""
@@ -251,13 +251,14 @@ def _plan(
         marker = _read_marker(found, weights_only)
         meta, extras = marker[META_KEY], marker["extras"]
         info = meta.get("shards", {})
-        io = _reader(host, meta["layout"], found)
+        io = _reader(owner, meta["layout"], found)
         loadable = check_entries(entries, meta["entries"], strict, path)
         in_shards = set(info.get("sharded", []))
         io.check(found, info, [e for e in loadable if e.key in in_shards], weights_only)
         check_directory(found, meta)  # rank 0 alone, before any rank reads a shard
         for e in of_kind(loadable, MODULE):
-            _check_module(host, e, io.saved_shapes(found, info, e.key) if e.key in in_shards else extras[e.key], strict)
+            shapes = io.saved_shapes(found, info, e.key) if e.key in in_shards else extras[e.key]
+            _check_module(owner, e, shapes, strict)
         plan = {
             "found": str(found), "layout": meta["layout"], "info": info, "meta": meta,
             "keys": [e.key for e in loadable],
@@ -273,9 +274,9 @@ def _plan(
         if not isinstance(ckpt[e.key], dict):
             raise CheckpointError(f"Entry {e.key!r} of {path} is a {type(ckpt[e.key]).__name__}, not a state dict.")
         if e.kind == MODULE:
-            _check_module(host, e, ckpt[e.key], strict)
+            _check_module(owner, e, ckpt[e.key], strict)
     plan = {"found": str(found), "layout": FILE_LAYOUT, "meta": meta, "keys": [e.key for e in loadable]}
-    if host.loads_full_state_on_rank0:
+    if owner.loads_full_state_on_rank0:
         # Only rank 0 holds the file: what is not broadcast tensor by tensor travels with the plan.
         # An optimizer that has not stepped has no tensors, only hyperparameters every rank needs.
         plan["values"] = {e.key: ckpt[e.key] for e in loadable
@@ -284,50 +285,50 @@ def _plan(
     return plan, ckpt
 
 
-def _check_module(host: Host, e: Entry, given: dict[str, Any] | None, strict: bool) -> None:
+def _check_module(owner: StateOwner, e: Entry, given: dict[str, Any] | None, strict: bool) -> None:
     if given is None:
         return  # the layout cannot tell its shapes: the backend's own load checks them
-    name, expected = host.module_layout(e.obj)
+    name, expected = owner.module_layout(e.obj)
     error = module_mismatch(name, expected, given, strict)
     if error:
         raise CheckpointError(error)
 
 
 def load(
-    host: Host, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
+    owner: StateOwner, path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool = True
 ) -> dict[str, Any]:
     """Restore ``state`` in place; return the checkpoint's entries ``state`` did not ask for (all of
     them, as full tensors, when ``state`` is None)."""
     path = Path(path)
-    host.barrier("load")
+    owner.barrier("load")
     if snapshot.is_reference(path):
         # Each rank reads its own part: a snapshot is only ever restored on the topology that wrote it.
-        return run_together(host, "load (finish)", f"Loading the snapshot {path}",
-                         lambda: snapshot.restore(host, path, state or {}, strict), CheckpointError)
+        return run_together(owner, "load (finish)", f"Loading the snapshot {path}",
+                         lambda: snapshot.restore(owner, path, state or {}, strict), CheckpointError)
     if state is None:
         # Each rank reads everything for itself; nothing to agree on but the end.
-        everything = run_together(host, "load (finish)", f"Loading {path}",
-                               lambda: strip_meta(read_everything(path, weights_only, host)), CheckpointError)
+        everything = run_together(owner, "load (finish)", f"Loading {path}",
+                               lambda: strip_meta(read_everything(path, weights_only, owner)), CheckpointError)
         return everything
     entries = sort_state(state)
     local: dict[str, Any] = {}
 
     def plan() -> dict[str, Any]:
-        shared, ckpt = _plan(host, path, entries, strict, weights_only)
+        shared, ckpt = _plan(owner, path, entries, strict, weights_only)
         local.update(ckpt)
         return shared
 
-    verdict = run_on_rank0(host, "load: rank 0 checked the checkpoint", f"Loading {path}", plan, CheckpointError)
+    verdict = run_on_rank0(owner, "load: rank 0 checked the checkpoint", f"Loading {path}", plan, CheckpointError)
 
     def restore() -> dict[str, Any]:
-        return _restore(host, verdict, [e for e in entries if e.key in verdict["keys"]], state, strict,
+        return _restore(owner, verdict, [e for e in entries if e.key in verdict["keys"]], state, strict,
                         local, weights_only)
 
-    return run_together(host, "load (finish)", f"Loading {path}", restore, CheckpointError)
+    return run_together(owner, "load (finish)", f"Loading {path}", restore, CheckpointError)
 
 
 def _restore(
-    host: Host, verdict: dict[str, Any], entries: list[Entry], state: dict[str, Any], strict: bool,
+    owner: StateOwner, verdict: dict[str, Any], entries: list[Entry], state: dict[str, Any], strict: bool,
     local: dict[str, Any], weights_only: bool,
 ) -> dict[str, Any]:
     found = Path(verdict["found"])
@@ -338,11 +339,11 @@ def _restore(
         in_shards = set(verdict["info"].get("sharded", []))
         if in_shards & {e.key for e in entries}:
             sharded = [e for e in entries if e.key in in_shards]
-            _reader(host, verdict["layout"], found).read(found, verdict["info"], sharded, strict)
+            _reader(owner, verdict["layout"], found).read(found, verdict["info"], sharded, strict)
         entries = [e for e in entries if e.key not in in_shards]
-    elif host.loads_full_state_on_rank0:
+    elif owner.loads_full_state_on_rank0:
         from_rank0 = True
-    elif not host.is_global_zero:
+    elif not owner.is_global_zero:
         local = read_file(found, weights_only)  # every rank reads the file itself
     if unrequested is None:
         names = set(state)
@@ -350,10 +351,10 @@ def _restore(
     # Modules first, then optimizers: under FSDP each is a collective, in the same order on every rank.
     for e in of_kind(entries, MODULE):
         value = values[e.key] if e.key in values else local.get(e.key, {})
-        host.scatter_module_state(e.obj, value, strict, from_rank0 and e.key not in values)
+        owner.scatter_module_state(e.obj, value, strict, from_rank0 and e.key not in values)
     for e in of_kind(entries, OPTIMIZER):
         value = values[e.key] if e.key in values else local.get(e.key, {})
-        host.scatter_optimizer_state(e.module, e.obj, value, from_rank0 and e.key not in values)
+        owner.scatter_optimizer_state(e.module, e.obj, value, from_rank0 and e.key not in values)
     for e in of_kind(entries, STATEFUL, PLAIN):
         value = values[e.key] if e.key in values else local[e.key]
         if e.kind == STATEFUL:
@@ -362,11 +363,11 @@ def _restore(
             state[e.key] = value
     precision_state = verdict["meta"].get("precision_state")
     if precision_state:
-        host.precision.load_state_dict(precision_state)
+        owner.precision.load_state_dict(precision_state)
     return dict(unrequested)
 
 
-def load_raw(host: Host, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
+def load_raw(owner: StateOwner, path: str | Path, obj: Any, strict: bool, weights_only: bool = True) -> None:
     """Load a plain state dict file (``torch.save(model.state_dict())``) into one module or optimizer."""
     path = Path(path)
     if not path.is_file():
@@ -381,10 +382,10 @@ def load_raw(host: Host, path: str | Path, obj: Any, strict: bool, weights_only:
         )
     (entry,) = sort_state({"obj": obj})
     if entry.kind == MODULE:
-        _check_module(host, entry, sd, strict)
-        host.scatter_module_state(entry.obj, sd, strict, False)
+        _check_module(owner, entry, sd, strict)
+        owner.scatter_module_state(entry.obj, sd, strict, False)
     elif entry.kind == OPTIMIZER:
-        host.scatter_optimizer_state(entry.module, entry.obj, sd, False)
+        owner.scatter_optimizer_state(entry.module, entry.obj, sd, False)
     else:
         raise CheckpointError(f"load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
 
@@ -409,8 +410,8 @@ def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> 
 
 
 # ---------------------------------------------------------------------- remove
-def remove(host: Host, path: str | Path) -> None:
+def remove(owner: StateOwner, path: str | Path) -> None:
     """Delete the checkpoint at ``path`` (file or directory); every rank calls, rank 0 deletes."""
     target = Path(path)
-    run_on_rank0(host, "remove checkpoint", f"Removing {target}", lambda: storage.remove(target),
+    run_on_rank0(owner, "remove checkpoint", f"Removing {target}", lambda: storage.remove(target),
                  CheckpointError)

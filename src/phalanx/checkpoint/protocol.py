@@ -83,8 +83,10 @@ class ShardIO(Protocol):
         ...
 
 
-class Host(Protocol):
-    """What a strategy provides to the checkpoint layer (``phalanx.strategies.Strategy`` implements it)."""
+class StateOwner(Protocol):
+    """The owner of the state a checkpoint saves and loads: it gathers each module's and optimizer's full state
+    for saving, scatters it back on load, and says how its shards are written (``phalanx.strategies.Strategy``
+    implements it)."""
 
     @property
     def name(self) -> str: ...

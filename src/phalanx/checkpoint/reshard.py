@@ -16,20 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Host, Shapes, ShardIO, of_kind
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes, ShardIO, StateOwner, of_kind
 from phalanx.utils.errors import CheckpointError, CollectiveError
 
 
 class FullStateReader:
-    """Reads ``source``'s shards in full and loads them through ``host``'s full-state path (a ``ShardIO``
+    """Reads ``source``'s shards in full and loads them through ``owner``'s full-state path (a ``ShardIO``
     for reading only)."""
 
-    def __init__(self, source: ShardIO, host: Host) -> None:
-        self.source, self.host = source, host
+    def __init__(self, source: ShardIO, owner: StateOwner) -> None:
+        self.source, self.owner = source, owner
         self.layout = source.layout
 
     def write(self, directory: Path, entries: list[Entry]) -> dict[str, Any]:
-        raise CheckpointError(f"{self.layout} shards are only read here; {self.host.name!r} saves its own layout.")
+        raise CheckpointError(f"{self.layout} shards are only read here; {self.owner.name!r} saves its own layout.")
 
     def check(self, directory: Path, info: dict[str, Any], entries: list[Entry], weights_only: bool = True) -> None:
         self.source.check(directory, info, entries, weights_only)
@@ -38,7 +38,7 @@ class FullStateReader:
         return self.source.saved_shapes(directory, info, key)
 
     def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
-        with converting(directory, info, self.layout, f"{self.host.name!r} on {self.host.world_size} ranks"):
+        with converting(directory, info, self.layout, f"{self.owner.name!r} on {self.owner.world_size} ranks"):
             # Every rank reads everything for itself (no collective), so the strategy's load below sees the
             # same full state on every rank, as with a single file that every rank reads.
             full = self.source.read_all(directory, info)
@@ -47,9 +47,9 @@ class FullStateReader:
                 raise CheckpointError(f"the shards hold no entry {missing}, only {sorted(full)}")
             # Modules first, then optimizers: the order the checkpoint layer loads in on every strategy.
             for e in of_kind(entries, MODULE):
-                self.host.scatter_module_state(e.obj, full[e.key], strict, False)
+                self.owner.scatter_module_state(e.obj, full[e.key], strict, False)
             for e in of_kind(entries, OPTIMIZER):
-                self.host.scatter_optimizer_state(e.module, e.obj, full[e.key], False)
+                self.owner.scatter_optimizer_state(e.module, e.obj, full[e.key], False)
 
     def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
         return self.source.read_all(directory, info, weights_only)

@@ -189,8 +189,8 @@ def _expected_size(obj: Any, previous: Path) -> int:
 
 def _preallocate(fh: Any, size: int) -> bool:
     """Reserve the file's blocks up front. Writing a large checkpoint into a fresh file otherwise
-    allocates its extents piecemeal, which measured ~2x slower than overwriting a file in place on a
-    virtio disk (bench/checkpoint.py); preallocated, the atomic write costs what an in-place one does."""
+    allocates its extents piecemeal, slower than overwriting a file in place; preallocated, the atomic
+    write costs what an in-place one does (bench/checkpoint.py measures both)."""
     fallocate = getattr(os, "posix_fallocate", None)
     if fallocate is None or size < 2**20:
         return False

@@ -1,5 +1,6 @@
 """The ``phalanx`` command line: ``phalanx run`` (the launcher), ``phalanx fit|validate|test|predict``
-and ``LightningCLI`` (``config``), and the checkpoint commands (``checkpoint``)."""
+and ``LightningCLI`` (``config``), and the checkpoint commands (``ckpt``: ``phalanx ckpt inspect|convert``
+and ``phalanx consolidate``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from phalanx.cli import checkpoint as checkpoint_commands
+from phalanx.cli import ckpt
 from phalanx.precision import PRECISIONS
 
 
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_config_commands(sub)
-    checkpoint_commands.add_commands(sub)
+    ckpt.add_commands(sub)
     return parser
 
 

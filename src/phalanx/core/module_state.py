@@ -1,12 +1,12 @@
 """Everything a module holds, captured and put back exactly; and its metric state for checkpoints.
 
-The failure this file exists to prevent (seed 002, and its torchmetrics variant): a tuning phase
-such as the LR finder runs ``training_step``, which changes more than parameters and buffers. A
+The failure this file exists to prevent: a tuning phase such as the LR finder runs ``training_step``,
+which changes more than parameters and buffers. A
 torchmetrics ``Metric`` keeps its state in plain attributes registered with ``add_state`` (tensors,
 or lists of tensors for "cat" states) plus counters and caches (``_update_count``, ``_computed``,
 ``_forward_cache``); a user's step may bump a counter or stash a tensor on ``self``. Restoring only
-parameters and buffers lets all of that leak into the fit (measured: epoch-0 train accuracy 0.47
-after lr_find instead of 0.64). :class:`ModuleSnapshot` captures every submodule's parameters (and
+parameters and buffers lets all of that leak into the fit (its first epoch's metrics then count the
+search's batches too). :class:`ModuleSnapshot` captures every submodule's parameters (and
 gradients), buffers (persistent or not), train/eval flag, submodule table and plain attributes, and
 restores them *into the same tensor objects*, so nothing changes identity or device (metric state
 stays on the device the backend reduces on; DDP/FSDP keep pointing at the same parameters).

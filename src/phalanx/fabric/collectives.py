@@ -7,8 +7,7 @@ result has no gradient path back to the ranks that produced it; and the mean of 
 silently truncated.
 
 The collectives themselves are the strategy's (guarded, lockstep-checked); this module only shapes
-inputs and outputs, and holds Fabric's collective methods (:class:`CollectiveMethods`, mixed into
-:class:`phalanx.Fabric`) next to the meaning they implement.
+inputs and outputs (:class:`Collectives`, owned by :class:`phalanx.Fabric`), next to the meaning they implement.
 """
 
 from __future__ import annotations
@@ -104,75 +103,42 @@ def reduce(strategy: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:
     return tensor
 
 
-class CollectiveMethods:
-    """``fabric.barrier``/``broadcast``/``all_gather``/``all_reduce``/... : mixed into :class:`phalanx.Fabric`,
-    which provides the attributes declared below. Each call joins the job first (``_ensure_launched``),
-    then goes through the strategy's guarded collectives."""
+class Collectives:
+    """The collectives of one Fabric over its strategy's guarded, lockstep-checked ones: what each kind of
+    input becomes on the way in and out. The caller has joined the job."""
 
-    _strategy: Strategy
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
 
-    if TYPE_CHECKING:
-        @property
-        def device(self) -> torch.device: ...
-        @property
-        def global_rank(self) -> int: ...
-        @property
-        def local_rank(self) -> int: ...
-        @property
-        def is_global_zero(self) -> bool: ...
-        def _ensure_launched(self) -> None: ...
-
-    def barrier(self, name: str | None = None) -> None:
-        self._ensure_launched()
+    def barrier(self, name: str | None) -> None:
         self._strategy.barrier(name or "barrier")
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._ensure_launched()
+    def broadcast(self, obj: Any, src: int) -> Any:
         return self._strategy.broadcast(obj, src)
 
-    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-        """Gather tensors, numbers and bools (or a collection of them) from every rank. Each becomes a
-        tensor with a leading world dimension, also on one process (shape ``(1, ...)``), so code written
-        for N ranks runs unchanged on one. ``sync_grads=True`` lets gradients flow back to every rank's
-        input (as ``torch.distributed.nn.functional.all_gather``)."""
-        self._ensure_launched()
+    def all_gather(self, data: Any, group: Any, sync_grads: bool) -> Any:
         _no_group(group, "all_gather")
         each = functools.partial(gather, self._strategy, sync_grads=sync_grads)
-        return apply_to_tensors(to_tensors(data, self.device), each)
+        return apply_to_tensors(to_tensors(data, self._strategy.root_device), each)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank (index = rank), e.g. per-rank RNG states."""
-        self._ensure_launched()
         return self._strategy.all_gather_object(obj)
 
-    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce tensors, numbers (or a collection of them) across ranks with ``reduce_op``: "mean"
-        (or "avg"), "sum", "max", "min", "product", or a ``torch.distributed.ReduceOp``. As in Lightning,
-        a tensor already on this rank's device receives the result in place and is returned. The mean
-        of an integer tensor is refused (it would be truncated); Python ints are averaged as floats."""
-        self._ensure_launched()
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool) -> Iterator[None]:
+        strategy = self._strategy
+        first = (strategy.local_rank if local else strategy.global_rank) == 0
+        if not first:
+            strategy.barrier("rank_zero_first")
+        yield
+        if first:
+            strategy.barrier("rank_zero_first")
+
+    def all_reduce(self, data: Any, group: Any, reduce_op: Any) -> Any:
         _no_group(group, "all_reduce")
         op = reduce_op_name(reduce_op)
         each = functools.partial(reduce, self._strategy, op=op)
-        return apply_to_tensors(to_tensors(data, self.device, float_ints=op == "mean"), each)
-
-    def _as_device_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device) if t.device != self.device else t
-
-    @contextlib.contextmanager
-    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
-        """Rank 0 (of the node with ``local=True``) runs the block first, e.g. to download data once."""
-        self._ensure_launched()
-        first = (self.local_rank if local else self.global_rank) == 0
-        if not first:
-            self.barrier("rank_zero_first")
-        yield
-        if first:
-            self.barrier("rank_zero_first")
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_global_zero:
-            print(*args, **kwargs)
+        return apply_to_tensors(to_tensors(data, self._strategy.root_device, float_ints=op == "mean"), each)
 
 
 def _no_group(group: Any, what: str) -> None:

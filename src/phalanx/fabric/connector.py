@@ -80,6 +80,15 @@ def _local_inside_job(args: dict[str, Any]) -> bool:
     return str(args["devices"]) == "1" and str(args["num_nodes"]) == "1" and running_job_world_size() > 1
 
 
+def refuse_plugins(plugins: Any) -> None:
+    if plugins is not None and plugins != []:
+        raise MisconfigurationError(
+            f"Fabric(plugins={plugins!r}) is not supported. phalanx has no plugin objects: choose the precision "
+            "with precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
+            "checkpoint I/O belongs to the strategy (pass a Strategy instance with its options)."
+        )
+
+
 def as_list(value: Any) -> list[Any]:
     if value is None:
         return []

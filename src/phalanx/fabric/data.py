@@ -184,6 +184,20 @@ class FabricDataLoader:
         return getattr(self._loader, name)
 
 
+def setup_dataloader(strategy: Strategy, loader: Any, use_distributed_sampler: bool, move_to_device: bool,
+                     broadcast: Callable[[int], int]) -> FabricDataLoader:
+    """``fabric.setup_dataloaders`` for one loader: sharded across ranks (a DistributedSampler seeded alike on
+    every rank through ``broadcast``) when the strategy splits data, its batches moved to the device."""
+    if not isinstance(loader, DataLoader):
+        raise MisconfigurationError(f"setup_dataloaders expects DataLoaders, got {type(loader).__name__}.")
+    several = strategy.world_size > 1
+    sampler_kwargs = strategy.distributed_sampler_kwargs()
+    if use_distributed_sampler and sampler_kwargs is not None and several:
+        warn_iterable(loader, strategy.global_rank)
+        loader = distribute_dataloader(loader, **sampler_kwargs, seed=shared_seed(broadcast))
+    return FabricDataLoader(loader, strategy.root_device if move_to_device else None, strategy if several else None)
+
+
 def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 

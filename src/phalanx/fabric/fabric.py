@@ -2,7 +2,11 @@
 gradient sync, collectives and checkpoints.
 
 This class is deliberately thin. It never asks which backend it runs on: everything that differs
-between single-device, DDP, FSDP and DeepSpeed is a method of the strategy object.
+between single-device, DDP, FSDP and DeepSpeed is a method of the strategy object. Its public surface is
+declared here, once; the work is done by the parts it owns: :class:`~phalanx.fabric.models.Models` (what
+was set up), :class:`~phalanx.fabric.backward.Backward`, :class:`~phalanx.fabric.collectives.Collectives`,
+:class:`~phalanx.fabric.persistence.Persistence` (save, load, resume),
+:class:`~phalanx.fabric.preemption.Preemption` and :class:`~phalanx.fabric.snapshots.Snapshots`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -23,26 +27,32 @@ from torch.utils.data import DataLoader
 
 from phalanx.distributed import launch as launcher
 from phalanx.distributed import restarts
-from phalanx.distributed.preemption import PreemptionSignals
+from phalanx.distributed.launch import restart_count
+from phalanx.distributed.preemption import PreemptionSignals, Stop
 from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
-from phalanx.fabric.checkpoints import CheckpointMethods
-from phalanx.fabric.collectives import CollectiveMethods
-from phalanx.fabric.compiled import unwrap_compiled
-from phalanx.fabric.connector import as_list, configured_strategy
-from phalanx.fabric.data import FabricDataLoader, distribute_dataloader, shared_seed, warn_iterable
-from phalanx.fabric.preemption import PreemptionMethods
+from phalanx.fabric.backward import Backward
+from phalanx.fabric.collectives import Collectives
+from phalanx.fabric.connector import as_list, configured_strategy, refuse_plugins
+from phalanx.fabric.data import setup_dataloader
+from phalanx.fabric.job import Job
+from phalanx.fabric.models import Models
+from phalanx.fabric.persistence import Persistence
+from phalanx.fabric.preemption import Preemption
 from phalanx.fabric.snapshots import Snapshots
-from phalanx.fabric.wrappers import FabricModule, FabricOptimizer, foreign_parameters, param_owner
+from phalanx.fabric.wrappers import FabricModule, FabricOptimizer
 from phalanx.strategies import Strategy
-from phalanx.utils import exiting
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import skipping_init
 from phalanx.utils.seed import seed_everything as _seed_everything
 from phalanx.utils.tensors import move_to_device
 
+if TYPE_CHECKING:
+    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint.snapshot import Cadence
 
-class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
+
+class Fabric:
     """Scale a hand-written PyTorch loop from one CPU to many devices without changing it.
 
     Args:
@@ -85,12 +95,7 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         max_restarts: int = 0,
         preemption_signals: Any = None,
     ) -> None:
-        if plugins is not None and plugins != []:
-            raise MisconfigurationError(
-                f"Fabric(plugins={plugins!r}) is not supported. phalanx has no plugin objects: choose the precision "
-                "with precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
-                "checkpoint I/O belongs to the strategy (pass a Strategy instance with its options)."
-            )
+        refuse_plugins(plugins)
         if precision is None:
             precision = "32-true"
         accelerator = accelerator_name(accelerator)
@@ -100,25 +105,20 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
         }
-        self._preemption, self._stop = PreemptionSignals(preemption_signals), None
         self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
-        self._latest = None
         # The run's logs go under it (phalanx.distributed.runlogs): the first logger's root_dir, else the working
         # directory; the Trainer sets its default_root_dir.
         self._run_root: Path | None = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
-        self._strategy = configured_strategy(self._init_kwargs)
-        self._snapshots = Snapshots(self._strategy, self.save, self.remove_checkpoint)
-        self._anomaly = AnomalyDetector(self._strategy) if detect_anomaly else None
+        self._strategy = strategy_ = configured_strategy(self._init_kwargs)
+        self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
+        self._snapshots = Snapshots(strategy_, self.save, self.remove_checkpoint)
+        self._persistence = Persistence(strategy_, self._snapshots)
+        self._collectives = Collectives(strategy_)
+        self._models = Models(strategy_, self)
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
-        self._loss_watch = LossWatch(lambda: self.global_rank) if watch else None
-        self._launched = False
-        self._modules: list[FabricModule] = []
-        # Under torchrun / `phalanx run` / SLURM the ranks are known now, before launch() joins the group.
-        # A malformed environment is reported by launch(), where it is checked against this configuration.
-        try:
-            self._env = self._strategy.job_environment(launcher.detect_environment())
-        except MisconfigurationError:
-            self._env = None
+        self._backward = Backward(strategy_, AnomalyDetector(strategy_) if detect_anomaly else None,
+                                  LossWatch(lambda: self.global_rank) if watch else None)
+        self._job = Job(strategy_, self.teardown)
 
     # ------------------------------------------------------------------ launching
     def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -129,39 +129,13 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         (this process only supervises them and exits with the job's code), and ``launch(fn, *args)``
         runs ``fn(fabric, *args)`` in N processes and returns rank 0's result.
         """
-        env = self._strategy.job_environment(launcher.detect_environment())
-        if env is None and self._strategy.num_processes > 1:
-            if self._launched:
-                raise MisconfigurationError("fabric.launch() was already called.")
-            launcher.check_cpu_processes(self._strategy.devices, self._strategy.device_type)
-            limit, root = self._init_kwargs["max_restarts"], self._run_root
-            if function is None:
-                sys.exit(launcher.launch_script(self._strategy.num_processes, limit, root))
-            factory = functools.partial(Fabric, **self._init_kwargs)
-            target = functools.partial(function, **kwargs) if kwargs else function
-            return launcher.launch_function(self._strategy.num_processes, factory, target, args, limit, root)
-        self._join(env)
-        return function(self, *args, **kwargs) if function is not None else None
+        factory = functools.partial(Fabric, **self._init_kwargs)
+        return self._job.launch(self, function, args, kwargs, factory, self._init_kwargs["max_restarts"],
+                                self._run_root)
 
-    def _join(self, env: launcher.ClusterEnvironment | None) -> None:
-        if self._launched:
-            return
-        self._strategy.setup_environment(env)
-        self._launched = True
-        # Leave the process group in order at exit, so peers see a clean "exited" instead of a hang.
-        atexit.register(self.teardown)
-        exiting.freeze_at_exit()
-
-    def _ensure_launched(self) -> None:
-        if self._launched:
-            return
-        env = self._strategy.job_environment(launcher.detect_environment())
-        if env is None and self._strategy.num_processes > 1:
-            raise MisconfigurationError(
-                f"This Fabric runs {self._strategy.num_processes} processes: call fabric.launch() before "
-                "setting up models, data or collectives."
-            )
-        self._join(env)
+    @property
+    def _launched(self) -> bool:  # the Trainer launches its Fabric once, on its first stage
+        return self._job.launched
 
     # ------------------------------------------------------------------ properties
     @property
@@ -178,31 +152,22 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         ``CPUAccelerator()``."""
         return CUDAAccelerator() if self._strategy.device_type == "cuda" else CPUAccelerator()
 
-    # Before launch() these come from the launched job's environment when there is one (torchrun,
-    # `phalanx run`, SLURM), else from the configuration (rank 0 of devices*num_nodes), as in Lightning.
+    # Before launch() these are the launched job's (torchrun, `phalanx run`, SLURM) or the configuration's.
     @property
     def global_rank(self) -> int:
-        if not self._launched:
-            return self._env.rank if self._env is not None else 0
-        return self._strategy.global_rank
+        return self._job.global_rank
 
     @property
     def local_rank(self) -> int:
-        if not self._launched:
-            return self._env.local_rank if self._env is not None else 0
-        return self._strategy.local_rank
+        return self._job.local_rank
 
     @property
     def node_rank(self) -> int:
-        if not self._launched:
-            return self._env.node_rank if self._env is not None else 0
-        return self._strategy.node_rank
+        return self._job.node_rank
 
     @property
     def world_size(self) -> int:
-        if not self._launched:
-            return self._env.world_size if self._env is not None else self._strategy.num_processes
-        return self._strategy.world_size
+        return self._job.world_size
 
     @property
     def is_global_zero(self) -> bool:
@@ -222,184 +187,50 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
     ) -> Any:
         """Set up a module with its optimizers; returns ``model`` or ``(model, *optimizers[, scheduler])``.
         A ``torch.compile``d module is set up uncompiled and compiled again after wrapping, with the same
-        settings (:mod:`phalanx.fabric.compiled`)."""
-        self._ensure_launched()
-        self._check_new_module(module)
-        module, recompile = unwrap_compiled(module, self._strategy)
-        self._check_placement(module, move_to_device)
-        for opt in optimizers:
-            self._check_new_optimizer(opt)
-            self._check_owned(opt, module)
-        forward_module, raw_opts = self._strategy.setup_module_and_optimizers(module, list(optimizers))
-        if recompile is not None:
-            recompile(forward_module)
-        wrapped = FabricModule(forward_module, module, self._strategy)
-        self._modules.append(wrapped)
-        opts = [FabricOptimizer(opt, self._strategy, module) for opt in raw_opts]
-        self._link_module(module, opts)
+        settings (:mod:`phalanx.fabric.compiled`). ``move_to_device=False`` refuses a module that is not on
+        this rank's device already (or on the meta device)."""
+        self._job.ensure_launched()
+        wrapped, opts = self._models.setup(module, optimizers, move_to_device)
         if scheduler is not None:
             return (wrapped, *opts, scheduler)
         return (wrapped, *opts) if opts else wrapped
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
-        self._ensure_launched()
-        self._check_new_module(module)
-        module, recompile = unwrap_compiled(module, self._strategy)
-        self._check_placement(module, move_to_device)
-        forward_module = self._strategy.setup_module(module)
-        if recompile is not None:
-            recompile(forward_module)
-        wrapped = FabricModule(forward_module, module, self._strategy)
-        self._modules.append(wrapped)
-        self._link_module(module, [])
-        return wrapped
+        self._job.ensure_launched()
+        return self._models.setup_module(module, move_to_device)
 
-    def _check_placement(self, module: nn.Module, move_to_device: bool) -> None:
-        """``move_to_device=False``: the module stays where it is. Every strategy runs the module on this
-        rank's device, so that holds when it is already there (or on the meta device, for the strategy
-        to materialize); anywhere else is refused rather than moved behind the caller's back."""
-        if move_to_device:
-            return
-        elsewhere = {str(t.device) for t in (*module.parameters(), *module.buffers())
-                     if t.device.type != "meta" and t.device != self.device}
-        if elsewhere:
-            raise MisconfigurationError(
-                f"setup(move_to_device=False): the module is on {sorted(elsewhere)} but this rank runs on "
-                f"{self.device}, and the strategy runs the module there. Create it there (`with "
-                "fabric.init_module():`) or move it yourself, or pass move_to_device=True."
-            )
-
-    def _link_module(self, module: nn.Module, optimizers: list[FabricOptimizer]) -> None:
-        """A phalanx/Lightning Module run in a Fabric loop: its self.log, self.logger, self.optimizers(),
-        self.manual_backward and self.all_gather go through this Fabric."""
-        if hasattr(module, "_fabric_optimizers") and hasattr(module, "_fabric"):
-            setattr(module, "_fabric", self)  # noqa: B010 - any module with these slots, not one class
-            setattr(module, "_fabric_optimizers", list(optimizers))  # noqa: B010
+    def setup_optimizers(self, *optimizers: Optimizer) -> Any:
+        self._job.ensure_launched()
+        opts = [self._models.setup_optimizer(opt) for opt in optimizers]
+        return opts[0] if len(opts) == 1 else tuple(opts)
 
     def release(self, model: FabricModule) -> None:
         """Forget a set-up model: the strategy frees what it built for it (DeepSpeed's engine, which it
         holds one of), so another model can be set up. The tuners use it for the scratch copy they search
         on where the optimizer cannot be set up apart from its model. Use ``model`` no more afterwards."""
-        if not any(m is model for m in self._modules):
-            raise MisconfigurationError("fabric.release(model): this model was not set up by this Fabric.")
-        self._modules = [m for m in self._modules if m is not model]
-        self._strategy.release_module(model.forward_module)
-
-    def setup_optimizers(self, *optimizers: Optimizer) -> Any:
-        self._ensure_launched()
-        opts = [self._wrap_optimizer(opt, None) for opt in optimizers]
-        return opts[0] if len(opts) == 1 else tuple(opts)
-
-    @staticmethod
-    def _check_new_module(module: Any) -> None:
-        if isinstance(module, FabricModule):
-            raise MisconfigurationError("This module was already set up by fabric.setup(); set it up once.")
-        if not isinstance(module, nn.Module):
-            raise MisconfigurationError(f"fabric.setup expects an nn.Module, got {type(module).__name__}.")
-
-    @staticmethod
-    def _check_new_optimizer(optimizer: Any) -> None:
-        if isinstance(optimizer, FabricOptimizer):
-            raise MisconfigurationError("This optimizer was already set up; set it up once.")
-        if not isinstance(optimizer, Optimizer):
-            raise MisconfigurationError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-
-    def _check_owned(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
-        """Refuse parameters of no set-up module: nothing would sync (DDP) or shard (FSDP) them, so each
-        rank would silently train its own copy."""
-        foreign = foreign_parameters(optimizer, [m.module for m in self._modules] + ([module] if module else []))
-        if foreign:
-            n = len(foreign)
-            what = f"{type(module).__name__} (nor of a model set up before)" if module is not None else (
-                "any model set up with this Fabric")
-            raise MisconfigurationError(
-                f"{type(optimizer).__name__} updates {n} parameter{'s' if n != 1 else ''} that "
-                f"{'are' if n != 1 else 'is'} not part of {what}: phalanx would neither average their gradients "
-                "across ranks nor shard them, so each rank would train its own copy. Set up every model the "
-                "optimizer trains: put them in one nn.Module (e.g. nn.ModuleDict({'a': a, 'b': b})) and set that "
-                "up, or `b = fabric.setup_module(b)` first; then create the optimizer from the set-up models' "
-                "parameters (`torch.optim.X(model.parameters())`)."
-            )
-
-    def _wrap_optimizer(self, optimizer: Optimizer, module: FabricModule | None) -> FabricOptimizer:
-        self._check_new_optimizer(optimizer)
-        owner = module.module if module is not None else None
-        if owner is None:
-            found = param_owner(optimizer, self._modules)
-            owner = found.module if found is not None else None
-        raw = self._strategy.setup_optimizer(optimizer)  # first: a backend may know better why a param is foreign
-        self._check_owned(raw)
-        return FabricOptimizer(raw, self._strategy, owner)
+        self._models.release(model)
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader[Any], use_distributed_sampler: bool = True, move_to_device: bool = True
     ) -> Any:
         """Shard each loader across ranks (DistributedSampler) and move its batches to the device."""
-        self._ensure_launched()
-        out = []
-        for loader in dataloaders:
-            if not isinstance(loader, DataLoader):
-                raise MisconfigurationError(f"setup_dataloaders expects DataLoaders, got {type(loader).__name__}.")
-            sampler_kwargs = self._strategy.distributed_sampler_kwargs()
-            if use_distributed_sampler and sampler_kwargs is not None and self.world_size > 1:
-                warn_iterable(loader, self.global_rank)
-                loader = distribute_dataloader(loader, **sampler_kwargs, seed=shared_seed(self.broadcast))
-            checked = self._strategy if self.world_size > 1 else None
-            out.append(FabricDataLoader(loader, self.device if move_to_device else None, checked))
+        self._job.ensure_launched()
+        out = [setup_dataloader(self._strategy, loader, use_distributed_sampler, move_to_device, self.broadcast)
+               for loader in dataloaders]
         return out[0] if len(out) == 1 else out
 
     # ------------------------------------------------------------------ training step
     def backward(self, tensor: torch.Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with loss scaling and gradient sync; after it, gradients of every
-        trainable parameter are identical on all ranks (unless inside ``no_backward_sync``).
-
-        A loss from modules none of which was set up (e.g. a meta-learning inner model) is backpropagated
-        as ``loss.backward()`` in one process, where there is nothing to sync; on several processes it is
-        refused, since nothing would average those gradients across ranks."""
-        if not self._modules:
-            self._backward_unmanaged(tensor, args, kwargs)
+        trainable parameter are identical on all ranks (unless inside ``no_backward_sync``). A loss from
+        modules none of which was set up is refused on several processes (:mod:`phalanx.fabric.backward`)."""
+        modules = self._models.modules
+        if not modules:
+            self._backward.run_unmanaged(tensor, self.world_size, args, kwargs)
             return
         if restarts.pending():  # a restarted attempt that did not say where it resumed says so now
-            self._said_where_started()
-        targets = [model] if model is not None else self._modules
-        anomaly = self._anomaly
-        if anomaly is not None:
-            anomaly.before_backward(tensor)
-        forward_modules = [model._fwd] if model is not None else [m._fwd for m in targets]
-        self._strategy.backward(tensor, forward_modules, *args, **kwargs)
-        if anomaly is not None:
-            anomaly.after_backward([m.module for m in targets])
-        watch = self._loss_watch
-        if watch is not None:
-            watch.record(tensor)
-
-    def _backward_unmanaged(self, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """``backward`` before any module was set up: fine on one process, refused where it would not sync."""
-        if self.world_size > 1:
-            raise MisconfigurationError(
-                f"fabric.backward(loss): no module was set up with this Fabric, and this job runs {self.world_size} "
-                "processes, so nothing would average these gradients across ranks: each rank would silently train its "
-                "own copy. Set up the module the loss comes from first (`model = fabric.setup_module(model)`, or "
-                "`model, optimizer = fabric.setup(model, optimizer)`); if every rank is meant to train its own copy, "
-                "call loss.backward() yourself."
-            )
-        precision = self._strategy.precision
-        if getattr(precision, "scaler", None) is not None:
-            raise MisconfigurationError(
-                "fabric.backward(loss) with no module set up: precision='16-mixed' scales the loss, and only an "
-                "optimizer set up with fabric.setup unscales the gradients again, so the step would use gradients "
-                "65536 times too large. Set up the model and optimizer (`model, optimizer = fabric.setup(model, "
-                "optimizer)`), or use precision='bf16-mixed' (no loss scaling)."
-            )
-        anomaly = self._anomaly
-        if anomaly is not None:
-            anomaly.before_backward(tensor)
-        precision.pre_backward(tensor).backward(*args, **kwargs)
-        if anomaly is not None:
-            anomaly.after_backward([])
-        watch = self._loss_watch
-        if watch is not None:
-            watch.record(tensor)
+            self._persistence.say_started_over()
+        self._backward.run(tensor, [model] if model is not None else modules, args, kwargs)
 
     def clip_gradients(
         self,
@@ -439,14 +270,14 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         parameters hold uninitialised memory and no random number is drawn: your own initialisation
         afterwards draws exactly what it would under Lightning. Sharding strategies (FSDP) create the
         parameters on the meta device instead and materialise them at setup."""
-        self._ensure_launched()
+        self._job.ensure_launched()
         if not empty_init:
             return self._strategy.init_context(empty_init)
         return skipping_init(self._strategy.init_context(empty_init))
 
     def init_tensor(self) -> contextlib.AbstractContextManager[Any]:
         """Tensors created inside are on the device, in the precision's dtype."""
-        self._ensure_launched()
+        self._job.ensure_launched()
         return self._strategy.init_context(None)
 
     def to_device(self, obj: Any) -> Any:
@@ -456,14 +287,163 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
 
     def verify_in_sync(self, module: nn.Module, grads: bool = True, params: bool = True, rtol: float = 1e-5) -> None:
         """Check that parameters and/or gradients agree across ranks; raise naming the first that differs."""
-        raw = module.module if isinstance(module, FabricModule) else module
-        if params:
-            self._strategy.verify_in_sync([(n, p) for n, p in raw.named_parameters()], "parameters", rtol)
-        if grads:
-            named: list[tuple[str, torch.Tensor]] = [
-                (n + ".grad", p.grad) for n, p in raw.named_parameters() if p.grad is not None
-            ]
-            self._strategy.verify_in_sync(named, "gradients", rtol)
+        self._models.verify_in_sync(module, grads, params, rtol)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        self._job.ensure_launched()
+        self._collectives.barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._job.ensure_launched()
+        return self._collectives.broadcast(obj, src)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Gather tensors, numbers and bools (or a collection of them) from every rank. Each becomes a
+        tensor with a leading world dimension, also on one process (shape ``(1, ...)``), so code written
+        for N ranks runs unchanged on one. ``sync_grads=True`` lets gradients flow back to every rank's
+        input (as ``torch.distributed.nn.functional.all_gather``)."""
+        self._job.ensure_launched()
+        return self._collectives.all_gather(data, group, sync_grads)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank (index = rank), e.g. per-rank RNG states."""
+        self._job.ensure_launched()
+        return self._collectives.all_gather_object(obj)
+
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce tensors, numbers (or a collection of them) across ranks with ``reduce_op``: "mean"
+        (or "avg"), "sum", "max", "min", "product", or a ``torch.distributed.ReduceOp``. As in Lightning,
+        a tensor already on this rank's device receives the result in place and is returned. The mean
+        of an integer tensor is refused (it would be truncated); Python ints are averaged as floats."""
+        self._job.ensure_launched()
+        return self._collectives.all_reduce(data, group, reduce_op)
+
+    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Rank 0 (of the node with ``local=True``) runs the block first, e.g. to download data once."""
+        self._job.ensure_launched()
+        return self._collectives.rank_zero_first(local)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | Path, state: dict[str, Any], filter: Any = None) -> AsyncCheckpoint | None:
+        """Save ``state`` (modules, optimizers, stateful objects and plain values). Call it on every rank:
+        the strategy decides who writes. The write is atomic. Returns None, or the handle of a save that
+        continues in the background (``FSDPStrategy(async_save=True)``, ``ModelParallelStrategy`` too)."""
+        self._job.ensure_launched()
+        return self._persistence.save(path, state, filter)
+
+    def load(
+        self, path: str | Path, state: dict[str, Any] | None = None, strict: bool = True, *,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path``; returns the checkpoint entries ``state`` did not ask
+        for (or the whole checkpoint when ``state`` is None). Call it on every rank. ``strict=False``
+        loads what matches and warns what it skipped. ``weights_only`` (None means True): open only
+        tensors and plain values; pass False for a trusted file holding other objects (unpickling
+        those can run code). Loading what ``latest_checkpoint`` found says where the run resumed (rank 0)."""
+        self._job.ensure_launched()
+        return self._persistence.load(path, state, strict, weights_only)
+
+    def load_raw(
+        self, path: str | Path, obj: nn.Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None
+    ) -> None:
+        """Load a plain state dict (e.g. from ``torch.save(model.state_dict())``) into one module/optimizer."""
+        self._job.ensure_launched()
+        self._persistence.load_raw(path, obj, strict, weights_only)
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Delete a checkpoint written by ``save`` (a file or a sharded directory). Call it on every rank."""
+        self._job.ensure_launched()
+        self._persistence.remove(path)
+
+    def latest_checkpoint(self, directory: str | Path, *more: str | Path) -> Path | None:
+        """The newest complete checkpoint in ``directory`` (and the other directories given): a file, or a
+        sharded directory whose save finished; None when there is none. Interrupted saves are skipped.
+        With more than one process, rank 0 decides and every rank gets its answer (call it on every rank).
+        Under a restarting launcher (``Fabric(max_restarts=K)``, ``torchrun --max-restarts K``) or a
+        requeued job, this is where the next attempt continues from."""
+        if self._strategy.num_processes > 1:
+            self._job.ensure_launched()
+        return self._persistence.latest([Path(directory), *map(Path, more)])
+
+    # ------------------------------------------------------------------ preemption, restarts, snapshots
+    def stop_requested(self) -> bool:
+        """True on every rank, at the same call, once any rank received a preemption signal (SIGTERM or
+        SIGUSR1 by default: ``Fabric(preemption_signals=...)`` or ``PHALANX_PREEMPTION_SIGNALS``).
+
+        Call it on every rank at the same point of the loop, e.g. after each optimizer step: with more
+        than one process it is a collective (one all-reduce of two integers). The first call starts
+        listening for the signals; until then they keep their default effect (SIGTERM ends the process),
+        so a loop that never asks is not left running after its scheduler asked it to stop. Once True, it
+        stays True without communicating again. Where the collective runs on a GPU, its answer is read two calls
+        later (still the same call on every rank), so asking never makes the GPU wait for the host."""
+        self._job.ensure_launched()
+        return self._preemption.stop_requested()
+
+    def release_signals(self) -> None:
+        """Stop listening: the preemption signals get their previous handlers back (SIGTERM ends the process
+        again). The next :meth:`stop_requested` listens anew; an agreed stop stays agreed."""
+        self._preemption.signals.uninstall()
+
+    @property
+    def preemption(self) -> Stop | None:
+        """The agreed stop (signal and rank) once :meth:`stop_requested` returned True, else None."""
+        return self._preemption.stop
+
+    def exit_preempted(self, checkpoint_path: str | Path | None = None, step: int | None = None) -> NoReturn:
+        """End this rank after a preemption stop: rank 0 prints one line (step, signal, rank, checkpoint,
+        how to resume) and, under SLURM, requeues the job; every rank exits with code 75
+        (:data:`phalanx.distributed.preemption.EXIT_PREEMPTED`) without a traceback. Call it on every
+        rank, after the checkpoint is saved."""
+        self._preemption.exit(checkpoint_path, step)
+
+    @property
+    def restart_count(self) -> int:
+        """How many times the launcher restarted this job's processes (0 on the first attempt)."""
+        return restart_count()
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """Where :meth:`save_snapshot` writes by default: node-local shared memory, one folder per script and
+        working directory (the same for every attempt of the run)."""
+        return self._snapshots.default_dir
+
+    def save_snapshot(self, state: dict[str, Any] | Callable[[], dict[str, Any]], step: int,
+                      directory: str | Path | None = None, keep: int = 2, overlap: bool = True,
+                      every_n_steps: int | str | Cadence = "auto", max_overhead: float = 0.05) -> Path | None:
+        """Snapshot ``state`` at ``step`` when one is due (default folder: :attr:`snapshot_dir`), keeping the
+        newest ``keep``: per-step state in node-local memory for restarts, so a crashed rank costs only the
+        steps since the last snapshot.
+
+        Call it on every rank at every step, between optimizer steps; ``state`` may be a function that builds
+        the dict (called only when a snapshot is due). ``every_n_steps``: an int snapshots when ``step`` is a
+        multiple of it; ``"auto"`` (the default) measures the step and the snapshot and snapshots as often as
+        ``max_overhead`` (a share of the run's time) allows, the same steps on every rank, and says its choice
+        once (:class:`phalanx.checkpoint.snapshot.Cadence`; pass your own Cadence to read it). Each rank copies
+        its own part, without a collective (:mod:`phalanx.fabric.snapshots`); ``overlap=False`` copies before
+        returning. The snapshot of a step counts once every rank has written it.
+
+        Resume with ``fabric.load(fabric.latest_checkpoint(checkpoint_dir, fabric.snapshot_dir), state)``: the
+        newest complete state among checkpoints and snapshots, on the same topology (same strategy and ranks,
+        same node). Returns the reference of the snapshot written at this call (a path ``fabric.load``
+        accepts), or None when none was (not due, or this rank could not write it: the message says why;
+        restarts then use the disk checkpoints). The folder is removed when the job ends without an error."""
+        return self._snapshots.save(directory, state, step, keep, overlap, every_n_steps, max_overhead)
+
+    def remove_snapshots(self, directory: str | Path | None = None) -> None:
+        """Delete the snapshots in ``directory`` (default: :attr:`snapshot_dir`) once this rank's last copy is
+        complete: each rank removes its own part, the last one the folder (no collective)."""
+        self._snapshots.remove(directory)
+
+    def close_snapshots(self, directory: str | Path | None = None) -> None:
+        """Complete this rank's last snapshot in ``directory`` (default: :attr:`snapshot_dir`) and let go of the
+        folder, keeping its snapshots: what a run that did not finish leaves for its restart or rerun, which
+        may be another Trainer or Fabric in this same process (no collective)."""
+        self._snapshots.close(directory)
 
     # ------------------------------------------------------------------ logging and callbacks
     def log(self, name: str, value: Any, step: int | None = None) -> None:
@@ -496,16 +476,13 @@ class Fabric(CollectiveMethods, CheckpointMethods, PreemptionMethods):
         """Finalize loggers and leave the job; ``error`` (or the exception ending the interpreter) is what
         the other ranks are told this rank ended with."""
         failed = error is not None or getattr(sys, "last_value", None) is not None
-        watch = self._loss_watch
-        if watch is not None:
-            with contextlib.suppress(RuntimeError):  # a failed device must not hide the error that ended the run
-                watch.flush()
+        self._backward.flush()
         if self.is_global_zero:
             for logger in self._loggers:
                 finalize = getattr(logger, "finalize", None)
                 if callable(finalize):
                     finalize("failed" if failed else "success")
-        self._preemption.uninstall()
+        self._preemption.signals.uninstall()
         self._snapshots.end(failed)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

@@ -1,12 +1,18 @@
 """Fabric's per-step snapshots (``fabric.save_snapshot``), folder by folder: when one is due (the folder's
 :class:`~phalanx.checkpoint.snapshot.Cadence`), writing it (this rank's shared-memory slots, or checkpoint
 files where the strategy's state is only its engine's to read), and what happens to the folder at the end
-of the job. The Trainer's ``callbacks.Snapshot`` takes the same path."""
+of the job. The Trainer's ``callbacks.Snapshot`` takes the same path.
+
+Each rank copies its own part (a shard stays a shard) into shared memory: no collective, no pickling of
+tensors. With ``overlap`` the parameters and optimizer state are copied while the next forward and backward
+run (on a GPU: on a side stream into pinned memory, the next optimizer step waiting on the device), and each
+optimizer waits for the copy before it steps."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,15 +40,28 @@ class _Folder:
 
 class Snapshots:
     """The snapshot folders of one Fabric. ``save``/``remove``: ``fabric.save`` and ``fabric.remove_checkpoint``
-    (snapshots through checkpoint files)."""
+    (snapshots through checkpoint files). A folder given as None is :attr:`default_dir`; a relative one is
+    taken from the working directory."""
 
     def __init__(self, strategy: Strategy, save: Callable[[Path, dict[str, Any]], Any],
                  remove: Callable[[Path], None]) -> None:
         self._strategy, self._save, self._remove = strategy, save, remove
         self._folders: dict[Path, _Folder] = {}
 
-    def save(self, folder: Path, state: dict[str, Any] | Callable[[], dict[str, Any]], step: int, keep: int,
-             overlap: bool, every_n_steps: int | str | Cadence, max_overhead: float) -> Path | None:
+    @property
+    def default_dir(self) -> Path:
+        """Node-local shared memory, one folder per script and working directory (the same for every attempt
+        of the run)."""
+        return snapshot.default_dir(Path.cwd(), sys.argv[0] if sys.argv and sys.argv[0] else "python")
+
+    def folder(self, directory: str | Path | None) -> Path:
+        if isinstance(directory, Path) and directory.is_absolute():
+            return directory  # the per-step case (the Snapshot callback's folder): no path parsing
+        return (Path(directory) if directory is not None else self.default_dir).absolute()
+
+    def save(self, directory: str | Path | None, state: dict[str, Any] | Callable[[], dict[str, Any]], step: int,
+             keep: int, overlap: bool, every_n_steps: int | str | Cadence, max_overhead: float) -> Path | None:
+        folder = self.folder(directory)
         entry = self._folders.get(folder)
         cadence = every_n_steps if isinstance(every_n_steps, Cadence) else None
         if entry is None or (cadence is not None and entry.cadence is not cadence) or (
@@ -106,19 +125,16 @@ class Snapshots:
             self._remove(entry.written.pop(0))
         return path
 
-    def cadence(self, folder: Path) -> Cadence | None:
-        entry = self._folders.get(folder)
-        return entry.cadence if entry is not None else None
-
     def settle(self) -> None:
         """Every snapshot copy in flight on this rank is complete (an error surfaces at the next snapshot)."""
         for entry in self._folders.values():
             if entry.writer is not None:
                 entry.writer.wait(keep_errors=True)
 
-    def remove(self, folder: Path) -> None:
-        """Delete the snapshots in ``folder`` once this rank's last copy is complete: each rank removes its own
-        part, the last one the folder (no collective)."""
+    def remove(self, directory: str | Path | None) -> None:
+        """Delete the snapshots in ``directory`` once this rank's last copy is complete: each rank removes its
+        own part, the last one the folder (no collective)."""
+        folder = self.folder(directory)
         entry = self._folders.pop(folder, None)
         claim = entry.claim if entry is not None else None
         if entry is not None and entry.writer is not None:
@@ -130,9 +146,9 @@ class Snapshots:
         if claim is not None:
             claim.release()
 
-    def close(self, folder: Path) -> None:
-        """Complete this rank's last snapshot in ``folder`` and let go of the folder, keeping its snapshots."""
-        entry = self._folders.pop(folder, None)
+    def close(self, directory: str | Path | None) -> None:
+        """Complete this rank's last snapshot in ``directory`` and let go of the folder, keeping its snapshots."""
+        entry = self._folders.pop(self.folder(directory), None)
         if entry is None:
             return
         if entry.writer is not None:

@@ -172,7 +172,7 @@ def _single_tree(source: Source) -> dict[str, Any]:
 def _meta(source: Source, layout: str, **extra: Any) -> dict[str, Any]:
     # The source's checksums describe its own files, not these: the writer records the output's own.
     base = {k: v for k, v in source.meta.items() if k not in ("shards", "checksums")}
-    base.setdefault("format_version", FORMAT_VERSION)
+    base["format_version"] = FORMAT_VERSION
     base["entries"] = {k: source.kinds[k] for k in source.tree}
     return {**base, "layout": layout, "converted_from": source.kind, **extra}
 

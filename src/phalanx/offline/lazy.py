@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import phalanx.checkpoint.checksums as checksums
-from phalanx.checkpoint.format import META_KEY, corrupt
+from phalanx.checkpoint.format import META_KEY, check_format, corrupt
 from phalanx.utils.errors import CheckpointError
 
 #: How a tensor is verified when first loaded: (file, entry, key, recorded crc).
@@ -122,9 +122,11 @@ def _wrap(value: Any, name: str, expected: dict[int, Expected]) -> Any:
 def _expected(obj: Any, path: Path) -> dict[int, Expected]:
     """Each tensor's recorded checksum (by the tensor's id), after checking everything but tensor data
     now: the non-tensor values and the structure cost nothing to verify."""
-    record = checksums.applies(obj.get(META_KEY) if isinstance(obj, dict) else None)
-    if record is None or record.get("within") or not isinstance(record.get("entries"), dict):
-        return {}  # no checksums (written before format 3, or not by phalanx)
+    if not isinstance(obj, dict) or META_KEY not in obj:
+        return {}  # not written by phalanx: no checksums
+    record = check_format(obj[META_KEY], path)
+    if record.get("within") or not isinstance(record.get("entries"), dict):
+        return {}  # a marker's record: its entries sit under "extras"
     out: dict[int, Expected] = {}
     problems: list[checksums.Mismatch] = []
     for entry, rec in record["entries"].items():

@@ -31,6 +31,7 @@ from phalanx.checkpoint.format import (
     MARKER,
     META_KEY,
     check_directory,
+    check_format,
     corrupt,
     looks_like_raw_state_dict,
     read_file,
@@ -127,7 +128,7 @@ def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
         return Source(path, STATE_DICT, {}, {"model": ckpt}, {"model": MODULE}, [path],
                       verified=False if verify else None)
     meta = ckpt.get(META_KEY, {})
-    record = checksums.applies(meta)
+    record = check_format(meta, path) if META_KEY in ckpt else None  # none: not written by phalanx
     checked = record is not None and record.get("entries") is not None
     if verify and record is not None and checked:
         # Converting a damaged file would hand on wrong values under new, unrecorded checksums: refuse.
@@ -217,7 +218,7 @@ def _open_dcp(directory: Path, weights_only: bool, marker: dict[str, Any] | None
         raise CheckpointError(f"{directory} is not a complete sharded checkpoint: {METADATA} is missing.")
     if weights_only:
         check_metadata(directory)  # torch unpickles .metadata; refuse one that could run code first
-    checked = marker is not None and check_directory(directory, marker[META_KEY]) if verify else None
+    checked = _check_shards(directory, marker, verify)
     md = FileSystemReader(str(directory)).read_metadata()
     paths = dict(md.planner_data or {})
     sizes = {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
@@ -294,7 +295,7 @@ def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any],
     model_key = next((k for k in sharded if entries.get(k) == MODULE), "model")
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     rest = {k: entries.get(k) or guess_kind(v) for k, v in marker["extras"].items()}
-    checked = check_directory(directory, meta) if verify else None
+    checked = _check_shards(directory, marker, verify)
     if full:
         # ZeRO keeps each parameter group as one flat partition per rank: the state is rebuilt whole.
         merged = _read_deepspeed(directory, info, weights_only)
@@ -361,6 +362,17 @@ def _zero_to_fp32(directory: Path, weights_only: bool) -> dict[str, Any]:
         out: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
             str(directory), tag=_model_states(directory).parent.name, lazy_mode=True)
     return out
+
+
+def _check_shards(directory: Path, marker: dict[str, Any] | None, verify: bool) -> bool | None:
+    """Whether the shard files were verified against the checksums the marker recorded: True, False (no
+    marker: a plain torch.distributed.checkpoint directory), None (not asked to)."""
+    if not verify:
+        return None
+    if marker is None:
+        return False
+    check_directory(directory, marker[META_KEY])
+    return True
 
 
 # ---------------------------------------------------------------------- a safetensors export

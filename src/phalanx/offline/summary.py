@@ -79,7 +79,7 @@ def counters(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 _CHECKSUMS = {True: "verified (crc32 of every tensor matches what was saved)",
-              False: "none recorded (not written by phalanx, or before checkpoint format 3): not verified",
+              False: "none recorded (not written by phalanx): not verified",
               None: "not verified (--no-verify)"}
 
 

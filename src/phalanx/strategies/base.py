@@ -242,7 +242,7 @@ class Strategy:
         """Raise naming the first tensor that differs across ranks (a no-op on one process)."""
 
     # ------------------------------------------------------------------ state and checkpoints
-    #: phalanx.checkpoint.protocol.Host: single-file loads read the file on every rank.
+    #: phalanx.checkpoint.protocol.StateOwner: single-file loads read the file on every rank.
     loads_full_state_on_rank0: ClassVar[bool] = False
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -259,7 +259,7 @@ class Strategy:
     def load_optimizer_state_dict(self, module: nn.Module | None, optimizer: Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    # The checkpoint layer's view (phalanx.checkpoint.protocol.Host); backends override what differs.
+    # The checkpoint layer's view (phalanx.checkpoint.protocol.StateOwner); backends override what differs.
     def checkpoint_shards(self, layout: str | None = None) -> ShardIO | None:
         return None
 

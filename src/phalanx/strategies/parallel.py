@@ -225,7 +225,7 @@ class ParallelStrategy(Strategy):
             # needs the GIL (its thread-local state holds a Python object); if the interpreter is already
             # finalizing, Python ends that thread with pthread_exit, whose unwind through a noexcept
             # destructor aborts the process: "terminate called without an active exception" after a
-            # correct run (seen in a core dump of plain torchrun jobs, ~8 % of runs under load). Giving
+            # correct run (seen in core dumps of plain torchrun jobs under load). Giving
             # the workers a moment with the GIL released lets them drop those references first.
             time.sleep(_WORKER_DRAIN_SECONDS)
 

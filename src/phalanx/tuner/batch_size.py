@@ -196,7 +196,7 @@ def scale_batch_size(
 ) -> int:
     """``Tuner(trainer).scale_batch_size``: see the module docstring."""
     from phalanx.core.module_state import TrainerSnapshot
-    from phalanx.tuner.support import refuse_without_separate_optimizers
+    from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 
     if train_dataloaders is not None or val_dataloaders is not None or dataloaders is not None:
         raise MisconfigurationError(

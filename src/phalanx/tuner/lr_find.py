@@ -21,8 +21,8 @@ from phalanx.core.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
+from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import Suggestion, suggest
-from phalanx.tuner.support import refuse_without_separate_optimizers
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module

@@ -1,10 +1,10 @@
 """Leaving the interpreter without the last garbage collection.
 
 At exit CPython runs its cyclic garbage collector over every object still alive. After ``import torch``
-that is over a million objects (dynamo, sympy, the operator registry), walked for ~0.3 s per process just
-before the operating system frees the memory anyway. A job pays it in every rank and then again in the
-launcher that waits for them, after each restart too: ~0.8 s of a short job's wall time on two CPUs
-(bench/startup.py). Freezing the objects at exit (``gc.freeze``) takes them out of that walk.
+that is over a million objects (dynamo, sympy, the operator registry), walked just before the operating
+system frees the memory anyway. A job pays it in every rank and then again in the launcher that waits for
+them, after each restart too (bench/startup.py measures it). Freezing the objects at exit
+(``gc.freeze``) takes them out of that walk.
 
 What does not change: atexit handlers run (phalanx finalizes loggers and leaves the process group in its
 own), objects that are not in a reference cycle are still freed, and buffered files are flushed. What

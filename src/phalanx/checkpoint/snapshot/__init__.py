@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, Host
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, StateOwner
 from phalanx.checkpoint.snapshot.cadence import Cadence
 from phalanx.checkpoint.snapshot.format import load_module_local, load_optimizer_local, plain_values
 from phalanx.checkpoint.snapshot.slots import DATA, FolderClaim, read_header
@@ -97,23 +97,23 @@ def problem_with(path: Path) -> str | None:
             "writing it, or this node's shared memory was cleared)")
 
 
-def write(host: Host, writer: RankSnapshots, step: int, state: dict[str, Any]) -> Path:
+def write(owner: StateOwner, writer: RankSnapshots, step: int, state: dict[str, Any]) -> Path:
     """This rank's part of the snapshot of ``step`` (no collective); returns the snapshot's reference."""
-    extra = {"strategy": host.name, "precision": host.precision.state_dict()}
-    writer.write(step, state, extra, host.local_state)
+    extra = {"strategy": owner.name, "precision": owner.precision.state_dict()}
+    writer.write(step, state, extra, owner.local_state)
     return reference(writer.folder, step)
 
 
-def restore(host: Host, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Put this rank's part of the snapshot ``path`` names into ``state``; return what ``state`` did not ask for."""
     problem = problem_with(path)
     if problem is not None:
         raise CheckpointError(f"Cannot load the snapshot {path}: {problem}.")
     step = int(REFERENCE.fullmatch(path.name)[1])  # type: ignore[index]
-    saved, extra = RankSnapshots(path.parent, host.global_rank, host.world_size).read(step)
-    if extra.get("strategy") != host.name:
+    saved, extra = RankSnapshots(path.parent, owner.global_rank, owner.world_size).read(step)
+    if extra.get("strategy") != owner.name:
         raise CheckpointError(f"The snapshot {path} was written under strategy {extra.get('strategy')!r}; this job "
-                              f"runs {host.name!r}. A snapshot resumes the same topology only: resume from a disk "
+                              f"runs {owner.name!r}. A snapshot resumes the same topology only: resume from a disk "
                               "checkpoint.")
     entries = sort_state(state)
     absent = [e.key for e in entries if e.key not in saved]
@@ -124,7 +124,7 @@ def restore(host: Host, path: Path, state: dict[str, Any], strict: bool) -> dict
             continue
         value = saved[e.key]
         if e.kind == MODULE:
-            load_module_local(e.obj, host.local_state(MODULE, e.obj, None), value, strict)
+            load_module_local(e.obj, owner.local_state(MODULE, e.obj, None), value, strict)
         elif e.kind == OPTIMIZER:
             load_optimizer_local(e.obj, value)
         elif e.kind == STATEFUL:
@@ -132,7 +132,7 @@ def restore(host: Host, path: Path, state: dict[str, Any], strict: bool) -> dict
         else:
             state[e.key] = plain_values(value)
     if extra.get("precision"):
-        host.precision.load_state_dict(extra["precision"])
+        owner.precision.load_state_dict(extra["precision"])
     return {k: plain_values(v) for k, v in saved.items() if k not in state}
 
 

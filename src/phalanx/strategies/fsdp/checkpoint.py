@@ -1,7 +1,7 @@
 """FSDP's side of checkpoints: its state is DTensor shards, so every state-dict call is a collective.
 
 The checkpoint layer (:mod:`phalanx.checkpoint`) asks a strategy for full or sharded state and hands
-it back on load (:class:`~phalanx.checkpoint.protocol.Host`). For FSDP each answer gathers or scatters
+it back on load (:class:`~phalanx.checkpoint.protocol.StateOwner`). For FSDP each answer gathers or scatters
 shards (:mod:`phalanx.checkpoint.dcp`), runs under the lockstep guard, may overlap an asynchronous
 save still being written (which must be finished first), and must not trigger the hint about
 ``torch.save(model.state_dict())`` meant for users. That is one concern with its own state (the

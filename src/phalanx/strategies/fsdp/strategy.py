@@ -14,8 +14,8 @@ hard to misuse:
   enclosing unit would run on sharded (or never reduced) parameters, so phalanx raises instead, naming
   the class of the module that was called (the one to make a unit: naming an inner layer instead can
   split tied weights, e.g. GPT-2's embedding and output head, across units).
-* A bare container as the model (``nn.ModuleDict({"teacher": ..., "student": ...})``, seed 000's
-  structure) has no forward, which ``fully_shard`` refuses: phalanx shards each child as its own unit
+* A bare container as the model (``nn.ModuleDict({"teacher": ..., "student": ...})``, a distillation
+  setup) has no forward, which ``fully_shard`` refuses: phalanx shards each child as its own unit
   and leaves the container itself unsharded (it holds no parameters), so its children are called
   directly, as they must be.
 * Gradient accumulation skips the reduce-scatter (``set_requires_gradient_sync(False)``), and an
@@ -248,7 +248,7 @@ class ShardedStrategy(FSDPCheckpointing):
                     f"FSDP could not set up {class_name(module)}: {str(err).rstrip('.')}. {tied}"
                 ) from err
         # Metric state (torchmetrics) is neither parameter nor buffer, so fully_shard does not move it;
-        # it must live where the backend reduces (seed 002).
+        # it must live where the backend reduces, or its sync across ranks fails.
         for sub in module.modules():
             if is_metric(sub):
                 sub.to(self.root_device)

@@ -1,6 +1,7 @@
 """The checkpoint commands: ``phalanx ckpt inspect PATH`` and ``phalanx ckpt convert SRC DST --to ...``
-(see docs/checkpoints.md), and ``phalanx consolidate <sharded_dir> <out_file>`` (the same as
-``phalanx ckpt convert --to single`` for a sharded directory, kept for existing scripts).
+(see docs/checkpoints.md), and ``phalanx consolidate <sharded_dir> <out_file>``: Lightning's ``fabric
+consolidate`` under phalanx's name, for ported scripts (what ``phalanx ckpt convert --to single`` does for a
+sharded directory).
 
 All run in one plain process (no process group, no GPU). Exit codes: 0 done, 1 the checkpoint cannot be
 read or written, or is corrupt (the reason on one line, naming the damaged tensor), 2 bad arguments

@@ -1,8 +1,4 @@
-"""What both tuners (the LR finder and the batch-size finder) need, below both of them.
-
-``lr_find`` offers ``Tuner.scale_batch_size`` and so imports ``batch_size``; a helper the batch-size
-finder shares with it therefore lives here, not in ``lr_find`` (which would make an import cycle).
-"""
+"""What a strategy must allow before either tuner (the LR finder, the batch-size finder) can search on it."""
 
 from __future__ import annotations
 

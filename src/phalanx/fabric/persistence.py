@@ -1,0 +1,87 @@
+"""What a Fabric loop saves and resumes from: ``fabric.save`` / ``load`` / ``load_raw`` /
+``remove_checkpoint`` / ``latest_checkpoint``.
+
+Thin on purpose: what a checkpoint holds, how it is written atomically and read without running code
+is the checkpoint layer's (:mod:`phalanx.checkpoint`), reached through the strategy, which decides who
+writes what (rank 0 a full file, every rank its shards). Here the user-facing arguments are checked,
+with what to write instead, and a restarted attempt says where it resumed (or that it started over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx import checkpoint
+from phalanx.distributed import restarts
+from phalanx.offline.summary import counters
+from phalanx.utils.errors import MisconfigurationError
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.fabric.snapshots import Snapshots
+    from phalanx.strategies import Strategy
+
+
+class Persistence:
+    """The checkpoint calls of one Fabric. Every rank calls them, after joining the job (the strategy
+    decides who writes); ``latest`` remembers what it found, so that loading it is reported as resuming."""
+
+    def __init__(self, strategy: Strategy, snapshots: Snapshots) -> None:
+        self._strategy, self._snapshots = strategy, snapshots
+        self._latest: Path | None = None
+
+    def save(self, path: str | Path, state: dict[str, Any], filter: Any) -> AsyncCheckpoint | None:
+        if filter is not None:
+            raise MisconfigurationError(
+                "fabric.save(filter=...) is not supported: a checkpoint holds whole state dicts, so that it can "
+                "always be loaded back strictly. Save a dict of the entries you want instead (e.g. "
+                "{'adapter': {k: v for k, v in model.state_dict().items() if 'lora' in k}})."
+            )
+        if not isinstance(state, Mapping):
+            raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
+        return self._strategy.save_checkpoint(path, dict(state))
+
+    def load(self, path: str | Path, state: dict[str, Any] | None, strict: bool,
+             weights_only: bool | None) -> dict[str, Any]:
+        self._snapshots.settle()  # a snapshot copied in the background is complete before anything is loaded
+        rest = self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
+        if self._latest is not None and Path(path) == self._latest:
+            found = counters({**rest, **(state or {})})
+            restarts.resumed(path, found.get("step"), found.get("epoch"), self._strategy.global_rank)
+        return rest
+
+    def load_raw(self, path: str | Path, obj: nn.Module | Optimizer, strict: bool, weights_only: bool | None) -> None:
+        self._strategy.load_raw_checkpoint(path, obj, strict, weights_only is not False)
+
+    def remove(self, path: str | Path) -> None:
+        self._strategy.remove_checkpoint(path)
+
+    def latest(self, dirs: list[Path]) -> Path | None:
+        """The newest complete checkpoint in ``dirs``: rank 0 decides and broadcasts its answer (the caller
+        has joined a job of several processes)."""
+        self._snapshots.settle()
+        strategy = self._strategy
+        if strategy.num_processes > 1:
+            found = checkpoint.latest(dirs, world_size=strategy.world_size) if strategy.global_rank == 0 else None
+            answer = strategy.broadcast(str(found) if found is not None else None)
+            self._latest = Path(answer) if answer is not None else None
+        else:
+            self._latest = checkpoint.latest(dirs, world_size=1)
+        if self._latest is None:
+            restarts.started_over(f"Nothing to resume from in {', '.join(map(str, dirs))}: the loop starts from its "
+                                  "beginning", strategy.global_rank)
+        return self._latest
+
+    def say_started_over(self) -> None:
+        """At the first ``fabric.backward`` of a restarted attempt that did not resume through ``latest``: say
+        so (rank 0), so that a restart is never silent."""
+        restarts.started_over("The script runs again from its start: it resumes only from what it loads itself "
+                              "(fabric.latest_checkpoint finds the newest checkpoint)", self._strategy.global_rank)
+
+
+__all__ = ["Persistence"]
