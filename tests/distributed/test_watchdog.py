@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import JOB_PYTHONPATH, REPO, assert_no_orphans, run_job, run_logs, spawn_by_hand, wait_for
+from mp import JOB_PYTHONPATH, JOBS, REPO, assert_no_orphans, line_of, run_job, run_logs, spawn_by_hand, wait_for
 
 from phalanx.distributed.failures import failure_summary
 from phalanx.distributed.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes
@@ -198,31 +198,7 @@ if rank == 0:
 
 
 # ---------------------------------------------------------------- the true cause reaches every rank
-RAISE_IN_SAVE = """
-import time, torch, phalanx
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-fabric.save("ok.ckpt", {"model": model})
-
-class Stats:
-    def state_dict(self):
-        if fabric.global_rank == 0:
-            raise ValueError("the stats table is locked")
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-start = time.monotonic()
-try:
-    fabric.save("next.ckpt", {"model": model, "stats": Stats()})
-except Exception as err:
-    report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
-    raise
-"""
+RAISE_IN_SAVE = JOBS / "watchdog_raise_in_save.py"
 
 
 def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_path: Path) -> None:
@@ -243,15 +219,7 @@ def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_pa
 
 
 # ---------------------------------------------------------------- launchers print the cause
-CRASH = """
-import torch, phalanx
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-if fabric.global_rank == 1:
-    raise KeyError("missing_column")
-fabric.barrier()
-"""
+CRASH = JOBS / "watchdog_crash.py"
 
 
 @pytest.mark.parametrize("how", ["phalanx run", "torchrun"])
@@ -271,12 +239,13 @@ def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> Non
     # the terminal shows the cause once, at the end).
     output = job.stderr + run_logs(tmp_path)
     assert "rank-dependent branch" not in output, output[-3000:]
+    raised = line_of(CRASH, "raise KeyError")
     named = re.search(r"barrier \(collective #\d+, .* on rank 0\) is waiting for rank\(s\) \[1\], but rank 1 failed: "
-                      r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", output)
+                      rf"KeyError: 'missing_column' \(raised at job\.py:{raised} \(<module>\)\)", output)
     # Either launcher's agent may stop rank 0 (SIGTERM) before its watchdog speaks; phalanx's summary reads the same
     # either way, and nothing wrong was said (a race the agent decides, seen in full-suite runs on 2 busy cores).
-    stopped = ("job failed: rank 1 exited with code 1: KeyError: 'missing_column' (raised at job.py:7 (<module>)); "
-               "rank 0 stopped as a consequence." in output if how == "phalanx run"
+    stopped = (f"job failed: rank 1 exited with code 1: KeyError: 'missing_column' (raised at job.py:{raised} "
+               "(<module>)); rank 0 stopped as a consequence." in output if how == "phalanx run"
                else re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: -15", output) is not None)
     assert named or stopped, output[-3000:]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from mp import JOBS, run_job
 from run_if import run_if
 from torch import nn
 
@@ -369,26 +369,7 @@ def test_fsdp_on_cpu_is_refused_where_torch_cannot_run_it() -> None:
             Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 
 
-SUMMING_GLOO_JOB = """
-import os
-import torch.distributed as dist
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from mp import report
-
-real = dist.reduce_scatter_tensor
-
-def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
-    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
-
-dist.reduce_scatter_tensor = summing
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-try:
-    fabric.launch()
-    report(rank=int(os.environ["RANK"]), error=None)
-except MisconfigurationError as err:
-    report(rank=int(os.environ["RANK"]), error=str(err))
-"""
+SUMMING_GLOO_JOB = JOBS / "summing_gloo.py"
 
 
 @CPU_FSDP

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from mp import JOBS, run_job
 from torch import nn
 
 from phalanx import Fabric
@@ -68,37 +68,7 @@ def test_strategy_without_compile_refuses_with_the_fix(monkeypatch: pytest.Monke
         fabric.setup(torch.compile(Net(), backend="eager"))
 
 
-JOB = """
-import torch
-from torch import nn
-import phalanx
-from mp import report
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 2)
-
-    def forward(self, x):
-        return self.lin(x).relu()
-
-calls = []
-
-def backend(gm, inputs):
-    calls.append(1)
-    return gm.forward
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-torch.manual_seed(0)
-net = Net()
-model, optimizer = fabric.setup(torch.compile(net, backend=backend), torch.optim.SGD(net.parameters(), lr=0.1))
-x = torch.randn(4, 3) + fabric.global_rank
-fabric.backward(model(x).sum())
-optimizer.step()
-report(fabric, calls=len(calls), keys=list(model.state_dict()), original=model.module is net,
-       weight=net.lin.weight)
-"""
+JOB = JOBS / "compiled_setup.py"
 
 
 def test_compiled_module_under_ddp(tmp_path: Path) -> None:

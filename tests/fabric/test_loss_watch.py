@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from mp import JOBS, run_job
 from torch import nn
 
 from phalanx import Fabric
@@ -142,45 +142,7 @@ def test_gpu_loop_never_synchronizes_and_still_reports() -> None:
     assert len(found) == 1 and "rank 0: the loss passed to fabric.backward is nan/inf at backward call #5" in found[0]
 
 
-JOB = """
-import torch, warnings
-from torch import nn
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-
-# empty_init under DDP: no random number is drawn
-torch.manual_seed(5)
-before = torch.get_rng_state()
-with fabric.init_module(empty_init=True):
-    made = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-report(fabric, rng_untouched=bool(torch.equal(before, torch.get_rng_state())))
-
-# backward on a module that was never set up: refused (its gradients would not sync)
-inner = nn.Linear(4, 1)
-try:
-    fabric.backward(inner(torch.randn(2, 4)).sum())
-    report(fabric, unmanaged=None)
-except MisconfigurationError as err:
-    report(fabric, unmanaged=str(err))
-
-# a nan loss on rank 1 only, at the 3rd backward call
-torch.manual_seed(0)
-model = nn.Linear(4, 1)
-model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
-for step, x in enumerate(loader, start=1):
-    if step == 3 and fabric.global_rank == 1:
-        x = x.clone()
-        x[0, 0] = float("nan")
-    fabric.backward(model(x).pow(2).mean())
-    optimizer.step()
-    optimizer.zero_grad()
-report(fabric, steps=step)
-"""
+JOB = JOBS / "loss_watch.py"
 
 
 def test_two_ranks(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import REPO, run_job
+from mp import JOBS, REPO, run_job
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -89,49 +89,9 @@ def test_fabric_loop_equals_raw_torch_loop_on_one_process(precision: str) -> Non
     assert torch.equal(fab_params, raw_params)
 
 
-RAW_DDP = """
-import json, os, torch, torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-from tests.integration.test_parity import dataset, make_model, flat
+RAW_DDP = JOBS / "parity_raw_ddp.py"
 
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = DistributedDataParallel(make_model())
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-sampler = DistributedSampler(dataset(), num_replicas=2, rank=rank, shuffle=False)
-for epoch in range(2):
-    sampler.set_epoch(epoch)
-    for x, y in DataLoader(dataset(), batch_size=4, sampler=sampler):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x).squeeze(1), y).backward()
-        opt.step()
-out = os.environ["PHALANX_TEST_OUT"]
-with open(f"{out}/raw{rank}.json", "w") as fh:
-    json.dump(flat(model.module).tolist(), fh)
-dist.destroy_process_group()
-"""
-
-FABRIC_DDP = """
-import torch, phalanx as L
-from torch import nn
-from torch.utils.data import DataLoader
-from mp import report
-from tests.integration.test_parity import dataset, make_model, flat
-
-fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=4))
-for epoch in range(2):
-    for x, y in loader:
-        opt.zero_grad()
-        fabric.backward(nn.functional.mse_loss(model(x).squeeze(1), y))
-        opt.step()
-report(fabric, params=flat(model))
-"""
+FABRIC_DDP = JOBS / "parity_fabric_ddp.py"
 
 
 def test_fabric_ddp_equals_raw_torch_ddp_and_one_process(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from mp import JOBS, run_job
 
 from phalanx import Fabric
 from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
@@ -18,24 +18,7 @@ from tests.strategies.test_model_parallel import MODEL_CODE
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB = """
-import sys, torch, phalanx
-from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from mp import report
-from models import FeedForward, parallelize, train
-
-torch.set_num_threads(1)
-kind, option = sys.argv[1], sys.argv[2]
-options = {"ac": {"activation_checkpointing_policy": {FeedForward}}, "compile": {"compile": True}}[option]
-strategy, devices = {
-    "ddp": (lambda: DDPStrategy(**options), 2),
-    "fsdp": (lambda: FSDPStrategy(**options), 2),
-    "model_parallel": (lambda: ModelParallelStrategy(parallelize, 2, 2, **options), 4),
-}[kind]
-fabric = phalanx.Fabric(accelerator="cpu", devices=devices, strategy=strategy())
-fabric.launch()
-report(fabric, **train(fabric))
-"""
+JOB = JOBS / "compile_and_activation_checkpointing.py"
 
 # Shared training loop: 4 SGD steps on global batches of 8, each rank taking its data-parallel part.
 TRAIN_CODE = '''

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import REPO, run_job
+from mp import JOBS, REPO, run_job
 from run_if import run_if
 
 import phalanx
@@ -258,17 +258,7 @@ def test_zero3_save_refuses_incomplete_dirs_and_full_file_loads_into_plain_torch
     assert len(opt.state) == 4 and all(s["momentum_buffer"].abs().sum() > 0 for s in opt.state.values())
 
 
-TRAINER_JOB = """
-import sys, torch, phalanx
-from mp import report
-from trainer_support import Regressor, flat, loader, quiet
-
-trainer = phalanx.Trainer(devices=2, strategy=sys.argv[1], max_epochs=1, accumulate_grad_batches=4, **quiet())
-model = Regressor()
-trainer.fit(model, loader(40, 2))
-report(trainer.fabric, params=flat(model), counts=model.counts, opt_steps=model.opt.steps,
-       global_step=trainer.global_step)
-"""
+TRAINER_JOB = JOBS / "deepspeed_trainer_fit.py"
 
 
 def test_trainer_accumulation_matches_ddp(tmp_path: Path) -> None:

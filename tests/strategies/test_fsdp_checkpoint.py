@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import kill_mid_run, run_job
+from mp import JOBS, kill_mid_run, run_job
 from run_if import run_if
 
 from phalanx import Fabric
@@ -270,26 +270,7 @@ def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
     assert meta["precision"] == "16-mixed" and meta["precision_state"]["scaler"]["scale"] == reports[0]["scale"]
 
 
-RANK0_ONLY_JOB = """
-import time
-import phalanx
-from phalanx.utils.errors import CollectiveError
-from mp import report
-from models import make_model
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-model = fabric.setup_module(make_model())
-start = time.monotonic()
-try:
-    if fabric.global_rank == 0:
-        fabric.save("ckpt", {"model": model})  # the classic bug: save only on rank 0
-    else:
-        fabric.barrier("after save")
-    report(fabric, error=None)
-except CollectiveError as err:
-    report(fabric, error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - start)
-"""
+RANK0_ONLY_JOB = JOBS / "fsdp_rank0_only_save.py"
 
 
 def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:

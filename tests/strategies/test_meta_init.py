@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from mp import JOBS, run_job
 from torch import nn
 
 from phalanx.utils.compat import FSDP_ON_CPU
@@ -65,62 +65,7 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 '''
 
-JOB = r'''
-import sys
-import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-import phalanx
-from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
-from mp import report
-from models import Net
-
-
-def like_litgpt(model, mesh):  # litgpt.finetune.lora.parallelize_fn, without activation checkpointing
-    for m in reversed(list(model.modules())):
-        if isinstance(m, nn.Linear) and m.weight.requires_grad:
-            fully_shard(m, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def tensor_parallel(model, mesh):
-    parallelize_module(model, mesh["tensor_parallel"],
-                       {"head": ColwiseParallel(), "blocks.0.linear": RowwiseParallel()})
-    return model
-
-
-def two_d(model, mesh):  # tensor parallel inside, FSDP across: FSDP shards TP shards (strided placements)
-    tensor_parallel(model, mesh)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-strategies = {
-    "fsdp": lambda: FSDPStrategy(),
-    "litgpt": lambda: ModelParallelStrategy(like_litgpt, data_parallel_size=2, tensor_parallel_size=1),
-    "tp": lambda: ModelParallelStrategy(tensor_parallel, data_parallel_size=1, tensor_parallel_size=2),
-    "2x2": lambda: ModelParallelStrategy(two_d, data_parallel_size=2, tensor_parallel_size=2),
-}
-devices, names = int(sys.argv[1]), sys.argv[2:]
-for name in names:
-    fabric = phalanx.Fabric(accelerator="cpu", devices=devices, strategy=strategies[name]())
-    fabric.launch()
-    torch.manual_seed(5)
-    with fabric.init_module(empty_init=True):
-        net = Net()
-    fabric.setup_module(net)
-    tensors = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]}
-    report(fabric, **{name: {
-        "sharded": sorted(n for n, t in tensors.items() if isinstance(t, DTensor)),
-        "full": {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for n, t in tensors.items()},
-        "next_draw": torch.rand(3),
-    }})
-'''
+JOB = JOBS / "meta_init.py"
 
 
 def single_process() -> tuple[dict[str, torch.Tensor], torch.Tensor]:

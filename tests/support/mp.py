@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent  # tests/support: mp, trainer_support, combo_models, metric_models
+JOBS = HERE / "jobs"  # the job programs, one module per program (or per family)
 TESTS = HERE.parent
 REPO = TESTS.parent
 # What a job script needs to import: the support modules as top-level modules (``from mp import report``),
@@ -51,7 +52,7 @@ class Job:
 
 
 def run_job(
-    code: str,
+    code: str | Path,
     tmp_path: Path,
     *,
     timeout: float = 120,
@@ -60,9 +61,10 @@ def run_job(
     command: list[str] | None = None,
     name: str = "job.py",
 ) -> Job:
-    """Write ``code`` to a script and run it; ``command`` replaces ``python script`` (e.g. phalanx run)."""
+    """Write ``code`` (a program's text, or a file under ``JOBS``) to ``tmp_path/name`` and run it there, as a
+    user runs ``python train.py``; ``command`` replaces ``python script`` (e.g. phalanx run)."""
     script = tmp_path / name
-    script.write_text(textwrap.dedent(code))
+    script.write_text(_program(code))
     out_dir = tmp_path / "reports"
     out_dir.mkdir(exist_ok=True)
     full_env = {**os.environ, "PHALANX_TEST_OUT": str(out_dir), "PYTHONPATH": JOB_PYTHONPATH}
@@ -82,6 +84,15 @@ def run_job(
     for path in sorted(out_dir.glob("rank*.json")):
         job.reports[int(path.stem[4:])] = json.loads(path.read_text())
     return job
+
+
+def _program(code: str | Path) -> str:
+    return code.read_text() if isinstance(code, Path) else textwrap.dedent(code)
+
+
+def line_of(job: Path, text: str) -> int:
+    """The line of the job program at ``job`` that holds ``text``, as tracebacks and phalanx's messages cite it."""
+    return next(i for i, line in enumerate(job.read_text().splitlines(), start=1) if text in line)
 
 
 def assert_terminal(stderr: str, strategy: str, *expected: str) -> None:
@@ -136,7 +147,7 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def kill_mid_run(code: str, tmp_path: Path, ranks: int, delay: float, ready_timeout: float = 150) -> None:
+def kill_mid_run(code: str | Path, tmp_path: Path, ranks: int, delay: float, ready_timeout: float = 150) -> None:
     """Run ``code`` (a launched job whose ranks write their pid to ``pid<rank>`` and whose rank 0 writes
     a ``ready`` file once the state to check is in place), wait ``delay`` seconds after ``ready``, then
     SIGKILL every rank and the launcher. Returns once none of them runs any more.
@@ -144,7 +155,7 @@ def kill_mid_run(code: str, tmp_path: Path, ranks: int, delay: float, ready_time
     The ranks run in sessions of their own (torch's launcher starts them so), so killing the launcher's
     process group would leave them running: a rank could go on saving, and publish, while the test
     reads the checkpoint. Each rank is killed by its pid instead."""
-    (tmp_path / "job.py").write_text(textwrap.dedent(code))
+    (tmp_path / "job.py").write_text(_program(code))
     env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": JOB_PYTHONPATH}
     proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,0 +1,25 @@
+"""Sums tensors of every dtype over gloo.
+
+Run by tests/fabric/test_bad_input.py: test_fsdp_refuses_a_gloo_whose_reduce_scatter_sums.
+"""
+
+import os
+
+import torch.distributed as dist
+from mp import report
+
+import phalanx
+from phalanx.utils.errors import MisconfigurationError
+
+real = dist.reduce_scatter_tensor
+
+def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
+    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
+
+dist.reduce_scatter_tensor = summing
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+try:
+    fabric.launch()
+    report(rank=int(os.environ["RANK"]), error=None)
+except MisconfigurationError as err:
+    report(rank=int(os.environ["RANK"]), error=str(err))
