@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import REPO, run_job
+from mp import JOBS, REPO, run_job
 from torch import nn
 
 pytestmark = pytest.mark.timeout(240)
@@ -81,45 +81,11 @@ def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, ob
         assert torch.allclose(got, expected, atol=1e-6), (rank, (got - expected).abs().max())
 
 
-DISTILL_JOB = """
-import sys
-import torch
-import phalanx
-from phalanx.strategies import DDPStrategy
-from mp import report
-from models import Distill, make_data
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(verify_sync=VERIFY))
-fabric.launch()
-model = Distill()
-opt = torch.optim.SGD(model["student"].parameters(), lr=0.1)
-stale_student = model["student"]  # a reference kept from before setup
-model, opt = fabric.setup(model, opt)
-x, _ = make_data()
-xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-
-def mse(a, b):
-    return ((a - b) ** 2).mean()
-
-paths = {
-    "attribute": lambda: mse(model.student(xb), model.teacher(xb).detach()),
-    "item": lambda: mse(model["student"](xb), model["teacher"](xb).detach()),
-    "teacher_with_grad": lambda: mse(model.student(xb), model.teacher(xb)),
-    "custom_method": lambda: model.distill(xb),
-    "stale_reference": lambda: mse(stale_student(xb), model.teacher(xb).detach()),
-}
-grads = {}
-for name, loss_fn in paths.items():
-    opt.zero_grad()
-    fabric.backward(loss_fn())
-    grads[name] = torch.cat([p.grad.reshape(-1) for p in model.student.parameters()])
-    assert all(p.grad is None for p in model.teacher.parameters()), "frozen params must get no grad"
-report(fabric, grads=grads)
-"""
+DISTILL_JOB = JOBS / "ddp_distillation.py"
 
 
 def test_distillation_call_paths_sync_gradients(tmp_path: Path, models: dict[str, object]) -> None:
-    job = run_job(DISTILL_JOB.replace("VERIFY", "True"), tmp_path).check()
+    job = run_job(DISTILL_JOB, tmp_path).check()
     # Reference: the student's gradient on the concatenated batch (both ranks' 8 samples).
     model = models["Distill"]()  # type: ignore[operator]
     x, _ = models["make_data"]()  # type: ignore[operator]

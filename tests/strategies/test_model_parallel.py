@@ -265,25 +265,7 @@ def test_two_by_two_trainer_fit_equals_single_process(tmp_path: Path, models: di
         assert rep["metrics"] == pytest.approx(single, rel=1e-6)
 
 
-LOAD_JOB = """
-import sys, torch, phalanx
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import make_model, full_params, opt_state, one_more_step, parallelize
-
-torch.set_num_threads(1)
-dp, tp = int(sys.argv[1]), int(sys.argv[2])
-fabric = phalanx.Fabric(accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(parallelize, dp, tp))
-fabric.launch()
-for name in ("ckpt", "ckpt.pt"):
-    m = make_model()
-    model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
-    state = {"model": model, "optimizer": opt, "step": 0}
-    fabric.load("SAVED/" + name, state)
-    report(fabric, **{name: full_params(model), name + ":opt": opt_state(model, opt), name + ":step": state["step"]})
-    one_more_step(fabric, model, opt)
-    report(fabric, **{name + ":after": full_params(model)})
-"""
+LOAD_JOB = JOBS / "model_parallel_load.py"
 
 
 @pytest.mark.parametrize("shape", [
@@ -293,7 +275,7 @@ def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[i
                                                      tmp_path: Path, shape: tuple[int, int]) -> None:
     saved, reports = trained
     (tmp_path / "models.py").write_text(MODEL_CODE)
-    job = run_job(LOAD_JOB.replace("SAVED", str(saved)), tmp_path, args=tuple(map(str, shape)), timeout=300).check()
+    job = run_job(LOAD_JOB, tmp_path, args=(str(saved), *map(str, shape)), timeout=300).check()
     ref = reports[0]
     for rank in range(shape[0] * shape[1]):
         rep = job.reports[rank]

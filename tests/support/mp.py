@@ -147,7 +147,8 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def kill_mid_run(code: str | Path, tmp_path: Path, ranks: int, delay: float, ready_timeout: float = 150) -> None:
+def kill_mid_run(code: str | Path, tmp_path: Path, ranks: int, delay: float, ready_timeout: float = 150,
+                 args: tuple[str, ...] = ()) -> None:
     """Run ``code`` (a launched job whose ranks write their pid to ``pid<rank>`` and whose rank 0 writes
     a ``ready`` file once the state to check is in place), wait ``delay`` seconds after ``ready``, then
     SIGKILL every rank and the launcher. Returns once none of them runs any more.
@@ -157,7 +158,7 @@ def kill_mid_run(code: str | Path, tmp_path: Path, ranks: int, delay: float, rea
     reads the checkpoint. Each rank is killed by its pid instead."""
     (tmp_path / "job.py").write_text(_program(code))
     env = {**os.environ, "PHALANX_TEST_OUT": str(tmp_path), "PYTHONPATH": JOB_PYTHONPATH}
-    proc = subprocess.Popen([sys.executable, "job.py"], cwd=tmp_path, env=env, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "job.py", *args], cwd=tmp_path, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     pids: list[int] = []
     try:
