@@ -43,27 +43,7 @@ class Distill(nn.ModuleDict):
 
 def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        from torch.utils.data import DataLoader, TensorDataset
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
-        x, y = make_data()
-        loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=4))
-        model = fabric.setup(make_model())  # an optimizer over another instance's parameters is refused
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        for epoch in range(2):
-            for xb, yb in loader:
-                opt.zero_grad()
-                fabric.backward(torch.nn.functional.cross_entropy(model(xb), yb))
-                opt.step()
-        fabric.verify_in_sync(model)
-        report(fabric, params=flat_params(model))
-        """,
+        JOBS / "ddp_training.py",
         tmp_path,
     ).check()
     # Reference: one process, batches of 8 = the union of both ranks' batches of 4.
@@ -102,24 +82,7 @@ def test_distillation_call_paths_sync_gradients(tmp_path: Path, models: dict[str
 
 def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-        from models import make_model
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        model = fabric.setup(make_model())
-        fabric.verify_in_sync(model, grads=False)  # identical after setup (DDP broadcast rank 0's)
-        if fabric.global_rank == 1:
-            with torch.no_grad():
-                model.module[2].bias.add_(1e-3)
-        try:
-            fabric.verify_in_sync(model, grads=False)
-        except phalanx.errors.GradientSyncError as err:
-            report(fabric, error=str(err))
-        """,
+        JOBS / "ddp_verify_in_sync.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -129,35 +92,7 @@ def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, mode
 
 def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-        x, y = make_data()
-        r = fabric.global_rank
-        for step in range(2):            # 2 optimizer steps of 2 micro-batches of 4 per rank
-            for micro in range(2):
-                lo = step * 16 + micro * 8 + r * 4
-                with fabric.no_backward_sync(model, enabled=micro == 0):
-                    loss = torch.nn.functional.cross_entropy(model(x[lo:lo + 4]), y[lo:lo + 4]) / 2
-                    fabric.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        report(fabric, params=flat_params(model))
-        # Stepping on local-only gradients would make the replicas diverge: refused.
-        with fabric.no_backward_sync(model):
-            fabric.backward(model(x[:4]).sum())
-        try:
-            opt.step()
-        except phalanx.errors.GradientSyncError as err:
-            report(fabric, error=str(err))
-        """,
+        JOBS / "ddp_accumulation_with_no_backward_sync.py",
         tmp_path,
     ).check()
     model = models["make_model"]()  # type: ignore[operator]
@@ -176,32 +111,7 @@ def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, ob
 
 def test_collectives(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        r = fabric.global_rank
-        t = torch.tensor([1.0, 2.0]) * (r + 1)
-        fresh = lambda: t.clone()  # all_reduce writes its result into its input (Lightning's meaning)
-        order = []
-        with fabric.rank_zero_first():
-            order.append(r)
-        report(
-            fabric,
-            mean=fabric.all_reduce(fresh()),
-            sum=fabric.all_reduce(fresh(), reduce_op="sum"),
-            max=fabric.all_reduce(fresh(), reduce_op="max"),
-            scalar=fabric.all_reduce(3.0 * (r + 1), reduce_op="sum"),
-            gathered=fabric.all_gather(t),
-            nested=fabric.all_gather({"a": torch.tensor([r])}),
-            broadcast=fabric.broadcast({"from": r, "data": [r, r]}, src=1),
-            ranks=[fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size, fabric.is_global_zero],
-        )
-        fabric.barrier("end")
-        """,
+        JOBS / "ddp_collectives.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -215,36 +125,7 @@ def test_collectives(tmp_path: Path) -> None:
 
 def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import os
-        import torch
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision="16-mixed")
-        fabric.launch()
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
-        x, y = make_data()
-        for i in range(3):
-            xb, yb = x[i * 4:i * 4 + 4], y[i * 4:i * 4 + 4]
-            fabric.backward(torch.nn.functional.cross_entropy(model(xb), yb))
-            opt.step()
-            opt.zero_grad()
-        fabric.save("ckpt/a.ckpt", {"model": model, "opt": opt, "step": 3})
-        files = sorted(os.listdir("ckpt"))
-        model2 = fabric.setup(make_model())
-        opt2 = fabric.setup_optimizers(torch.optim.Adam(model2.parameters(), lr=0.01))
-        state = {"model": model2, "opt": opt2, "step": 0}
-        fabric.load("ckpt/a.ckpt", state)
-        same_opt = all(
-            torch.equal(a["exp_avg"], b["exp_avg"])
-            for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values())
-        )
-        report(fabric, params=flat_params(model), loaded=flat_params(model2), step=state["step"], files=files,
-               same_opt=same_opt)
-        """,
+        JOBS / "ddp_checkpoint_round_trip.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -255,17 +136,7 @@ def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) ->
 
 def test_launch_function_returns_rank_zero_result(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-
-        def work(fabric, base):
-            return float(fabric.all_reduce(torch.tensor(base + fabric.global_rank), reduce_op="sum"))
-
-        if __name__ == "__main__":
-            fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-            print("result", fabric.launch(work, 10.0))
-        """,
+        JOBS / "ddp_launch_function_returns_rank_zero_result.py",
         tmp_path,
     ).check()
     assert "result 21.0" in job.stdout
@@ -273,16 +144,7 @@ def test_launch_function_returns_rank_zero_result(tmp_path: Path) -> None:
 
 def test_phalanx_run_cli(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-
-        fabric = phalanx.Fabric(accelerator="cpu")   # devices come from `phalanx run --devices 2`
-        fabric.launch()
-        report(fabric, world=fabric.world_size, precision=fabric.strategy.precision.name,
-               strategy=fabric.strategy.name)
-        """,
+        JOBS / "ddp_phalanx_run_cli.py",
         tmp_path,
         command=[sys.executable, "-m", "phalanx.cli", "run", "--devices", "2", "--precision", "bf16-mixed"],
     ).check()
@@ -305,25 +167,7 @@ def test_main_example_runs(tmp_path: Path) -> None:
 
 def test_clip_gradients_and_init_module(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision="64-true")
-        fabric.launch()
-        with fabric.init_module():
-            created = torch.nn.Linear(2, 2)
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-        x, y = make_data()
-        r = fabric.global_rank
-        fabric.backward(torch.nn.functional.cross_entropy(model(x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]))
-        norm = fabric.clip_gradients(model, opt, max_norm=0.01)
-        clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
-        report(fabric, norm=norm, clipped=clipped, created_dtype=str(created.weight.dtype))
-        """,
+        JOBS / "ddp_clip_gradients_and_init_module.py",
         tmp_path,
     ).check()
     model = models["make_model"]()  # type: ignore[operator]
