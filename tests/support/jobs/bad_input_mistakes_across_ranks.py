@@ -1,5 +1,4 @@
-"""The job of tests/fabric/test_bad_input.py::test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step.
-"""
+"""The job of tests/fabric/test_bad_input.py::test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step."""
 
 import time
 

@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_accumulation_with_no_backward_sync.
-"""
+"""The job of tests/strategies/test_ddp.py::test_accumulation_with_no_backward_sync."""
 
 import torch
 from models import make_data, make_model

@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_ddp_checkpoint_round_trip.
-"""
+"""The job of tests/strategies/test_ddp.py::test_ddp_checkpoint_round_trip."""
 
 import os
 

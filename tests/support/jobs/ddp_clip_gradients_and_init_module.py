@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_clip_gradients_and_init_module.
-"""
+"""The job of tests/strategies/test_ddp.py::test_clip_gradients_and_init_module."""
 
 import torch
 from models import make_data, make_model

@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_collectives.
-"""
+"""The job of tests/strategies/test_ddp.py::test_collectives."""
 
 import torch
 from mp import report

@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_launch_function_returns_rank_zero_result.
-"""
+"""The job of tests/strategies/test_ddp.py::test_launch_function_returns_rank_zero_result."""
 
 import torch
 

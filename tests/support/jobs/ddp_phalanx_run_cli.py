@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_phalanx_run_cli.
-"""
+"""The job of tests/strategies/test_ddp.py::test_phalanx_run_cli."""
 
 from mp import report
 

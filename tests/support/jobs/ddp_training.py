@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_ddp_training_equals_single_process.
-"""
+"""The job of tests/strategies/test_ddp.py::test_ddp_training_equals_single_process."""
 
 import torch
 from models import make_data, make_model

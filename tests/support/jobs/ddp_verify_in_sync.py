@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_verify_in_sync_names_the_first_differing_parameter.
-"""
+"""The job of tests/strategies/test_ddp.py::test_verify_in_sync_names_the_first_differing_parameter."""
 
 import torch
 from models import make_model

@@ -1,5 +1,4 @@
-"""The job of tests/distributed/test_faults.py::test_detect_anomaly_stops_every_rank_at_the_same_backward.
-"""
+"""The job of tests/distributed/test_faults.py::test_detect_anomaly_stops_every_rank_at_the_same_backward."""
 
 import torch
 from mp import report

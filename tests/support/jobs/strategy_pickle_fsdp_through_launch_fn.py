@@ -1,5 +1,4 @@
-"""The job of tests/strategies/test_strategy_pickle.py::test_fsdp_object_through_launch_fn_trains_and_round_trips.
-"""
+"""The job of tests/strategies/test_strategy_pickle.py::test_fsdp_object_through_launch_fn_trains_and_round_trips."""
 
 import torch
 from mp import report
