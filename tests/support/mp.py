@@ -211,9 +211,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn_by_hand(script: Path, world: int, env: dict[str, str]) -> list[subprocess.Popen[str]]:
+def spawn_by_hand(script: Path, world: int, env: dict[str, str],
+                  args: tuple[str, ...] = ()) -> list[subprocess.Popen[str]]:
     """Start ``world`` ranks the way a cluster scheduler would: env vars only, nobody supervising. Each
-    rank's output goes to ``rank<N>.log`` next to ``script``; ``env`` is added to this process's environment."""
+    rank's output goes to ``rank<N>.log`` next to ``script``; ``env`` is added to this process's environment and
+    ``args`` follow the script on each rank's command line."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -224,7 +226,7 @@ def spawn_by_hand(script: Path, world: int, env: dict[str, str]) -> list[subproc
         }
         out = open(script.with_name(f"rank{rank}.log"), "w")  # the child keeps its own copy of the handle
         procs.append(
-            subprocess.Popen([sys.executable, str(script)], env=rank_env, stdout=out, stderr=subprocess.STDOUT,
+            subprocess.Popen([sys.executable, str(script), *args], env=rank_env, stdout=out, stderr=subprocess.STDOUT,
                              cwd=script.parent, text=True)
         )
     return procs
