@@ -7,29 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
-from mp import Job, run_job
+from mp import JOBS, Job, line_of, run_job
 
 pytestmark = pytest.mark.timeout(180)
 
-PRELUDE = """
-import sys, time, torch
-import phalanx
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-r = fabric.global_rank
-
-def attempt(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as err:
-        report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
-        raise
-    report(fabric, error=None, seconds=time.monotonic() - start)
-"""
+JOB = JOBS / "collective_misuse.py"  # argv[1]: the scenario
 
 # Short bound for ranks that are gone or in another collective; tests stay fast and show it is honoured.
 GUARD = 3.0
@@ -39,23 +21,12 @@ ENV = {"PHALANX_GUARD_TIMEOUT": str(GUARD)}
 AT_ONCE = GUARD
 
 
-def line_of(body: str, text: str) -> int:
-    """Line number of ``text`` in the job script (PRELUDE + body), as the error messages cite it."""
-    lines = (PRELUDE + body).splitlines()
-    return next(i for i, line in enumerate(lines, start=1) if text in line)
-
-
-def _run(body: str, tmp_path: Path, **kwargs: object) -> Job:
-    return run_job(PRELUDE + body, tmp_path, env={**ENV, **kwargs.pop("env", {})}, **kwargs)  # type: ignore[arg-type]
+def _run(scenario: str, tmp_path: Path, env: dict[str, str] | None = None) -> Job:
+    return run_job(JOB, tmp_path, args=(scenario,), env={**ENV, **(env or {})})
 
 
 def test_rank_zero_only_save_meets_a_barrier(tmp_path: Path) -> None:
-    job = _run(
-        """
-attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else fabric.barrier())
-""",
-        tmp_path,
-    )
+    job = _run("save_vs_barrier", tmp_path)
     assert job.returncode != 0
     for rank in (0, 1):
         rep = job.reports[rank]
@@ -67,13 +38,7 @@ attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else fabric.ba
 
 
 def test_rank_zero_only_barrier_while_the_other_rank_exits(tmp_path: Path) -> None:
-    job = _run(
-        """
-if r == 0:
-    attempt(lambda: fabric.barrier("sync after eval"))
-""",
-        tmp_path,
-    )
+    job = _run("barrier_vs_exit", tmp_path)
     assert job.returncode != 0
     rep = job.reports[0]
     assert rep["error"] == "RankGoneError"
@@ -83,13 +48,7 @@ if r == 0:
 
 
 def test_rank_zero_only_save_while_the_other_rank_trains_on(tmp_path: Path) -> None:
-    body = """
-def step():
-    fabric.backward(model(torch.randn(4, 3)).sum())
-step()
-attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
-"""
-    job = _run(body, tmp_path)
+    job = _run("save_vs_training", tmp_path)
     assert job.returncode != 0
     rep = job.reports[0]
     assert rep["error"] == "CollectiveMismatchError"
@@ -98,19 +57,13 @@ attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
     # Rank 1 is in the DDP forward of its next step (bucket rebuild) or in its backward, under the same
     # sequence number as rank 0's save, at the line of its step.
     where = (rf"rank 1 is in a different operation: '(forward \(DDP\)|backward [^']*)' \(#{seq.group(1)}\) at "
-             rf"job.py:{line_of(body, 'fabric.backward(model(')} \(step\)")
+             rf"job.py:{line_of(JOB, 'fabric.backward(model(')} \(step\)")
     assert re.search(where, rep["message"]), rep
     assert rep["seconds"] < AT_ONCE
 
 
 def test_rank_stuck_in_a_raw_torch_collective_is_named(tmp_path: Path) -> None:
-    job = _run(
-        """
-import torch.distributed as dist
-attempt(lambda: fabric.all_reduce(torch.ones(2)) if r == 0 else dist.barrier())
-""",
-        tmp_path,
-    )
+    job = _run("raw_barrier", tmp_path)
     assert job.returncode != 0
     rep = job.reports[0]
     assert rep["error"] == "CollectiveMismatchError"
@@ -122,28 +75,13 @@ attempt(lambda: fabric.all_reduce(torch.ones(2)) if r == 0 else dist.barrier())
 
 @pytest.mark.slow  # a fixed 6 s wait; the guard's other cases keep it in CI
 def test_slow_but_alive_rank_is_waited_for(tmp_path: Path) -> None:
-    job = _run(
-        """
-def slow_then_barrier():
-    if r == 1:
-        time.sleep(6)   # longer than the guard bound: alive, on its way, must not trip it
-    fabric.barrier("after slow work")
-attempt(slow_then_barrier)
-attempt(lambda: fabric.save("a.ckpt", {"model": model}))
-""",
-        tmp_path,
-    ).check()
+    job = _run("slow_rank", tmp_path).check()
     assert job.reports[0]["error"] is None and job.reports[1]["error"] is None
     assert "they are alive, so waiting up to timeout=" in job.stderr
 
 
 def test_mismatched_shapes_are_caught_before_the_collective(tmp_path: Path) -> None:
-    job = _run(
-        """
-attempt(lambda: fabric.all_reduce(torch.ones(2 + r)))
-""",
-        tmp_path,
-    )
+    job = _run("shapes", tmp_path)
     for rank in (0, 1):
         assert job.reports[rank]["error"] == "CollectiveMismatchError"
         assert "different tensor shapes/dtypes" in job.reports[rank]["message"]
@@ -151,18 +89,7 @@ attempt(lambda: fabric.all_reduce(torch.ones(2 + r)))
 
 
 def test_strict_mode_compares_call_sites(tmp_path: Path) -> None:
-    job = _run(
-        """
-def branchy():
-    if r == 0:
-        fabric.barrier()
-    else:
-        fabric.barrier()
-attempt(branchy)
-""",
-        tmp_path,
-        env={"PHALANX_LOCKSTEP": "strict"},
-    )
+    job = _run("call_sites", tmp_path, env={"PHALANX_LOCKSTEP": "strict"})
     for rank in (0, 1):
         assert job.reports[rank]["error"] == "CollectiveMismatchError"
         assert "different call sites (lockstep='strict')" in job.reports[rank]["message"]
