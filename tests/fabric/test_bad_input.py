@@ -185,35 +185,7 @@ def test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step(tmp_path: Path)
     assert not (tmp_path / "x.ckpt").exists()
 
 
-UNEQUAL = """
-import torch, phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-r = fabric.global_rank
-torch.manual_seed(0)
-n = {sizes}[r]
-loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=4),
-                                  use_distributed_sampler=False)
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-model, opt = fabric.setup(model, opt)
-try:
-    for epoch in range(2):
-        for i, (x, y) in enumerate(loader):
-            # accumulate: only the second batch of a pass syncs (a trailing partial window stays local)
-            local = {accumulate} and i != 1
-            with fabric.no_backward_sync(model, enabled=local):
-                fabric.backward((model(x) - y).pow(2).mean())
-            if not local:
-                opt.step()
-                opt.zero_grad()
-except Exception as err:
-    report(fabric, error=type(err).__name__, message=str(err))
-    raise
-"""
+UNEQUAL = JOBS / "unequal_batch_counts.py"  # argv[1]: whether to accumulate
 
 
 @pytest.mark.parametrize(
@@ -228,7 +200,7 @@ except Exception as err:
 def test_unequal_batch_counts_with_user_sharded_data(tmp_path: Path, accumulate: bool, expected: str) -> None:
     """Without the check, the two epochs' all-reduces silently pair up across epochs and the job dies
     at the end with a bare gloo 'Connection closed by peer' (or hangs until the 30 min timeout)."""
-    job = run_job(UNEQUAL.format(sizes=[16, 12], accumulate=accumulate), tmp_path, timeout=120, env=ENV)
+    job = run_job(UNEQUAL, tmp_path, args=(str(accumulate),), timeout=120, env=ENV)
     assert job.returncode != 0
     reports = [job.reports[r] for r in sorted(job.reports) if "message" in job.reports[r]]
     assert any(rep["error"] == "CollectiveMismatchError" for rep in reports), job.output[-3000:]
@@ -238,31 +210,15 @@ def test_unequal_batch_counts_with_user_sharded_data(tmp_path: Path, accumulate:
 
 
 # ---------------------------------------------------------------- sharded (FSDP) mistakes, when FSDP exists
-FSDP_PRELUDE = """
-import torch, phalanx
-from mp import report
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-def attempt(fn):
-    try:
-        fn()
-        report(fabric, error="none", message="")
-    except Exception as err:
-        report(fabric, error=type(err).__name__, message=str(err))
-"""
+FSDP_MISTAKES = JOBS / "fsdp_mistakes.py"  # argv[1]: the mistake
 
 
 @CPU_FSDP
 def test_sharded_checkpoint_mistakes(tmp_path: Path) -> None:
     job = run_job(
-        FSDP_PRELUDE
-        + """
-model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-fabric.save("sharded", {"model": model})
-wider = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
-attempt(lambda: fabric.load("sharded", {"model": wider}))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("save_then_load_wider",),
         timeout=150,
         env=ENV,
     )
@@ -276,12 +232,9 @@ attempt(lambda: fabric.load("sharded", {"model": wider}))
     victim = max(files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     job = run_job(
-        FSDP_PRELUDE
-        + """
-model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-attempt(lambda: fabric.load("sharded", {"model": model}))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("load",),
         timeout=150,
         env=ENV,
         name="load.py",
@@ -293,14 +246,9 @@ attempt(lambda: fabric.load("sharded", {"model": model}))
 @CPU_FSDP
 def test_optimizer_built_before_fsdp_setup_is_refused(tmp_path: Path) -> None:
     job = run_job(
-        FSDP_PRELUDE
-        + """
-raw = torch.nn.Linear(8, 4)
-opt = torch.optim.SGD(raw.parameters(), lr=0.1)
-model = fabric.setup(raw)
-attempt(lambda: fabric.setup_optimizers(opt))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("optimizer_before_setup",),
         timeout=150,
         env=ENV,
     )
