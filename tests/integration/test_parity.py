@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -188,57 +187,16 @@ def test_the_same_examples_run_under_lightning(name: str, tmp_path: Path) -> Non
         assert line == ours  # no shuffled sampler in between: the same numbers exactly
 
 
-TRAINER_SCRIPT = """
-import json, sys, torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-import {framework} as L
-
-g = torch.Generator().manual_seed(0)
-x = torch.randn(64, 8, generator=g)
-data = TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1))
-
-
-class Model(L.LightningModule):
-    def __init__(self, lr=0.05):
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(42)
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
-        self.losses.append(loss.item())
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(1), y))
-
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        return {{"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}}
-
-
-model = Model()
-trainer = L.Trainer(accelerator="cpu", max_epochs=3, accumulate_grad_batches=2, gradient_clip_val=0.5,
-                    enable_progress_bar=False, default_root_dir=sys.argv[1])
-trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
-print(json.dumps({{"losses": model.losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                  "steps": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}}))
-"""
+TRAINER_SCRIPT = JOBS / "parity_trainer_script.py"  # argv: root dir, framework
 
 
 @needs_lightning
 def test_trainer_script_matches_lightning_numbers(tmp_path: Path) -> None:
     def run(python: str, framework: str) -> dict[str, Any]:
         script = tmp_path / f"{framework}_trainer.py"
-        script.write_text(textwrap.dedent(TRAINER_SCRIPT.format(framework=framework)))
+        script.write_text(TRAINER_SCRIPT.read_text())
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        proc = subprocess.run([python, str(script), str(tmp_path / framework)], cwd=tmp_path, env=env,
+        proc = subprocess.run([python, str(script), str(tmp_path / framework), framework], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
