@@ -138,7 +138,7 @@ def test_validate_with_a_sharded_checkpoint_loads_the_fitted_weights(tmp_path: P
     """trainer.validate(ckpt_path=<sharded DeepSpeed checkpoint>) sets the module up without its optimizer,
     so there is no engine: the ZeRO partitions are merged into full weights, and the new module validates
     to the fitted model's metric (tests/support/deepspeed_validate_job.py)."""
-    job = run_job("from deepspeed_validate_job import main\nmain()\n", tmp_path, args=(str(stage),),
+    job = run_job(JOBS / "deepspeed_validate.py", tmp_path, args=(str(stage),),
                   timeout=TIMEOUT).check()
     for rank in (0, 1):
         report = job.reports[rank]
