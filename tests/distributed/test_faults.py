@@ -237,23 +237,9 @@ def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
     for stale in (tmp_path / "reports").glob("rank*.json"):
         stale.unlink()  # report() merges into existing files: start each verification clean
     job = run_job(  # a sharded checkpoint needs the same number of ranks to load
-        f"""
-        import torch, phalanx
-        from mp import report
-        from phalanx.utils.errors import CheckpointError
-        fabric = phalanx.Fabric(accelerator="cpu", devices={devices}, strategy={strategy!r})
-        fabric.launch()
-        model = fabric.setup(torch.nn.Linear(1024, 2048))
-        state = {{"model": model, "step": -1}}
-        try:
-            fabric.load({str(path)!r}, state)
-        except CheckpointError as err:
-            report(fabric, error=str(err))
-            raise SystemExit(0)
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-        report(fabric, step=state["step"], consistent=all(bool((p == float(state["step"])).all()) for p in full))
-        """,
+        JOBS / "faults_load_step.py",
         tmp_path,
+        args=(str(devices), strategy, str(path)),
         timeout=120,
         name="verify.py",
     ).check()
