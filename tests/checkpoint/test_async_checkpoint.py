@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from killed_saves import kill_trial
 from mp import JOBS, run_job
 
 from phalanx.checkpoint import read_everything
 from phalanx.strategies import FSDPStrategy
 from phalanx.utils.errors import MisconfigurationError
-from tests.strategies.test_fsdp_checkpoint import kill_trial
 from tests.strategies.test_model_parallel import MODEL_CODE
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,7 +63,7 @@ def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> Non
     assert job.reports[0]["at_save"] != job.reports[0]["at_save2"]
 
 
-ASYNC = "FSDPStrategy(async_save=True)"
+ASYNC = "fsdp_async"
 
 
 def test_async_save_needs_sharded_checkpoints() -> None:

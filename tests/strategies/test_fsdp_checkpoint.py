@@ -4,13 +4,13 @@ loading at another world size, ``phalanx consolidate``, guarded saves, and atomi
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, kill_mid_run, run_job
+from killed_saves import kill_trial
+from mp import JOBS, run_job
 from run_if import run_if
 
 from phalanx import Fabric
@@ -168,24 +168,6 @@ def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
         # The lockstep check's own error, naming both operations (a timeout would say something else).
         assert "rank 0 called save at job.py" in rep["error"] and "after save" in rep["error"]
     assert not (tmp_path / "ckpt").exists()
-
-
-# STRATEGY is replaced by the strategy under test (test_async_checkpoint runs it with async_save=True).
-KILL_JOB = JOBS / "fsdp_checkpoint_save_until_killed.py"
-
-
-def kill_trial(tmp_path: Path, seed: int, strategy: str = "fsdp") -> int:
-    """Run the saving job, SIGKILL every process of it at a random moment mid-save; return the step of
-    the checkpoint that survived (and assert it is complete and holds one save's values only)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    kill_mid_run(KILL_JOB, tmp_path, args=(strategy,), ranks=2,
-                 delay=random.Random(seed).uniform(0.0, 2.0))
-    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
-    step = int(sd["step"])
-    for key, value in sd["model"].items():
-        assert torch.all(value == float(step)), f"{key} holds values of another step than {step}"
-    assert set(sd["optimizer"]["state"]) == set(range(16))
-    return step
 
 
 @pytest.mark.parametrize("trial", range(2))

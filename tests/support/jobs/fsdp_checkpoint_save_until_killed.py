@@ -1,7 +1,5 @@
-"""Saves every step until killed, on fsdp or on hybrid sharding (argv[1]).
-
-Run by tests/strategies/test_fsdp_checkpoint.py: kill_trial.
-"""
+"""Saves model and optimizer every step until killed, under FSDP (argv[1] ``fsdp``) or FSDP with asynchronous saves
+(``fsdp_async``); rank 0 writes ``ready`` once the first save is in place (run by tests/support/killed_saves.py)."""
 
 import os
 import sys
@@ -11,9 +9,10 @@ import torch
 from torch import nn
 
 import phalanx
+from phalanx.strategies import FSDPStrategy
 
 torch.set_num_threads(1)
-STRATEGY = sys.argv[1]  # a registered strategy name
+STRATEGY = {"fsdp": "fsdp", "fsdp_async": FSDPStrategy(async_save=True)}[sys.argv[1]]
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY)
 fabric.launch()
 Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
