@@ -7,8 +7,8 @@ previous checkpoint loadable."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+import model_parallel_models
 import pytest
 import torch
 from killed_saves import kill_trial
@@ -17,7 +17,6 @@ from mp import JOBS, run_job
 from phalanx.checkpoint import read_everything
 from phalanx.strategies import FSDPStrategy
 from phalanx.utils.errors import MisconfigurationError
-from tests.strategies.test_model_parallel import MODEL_CODE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +25,6 @@ ROUND_TRIP_JOB = JOBS / "async_checkpoint_round_trip.py"
 
 @pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
 def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(ROUND_TRIP_JOB, tmp_path, timeout=240, args=(strategy,)).check()
     for rank in (0, 1):
         rep = job.reports[rank]
@@ -52,11 +50,10 @@ def test_async_save_round_trip_and_failure(tmp_path: Path, strategy: str) -> Non
     # The first save holds the state as of the save call, although three steps ran during its write.
     first = read_everything(tmp_path / "first")
     assert first["step"] == 1
-    ns: dict[str, Any] = {}
-    exec(MODEL_CODE, ns)
-    plain = ns["make_model"]()
+    plain = model_parallel_models.make_model()
     plain.load_state_dict(first["model"])
-    assert torch.equal(ns["full_params"](plain), torch.tensor(job.reports[0]["at_save"], dtype=torch.float64))
+    assert torch.equal(model_parallel_models.full_params(plain),
+                       torch.tensor(job.reports[0]["at_save"], dtype=torch.float64))
     saved_opt = torch.cat([first["optimizer"]["state"][i][k].reshape(-1).double()
                            for i in range(len(first["optimizer"]["state"])) for k in ("exp_avg", "exp_avg_sq", "step")])
     assert torch.equal(saved_opt, torch.tensor(job.reports[0]["opt_at_save"], dtype=torch.float64))

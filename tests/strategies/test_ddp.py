@@ -8,37 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOBS, REPO, run_job
+from mp import JOBS, REPO, SUPPORT, run_job
 from torch import nn
 
 pytestmark = pytest.mark.timeout(240)
 
-# Shared by the jobs and by the single-process references below (imported by the job scripts).
-MODEL_CODE = '''
-import torch
-from torch import nn
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-class Distill(nn.ModuleDict):
-    """A frozen teacher and a trainable student; `distill` is a custom method."""
-    def __init__(self):
-        torch.manual_seed(0)
-        student = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        super().__init__({"teacher": nn.Linear(6, 3), "student": student})
-        self["teacher"].requires_grad_(False)
-
-    def distill(self, x):
-        with torch.no_grad():
-            t = self["teacher"](x)
-        return ((self["student"](x) - t) ** 2).mean()
-'''
+MODELS = SUPPORT / "ddp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, object]) -> None:

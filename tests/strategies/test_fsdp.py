@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from mp import JOBS, SUPPORT, run_job
 from run_if import run_if
 
 from phalanx import Fabric
@@ -21,79 +21,7 @@ from phalanx.utils.errors import MisconfigurationError
 # FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
 pytestmark = [pytest.mark.timeout(240), run_if(fsdp=True)]
 
-# Shared by the jobs and the single-process references (imported by the job scripts).
-MODEL_CODE = '''
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.l1 = nn.Linear(d, 2 * d)
-        self.l2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.l2(torch.tanh(self.l1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-class Teacher(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.proj(x)
-
-
-class Distill(nn.Module):
-    """A trainable student (a Net) next to a frozen teacher."""
-    def __init__(self):
-        super().__init__()
-        self.student = Net()
-        self.teacher = Teacher()
-        self.teacher.requires_grad_(False)
-
-    def forward(self, x):
-        return self.student(x)
-
-
-def make_model(cls=Net):
-    torch.manual_seed(0)
-    return cls()
-
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
-
-
-def full_params(model):
-    return torch.cat([full(p) for p in model.parameters()])
-
-
-def full_grads(model):
-    return torch.cat([full(p.grad) if p.grad is not None else torch.zeros(p.numel()).double()
-                      for p in model.parameters()])
-'''
+MODELS = SUPPORT / "fsdp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def _close(got: list[float], expected: torch.Tensor, atol: float = 1e-6) -> None:

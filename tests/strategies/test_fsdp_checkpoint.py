@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import fsdp_models
 import pytest
 import torch
 from killed_saves import kill_trial
@@ -17,15 +18,10 @@ from phalanx import Fabric
 from phalanx.checkpoint import MARKER, read_everything
 from phalanx.cli.commands import main as phalanx_main
 from phalanx.utils.errors import CheckpointError
-from tests.strategies.test_fsdp import MODEL_CODE
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
 
 SAVE_JOB = JOBS / "fsdp_checkpoint_save.py"
-
-
-def _write_models(tmp_path: Path) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
 
 
 def _close(got: list[float], expected: list[float]) -> None:
@@ -37,7 +33,6 @@ def _close(got: list[float], expected: list[float]) -> None:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     """One 2-rank job: train, save sharded + full, reload both into fresh objects, keep training."""
     tmp_path = tmp_path_factory.mktemp("fsdp_ckpt")
-    _write_models(tmp_path)
     job = run_job(SAVE_JOB, tmp_path, args=("32-true",)).check()
     return tmp_path, job.reports
 
@@ -70,16 +65,14 @@ def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any
 
 def _load_single_process(path: Path) -> dict[str, Any]:
     """Load into a plain single-device Fabric (no process group) and report the same numbers."""
-    ns: dict[str, Any] = {}
-    exec(MODEL_CODE, ns)
     fabric = Fabric(accelerator="cpu", devices=1)
-    model = ns["make_model"]()
+    model = fsdp_models.make_model()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(path, state, strict=False)
     exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
                      for p in model.parameters()])
-    return {"params": ns["full_params"](model), "opt": exp, "step": state["step"]}
+    return {"params": fsdp_models.full_params(model), "opt": exp, "step": state["step"]}
 
 
 def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
@@ -118,7 +111,6 @@ WORLD1_JOB = JOBS / "fsdp_checkpoint_load_on_one_rank.py"
 def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int, dict[str, Any]]],
                                                       tmp_path: Path) -> None:
     saved_dir, reports = saved
-    _write_models(tmp_path)
     job = run_job(WORLD1_JOB, tmp_path, args=(str(saved_dir),)).check()
     rep = job.reports[0]
     _close(rep["ckpt"], reports[0]["params"])
@@ -134,7 +126,6 @@ DDP_LOAD_JOB = JOBS / "fsdp_checkpoint_load_under_ddp.py"
 
 def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     saved_dir, reports = saved
-    _write_models(tmp_path)
     job = run_job(DDP_LOAD_JOB, tmp_path, args=(str(saved_dir),)).check()
     for rank in (0, 1):
         for name in ("ckpt", "ckpt.pt"):
@@ -144,7 +135,6 @@ def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[
 
 
 def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
-    _write_models(tmp_path)
     reports = run_job(SAVE_JOB, tmp_path, args=("16-mixed",)).check().reports
     for rank in (0, 1):
         rep = reports[rank]
@@ -159,7 +149,6 @@ RANK0_ONLY_JOB = JOBS / "fsdp_rank0_only_save.py"
 
 
 def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
-    _write_models(tmp_path)
     job = run_job(RANK0_ONLY_JOB, tmp_path, env={"PHALANX_GUARD_TIMEOUT": "5"}, timeout=120)
     for rank in (0, 1):
         rep = job.reports[rank]

@@ -12,18 +12,17 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from mp import JOBS, SUPPORT, run_job
 from run_if import run_if
 
 from phalanx import Fabric
 from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.fsdp.sharding import SHARDING_STRATEGIES
 from phalanx.utils.errors import MisconfigurationError
-from tests.strategies.test_fsdp import MODEL_CODE
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
 
-JOB_MODELS = MODEL_CODE
+MODELS = SUPPORT / "fsdp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 class ShardingStrategy(enum.Enum):  # the shape of torch's FSDP1 enum, which Lightning programs pass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import meta_init_models
 import pytest
 import torch
 from mp import JOBS, run_job
@@ -26,55 +27,15 @@ from phalanx.utils.init import materialize_meta_tensors
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not FSDP_ON_CPU, reason="FSDP2 runs on CPU from torch 2.7")]
 
-MODEL_CODE = '''
-import math
-import torch
-from torch import nn
-
-
-class LoRALinear(nn.Module):
-    """LitGPT's LoRA layer in small: lora_A drawn (kaiming), lora_B zero; the base Linear its own module."""
-
-    def __init__(self, d_in, d_out, r=3):
-        super().__init__()
-        self.linear = nn.Linear(d_in, d_out)
-        self.lora_A = nn.Parameter(torch.empty(r, d_in))
-        self.lora_B = nn.Parameter(torch.empty(d_out, r))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B)
-
-    def forward(self, x):
-        return self.linear(x) + x @ self.lora_A.T @ self.lora_B.T
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.blocks = nn.ModuleList([LoRALinear(6, 6), LoRALinear(6, 6)])
-        self.norm = nn.BatchNorm1d(6)  # parameters and buffers
-        self.head = nn.Linear(6, 5)  # 5 rows over 2 ranks: uneven shards
-
-    def forward(self, x):
-        h = self.emb(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-'''
 
 JOB = JOBS / "meta_init.py"
 
 
 def single_process() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """What one process gets: the same meta model, seed 5, materialized module by module."""
-    scope: dict[str, object] = {}
-    exec(MODEL_CODE, scope)
     torch.manual_seed(5)
     with torch.device("meta"):
-        net = scope["Net"]()  # type: ignore[operator]
+        net = meta_init_models.Net()
     assert isinstance(net, nn.Module)
     materialize_meta_tensors(net, "cpu")
     full = {n: t.detach() for n, t in [*net.named_parameters(), *net.named_buffers()]}
@@ -86,7 +47,6 @@ def single_process() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     pytest.param(4, ("2x2",), marks=pytest.mark.slow),  # 4 processes: the slow tier
 ])
 def test_sharded_meta_init_equals_one_process(tmp_path: Path, devices: int, names: tuple[str, ...]) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(JOB, tmp_path, timeout=150, args=(str(devices), *names)).check()
     expected, next_draw = single_process()
     bound = 1 / math.sqrt(6)  # kaiming_uniform_(a=sqrt(5)) on fan_in 6

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from mp import JOBS, SUPPORT, run_job
 
 from phalanx import Fabric
 from phalanx.strategies import ModelParallelStrategy, resolve_strategy
@@ -18,111 +18,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(400)
 
-# Shared by the jobs (imported as `models`) and the single-process references.
-MODEL_CODE = '''
-import torch
-import phalanx
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-
-class FeedForward(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.blocks = nn.ModuleList([FeedForward(), FeedForward()])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def parallelize(model, mesh):
-    """Megatron-style MLP split over 'tensor_parallel', each block and the root sharded over 'data_parallel'."""
-    for block in model.blocks:
-        parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def make_model():
-    torch.manual_seed(0)
-    return Net()
-
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-class LitNet(phalanx.Module):
-    """Net under the Trainer; logs a per-sample count with reduce_fx="sum" (each sample counted once)."""
-    def __init__(self):
-        super().__init__()
-        self.net = make_model()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
-        self.log("train_samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
-        self.log("val_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-
-def parallelize_lit(module, mesh):
-    parallelize(module.net, mesh)  # the strategy shards the LitNet root itself
-    return module
-
-
-def full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
-
-
-def full_params(model):
-    return torch.cat([full(p) for p in model.parameters()])
-
-
-def opt_state(model, opt):
-    return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
-
-
-def one_more_step(fabric, model, opt):
-    """One Adam step on the global batch x[0:8], whatever the mesh shape (a checkpoint's continuation)."""
-    x, y = make_data()
-    dp = fabric.strategy.distributed_sampler_kwargs() or {"num_replicas": 1, "rank": 0}
-    size = 8 // dp["num_replicas"]
-    lo = size * dp["rank"]
-    opt.zero_grad()
-    fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + size]), y[lo : lo + size]))
-    opt.step()
-'''
+MODELS = SUPPORT / "model_parallel_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def _close(got: list[float], expected: torch.Tensor, atol: float = 1e-6) -> None:
@@ -208,7 +104,6 @@ def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     """One 4-rank 2 x 2 job: training phases, a data-split probe, and the checkpoints it saved."""
     tmp_path = tmp_path_factory.mktemp("mp2x2")
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     return tmp_path, run_job(EQUIVALENCE_JOB, tmp_path, timeout=300).check().reports
 
 
@@ -274,7 +169,6 @@ LOAD_JOB = JOBS / "model_parallel_load.py"
 def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[int, dict[str, Any]]],
                                                      tmp_path: Path, shape: tuple[int, int]) -> None:
     saved, reports = trained
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(LOAD_JOB, tmp_path, args=(str(saved), *map(str, shape)), timeout=300).check()
     ref = reports[0]
     for rank in range(shape[0] * shape[1]):
@@ -321,7 +215,6 @@ MEMORY_JOB = JOBS / "model_parallel_memory.py"
 
 @pytest.mark.slow
 def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     # glibc raises its mmap threshold after each large free, then keeps freed blocks (FSDP's per-block
     # all-gather buffers) in the heap: RSS would count every block's buffers as if alive. A fixed threshold
     # makes RSS follow live memory.
@@ -377,14 +270,12 @@ def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str,
     assert job.reports[0]["params"] == job.reports[1]["params"]
 
 
-
 SNAPSHOT_JOB = JOBS / "model_parallel_snapshot.py"
 
 
 def test_tensor_parallel_shards_round_trip_through_a_per_rank_snapshot(tmp_path: Path) -> None:
     # Each rank snapshots its own tensor-parallel shards (parameters and Adam state as DTensor shards), and
     # loading puts them back as DTensors with the live parameters' placements: training continues identically.
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(SNAPSHOT_JOB, tmp_path, timeout=300).check()
     for rank in (0, 1):
         rep = job.reports[rank]

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent  # tests/support: mp, trainer_support, combo_models, metric_models
-JOBS = HERE / "jobs"  # the job programs, one module per program (or per family)
-TESTS = HERE.parent
+SUPPORT = Path(__file__).resolve().parent  # tests/support: mp, trainer_support, combo_models, metric_models
+JOBS = SUPPORT / "jobs"  # the job programs, one module per program (or per family)
+TESTS = SUPPORT.parent
 REPO = TESTS.parent
 # What a job script needs to import: the support modules as top-level modules (``from mp import report``),
-# test modules by package (``from tests.strategies.test_fsdp import MODEL_CODE``) and phalanx from src.
-JOB_PYTHONPATH = os.pathsep.join(str(path) for path in (HERE, REPO, REPO / "src"))
+# the tests package and phalanx from src.
+JOB_PYTHONPATH = os.pathsep.join(str(path) for path in (SUPPORT, REPO, REPO / "src"))
 
 
 @dataclass

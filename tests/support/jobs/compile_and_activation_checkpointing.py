@@ -7,7 +7,8 @@ test_compile_equivalence.
 import sys
 
 import torch
-from models import FeedForward, parallelize, train
+from compile_training import train
+from model_parallel_models import FeedForward, parallelize
 from mp import report
 
 import phalanx

@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_ddp.py::test_accumulation_with_no_backward_sync."""
 
 import torch
-from models import make_data, make_model
+from ddp_models import make_data, make_model
 from mp import flat_params, report
 
 import phalanx

@@ -3,7 +3,7 @@
 import os
 
 import torch
-from models import make_data, make_model
+from ddp_models import make_data, make_model
 from mp import flat_params, report
 
 import phalanx

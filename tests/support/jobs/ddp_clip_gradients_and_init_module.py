@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_ddp.py::test_clip_gradients_and_init_module."""
 
 import torch
-from models import make_data, make_model
+from ddp_models import make_data, make_model
 from mp import report
 
 import phalanx

@@ -4,7 +4,7 @@ Run by tests/strategies/test_ddp.py: test_distillation_call_paths_sync_gradients
 """
 
 import torch
-from models import Distill, make_data
+from ddp_models import Distill, make_data
 from mp import report
 
 import phalanx

@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_ddp.py::test_ddp_training_equals_single_process."""
 
 import torch
-from models import make_data, make_model
+from ddp_models import make_data, make_model
 from mp import flat_params, report
 from torch.utils.data import DataLoader, TensorDataset
 

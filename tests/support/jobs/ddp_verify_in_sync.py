@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_ddp.py::test_verify_in_sync_names_the_first_differing_parameter."""
 
 import torch
-from models import make_model
+from ddp_models import make_model
 from mp import report
 
 import phalanx

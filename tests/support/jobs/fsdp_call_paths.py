@@ -8,7 +8,7 @@ import sys
 import warnings
 
 import torch
-from models import Block, Distill, Net, Teacher, full_grads, make_data, make_model
+from fsdp_models import Block, Distill, Net, Teacher, full_grads, make_data, make_model
 from mp import report
 
 import phalanx

@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import torch
-from models import full_params, make_model
+from fsdp_models import full_params, make_model
 from mp import report
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/strategies/test_fsdp_checkpoint.py: test_ddp_loads_an_fsdp_sharded_
 import sys
 
 import torch
-from models import full_params, make_model
+from fsdp_models import full_params, make_model
 from mp import report
 
 import phalanx

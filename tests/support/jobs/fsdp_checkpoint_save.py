@@ -6,7 +6,7 @@ Run by tests/strategies/test_fsdp_checkpoint.py: saved, test_sixteen_mixed_scale
 import sys
 
 import torch
-from models import full, full_params, make_data, make_model
+from fsdp_models import full, full_params, make_data, make_model
 from mp import report
 
 import phalanx

@@ -7,7 +7,7 @@ import json
 import sys
 
 import torch
-from models import Block, full_params, make_data, make_model
+from fsdp_models import Block, full_params, make_data, make_model
 from mp import report
 
 import phalanx

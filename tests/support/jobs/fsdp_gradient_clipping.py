@@ -4,7 +4,7 @@ Run by tests/strategies/test_fsdp.py: test_clipping_by_any_norm_and_by_value_equ
 """
 
 import torch
-from models import Block, Distill, Net, Teacher, full_grads, full_params, make_data, make_model
+from fsdp_models import Block, Distill, Net, Teacher, full_grads, full_params, make_data, make_model
 from mp import report
 
 import phalanx

@@ -10,7 +10,7 @@ import json
 import sys
 
 import torch
-from models import Block, Net, full, full_params, make_data, make_model
+from fsdp_models import Block, Net, full, full_params, make_data, make_model
 from mp import report
 from torch.distributed.device_mesh import init_device_mesh
 

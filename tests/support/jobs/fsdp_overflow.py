@@ -6,7 +6,7 @@ Run by tests/strategies/test_fsdp.py: test_sixteen_mixed_overflow_in_one_shard_s
 import sys
 
 import torch
-from models import full_params, make_data, make_model
+from fsdp_models import full_params, make_data, make_model
 from mp import report
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/strategies/test_fsdp.py: test_empty_init_and_mixed_precision.
 import sys
 
 import torch
-from models import Net, full_params, make_data
+from fsdp_models import Net, full_params, make_data
 from mp import report
 from torch import nn
 

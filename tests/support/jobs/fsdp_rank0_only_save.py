@@ -5,7 +5,7 @@ Run by tests/strategies/test_fsdp_checkpoint.py: test_rank_zero_only_save_raises
 
 import time
 
-from models import make_model
+from fsdp_models import make_model
 from mp import report
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/strategies/test_meta_init.py: test_sharded_meta_init_equals_one_pro
 import sys
 
 import torch
-from models import Net
+from meta_init_models import Net
 from mp import report
 from torch import nn
 from torch.distributed.fsdp import fully_shard

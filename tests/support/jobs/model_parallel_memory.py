@@ -7,7 +7,7 @@ import resource
 import sys
 
 import torch
-from models import FeedForward, parallelize
+from model_parallel_models import FeedForward, parallelize
 from mp import report
 from torch import nn
 

@@ -6,7 +6,7 @@ Run by tests/strategies/test_model_parallel.py: test_precisions_train_with_tenso
 import sys
 
 import torch
-from models import full_params, make_data, make_model, parallelize
+from model_parallel_models import full_params, make_data, make_model, parallelize
 from mp import report
 
 import phalanx

@@ -4,7 +4,7 @@ Run by tests/strategies/test_model_parallel.py: test_tensor_parallel_shards_roun
 """
 
 import torch
-from models import full_params, make_model, one_more_step, opt_state, parallelize
+from model_parallel_models import full_params, make_model, one_more_step, opt_state, parallelize
 from mp import report
 
 import phalanx

@@ -4,7 +4,7 @@ Run by tests/strategies/test_model_parallel.py: test_two_by_two_trainer_fit_equa
 """
 
 import torch
-from models import LitNet, full_params, make_data, parallelize_lit
+from model_parallel_models import LitNet, full_params, make_data, parallelize_lit
 from mp import report
 from torch.utils.data import DataLoader, TensorDataset
 
