@@ -3,7 +3,9 @@
 data-parallel part, on the model of tests/support/model_parallel_models.py."""
 
 import torch
-from model_parallel_models import full_params, make_data, make_model
+from model_parallel_models import FeedForward, full_params, make_data, make_model
+
+__all__ = ["FeedForward", "calls", "last", "train"]  # FeedForward: the block class the policies name
 
 calls = [0]
 last = []  # the set-up model of the latest run, for in-process checks
