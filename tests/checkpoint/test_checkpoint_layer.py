@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fake_trainer import FakeTrainer, end_epoch
 from mp import JOBS, REPO, run_job
 from run_if import run_if
 from torch import nn
@@ -411,13 +412,11 @@ def test_a_diverged_run_never_replaces_the_last_good_checkpoint(tmp_path: Path, 
 
 
 def test_a_non_finite_monitor_value_never_enters_the_top_k(tmp_path: Path) -> None:
-    from tests.callbacks.test_callbacks import FakeTrainer, _epoch
-
     trainer = FakeTrainer(tmp_path)
     cb = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1)
     cb.setup(trainer, None, "fit")
-    _epoch(cb, trainer, 0.5)
+    end_epoch(cb, trainer, 0.5)
     with pytest.warns(PhalanxWarning, match=r"val_loss=nan .* is not finite"):
-        _epoch(cb, trainer, float("nan"))
+        end_epoch(cb, trainer, float("nan"))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-val_loss=0.50.ckpt"]
     assert cb.best_model_score == 0.5

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from byte_flips import flip
 from mp import JOBS, run_job
 from run_if import run_if
 from torch import nn
@@ -43,19 +44,6 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     return model, torch.optim.Adam(model.parameters(), lr=0.5)
-
-
-def flip(path: Path, raw: bytes, count: int = 64, at: int = 256) -> tuple[bytes, bytes]:
-    """Invert ``count`` bytes inside the only copy of ``raw`` (a tensor's bytes) in ``path``: certain to hit
-    tensor data, not a zip header. Returns the bytes before and after."""
-    data = bytearray(path.read_bytes())
-    start = data.find(raw)
-    assert start >= 0 and data.find(raw, start + 1) == -1, "the tensor's bytes must occur exactly once"
-    assert at + count <= len(raw)
-    for i in range(start + at, start + at + count):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-    return raw, bytes(data[start:start + len(raw)])
 
 
 def _raw(t: torch.Tensor) -> bytes:

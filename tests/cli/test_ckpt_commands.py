@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_command_models import gpt2_config, mlp, tokens
 from mp import JOBS, run_job
 from run_if import run_if
 
@@ -21,39 +22,6 @@ from phalanx.offline.convert import stream_save, strip_prefixes
 from phalanx.trainer.state import LoopState
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
-
-# The MLP and the GPT-2 of the job, importable by the job (``from tests.cli.test_ckpt_commands import ...``).
-VOCAB, SEQ = 64, 8
-
-
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def gpt2_config() -> Any:
-    from transformers import GPT2Config
-
-    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
-                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-class Holder(torch.nn.Module):
-    """A training module holding the Hugging Face model as ``self.model`` (its keys start with ``model.``)."""
-
-    def __init__(self) -> None:
-        from transformers import GPT2LMHeadModel
-
-        super().__init__()
-        torch.manual_seed(1)
-        self.model = GPT2LMHeadModel(gpt2_config())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits  # type: ignore[no-any-return]
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(3))
 
 
 JOB = JOBS / "ckpt_commands_checkpoints.py"

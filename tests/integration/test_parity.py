@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import torch
 from mp import JOBS, REPO, run_job
+from parity_models import dataset, flat, make_model
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import phalanx as L
 
@@ -30,21 +31,6 @@ pytestmark = pytest.mark.timeout(600)
 
 LIGHTNING_PYTHON = Path(os.environ.get("PHALANX_LIGHTNING_PYTHON", "/work/lightning-venv/bin/python"))
 EXAMPLES = REPO / "examples" / "lightning_style"
-
-
-def dataset(n: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1))
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(42)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
 def raw_loop(precision: str) -> tuple[list[float], torch.Tensor]:

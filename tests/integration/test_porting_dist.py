@@ -42,9 +42,8 @@ LAUNCH_AT_FIT_JOB = JOBS / "porting_launch_at_fit.py"
 
 
 def test_trainer_launches_at_fit_and_manual_optimization_under_ddp_equals_one_process(tmp_path: Path) -> None:
+    from porting_models import TwoOptimizers, data, flat, manual_reference
     from torch.utils.data import DataLoader
-
-    from tests.integration.test_porting import TwoOptimizers, data, flat, manual_reference
 
     job = run_job(LAUNCH_AT_FIT_JOB, tmp_path).check()
     assert sorted(p.name for p in tmp_path.glob("constructed-*")) == ["constructed-0", "constructed-1",

@@ -7,44 +7,15 @@ class that works (GPT2LMHeadModel, which holds both tied weights), not an inner 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from mp import JOBS, run_job
 from run_if import run_if
 from torch import nn
+from transformers_models import distill_loss, make_pair, tokens
 
 pytestmark = [pytest.mark.timeout(300), run_if(module="transformers")]
-
-VOCAB, SEQ = 64, 12
-
-
-def gpt2(seed: int) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout off
-    torch.manual_seed(seed)
-    model: nn.Module = GPT2LMHeadModel(config)
-    return model
-
-
-def make_pair() -> nn.ModuleDict:
-    model = nn.ModuleDict({"teacher": gpt2(0), "student": gpt2(1)})
-    model["teacher"].requires_grad_(False)
-    return model
-
-
-def tokens(n: int = 24) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(2))
-
-
-def distill_loss(model: Any, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        target = model["teacher"](x).logits.softmax(-1)
-    log_probs = model.student(x).logits.log_softmax(-1)
-    return nn.functional.kl_div(log_probs, target, reduction="batchmean")
 
 
 def train_single(steps: int = 3) -> nn.ModuleDict:

@@ -12,34 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp_container_models import loss_of, make_data, make_model
 from mp import JOBS, REPO, run_job
 from run_if import run_if
-from torch import nn
 
 pytestmark = [
     pytest.mark.timeout(300),
     run_if(fsdp=True),
 ]
-
-
-def make_model() -> nn.ModuleDict:
-    torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "teacher": nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)),
-        "student": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)),
-    })
-    model["teacher"].requires_grad_(False)
-    return model
-
-
-def make_data(n: int = 32) -> torch.Tensor:
-    return torch.randn(n, 6, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        target = model["teacher"](x).softmax(-1)
-    return nn.functional.kl_div(model.student(x).log_softmax(-1), target, reduction="batchmean")
 
 
 JOB = JOBS / "fsdp_container.py"

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from interrupts import Interrupt, StopAt
 from mp import JOBS, run_job
 from trainer_support import Regressor, flat, loader, quiet
 
@@ -17,21 +18,6 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class Interrupt(Exception):
-    pass
-
-
-class StopAt:
-    """Interrupts the fit right after optimizer step ``step`` (after the checkpoint of step - 1)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step and not trainer.in_window:
-            raise Interrupt
 
 
 def _fit(tmp: Path, stop_at: int | None = None, ckpt_path: str | None = None) -> tuple[Any, Any]:

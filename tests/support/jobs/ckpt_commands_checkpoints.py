@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import torch
+from ckpt_command_models import Holder, mlp, tokens
 from mp import report
 
 import phalanx
-from tests.cli.test_ckpt_commands import Holder, mlp, tokens
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()

@@ -4,10 +4,10 @@ Run by tests/cli/test_ckpt_commands.py: test_deepspeed_directory_converts_to_eve
 """
 
 import torch
+from ckpt_command_models import mlp
 
 import phalanx
 from phalanx.strategies import DeepSpeedStrategy
-from tests.cli.test_ckpt_commands import mlp
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=DeepSpeedStrategy(stage=2))
 fabric.launch()

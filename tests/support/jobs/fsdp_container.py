@@ -4,10 +4,10 @@ Run by tests/strategies/test_fsdp_container.py: test_module_dict_distillation_un
 """
 
 import torch
+from fsdp_container_models import loss_of, make_data, make_model
 from mp import report
 
 import phalanx
-from tests.strategies.test_fsdp_container import loss_of, make_data, make_model
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()

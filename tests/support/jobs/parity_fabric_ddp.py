@@ -5,11 +5,11 @@ Run by tests/integration/test_parity.py: test_fabric_ddp_equals_raw_torch_ddp_an
 
 import torch
 from mp import report
+from parity_models import dataset, flat, make_model
 from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx as L
-from tests.integration.test_parity import dataset, flat, make_model
 
 fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
 fabric.launch()

@@ -8,11 +8,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from parity_models import dataset, flat, make_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-
-from tests.integration.test_parity import dataset, flat, make_model
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

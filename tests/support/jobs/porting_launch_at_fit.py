@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 from mp import report
+from porting_models import TwoOptimizers, data, flat
 from torch.utils.data import DataLoader
 
 import phalanx as L
-from tests.integration.test_porting import TwoOptimizers, data, flat
 
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

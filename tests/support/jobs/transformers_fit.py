@@ -7,9 +7,9 @@ import sys
 
 import torch
 from mp import report
+from transformers_models import distill_loss, make_pair, tokens
 
 import phalanx
-from tests.integration.test_transformers import distill_loss, make_pair, tokens
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=sys.argv[1])
 fabric.launch()

@@ -8,11 +8,11 @@ import re
 import torch
 from mp import report
 from torch import nn
+from transformers_models import gpt2, tokens
 
 import phalanx
 from phalanx.strategies import FSDPStrategy
 from phalanx.utils.errors import MisconfigurationError
-from tests.integration.test_transformers import gpt2, tokens
 
 
 class Distill(nn.Module):  # a model with a forward: the root is a sharded unit
