@@ -29,7 +29,7 @@ def _no_launches_in_the_fast_tier(request: pytest.FixtureRequest, monkeypatch: p
     yield
 
 
-# ---------------------------------------------------------------- multi-process jobs (tests/support/mp.py)
+# ---------------------------------------------------------------- multi-process jobs (tests/support/job_runner.py)
 @pytest.fixture()
 def models(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The namespace of the test module's ``MODELS``, a file under tests/support whose models its jobs import too,

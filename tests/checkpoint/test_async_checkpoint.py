@@ -11,8 +11,8 @@ from pathlib import Path
 import model_parallel_models
 import pytest
 import torch
+from job_runner import JOBS, run_job
 from killed_saves import kill_trial
-from mp import JOBS, run_job
 
 from phalanx.checkpoint import read_everything
 from phalanx.strategies import FSDPStrategy

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from fake_trainer import FakeTrainer, end_epoch
-from mp import JOBS, REPO, run_job
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 from torch import nn
 from trainer_support import Regressor, loader, quiet

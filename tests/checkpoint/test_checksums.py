@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from byte_flips import flip
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 from trainer_support import Regressor, loader, quiet

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import missing, run_if
 from topology_job import EPOCHS, FABRIC_STEPS, GLOBAL_BATCH, SAMPLES
 

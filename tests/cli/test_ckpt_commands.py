@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from ckpt_command_models import gpt2_config, mlp, tokens
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 
 from phalanx import Fabric

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import REPO
+from job_runner import REPO
 from run_if import run_if
 
 import phalanx as L

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mp import JOBS, Job, line_of, run_job
+from job_runner import JOBS, Job, line_of, run_job
 
 pytestmark = pytest.mark.timeout(180)
 

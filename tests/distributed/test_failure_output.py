@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOBS, line_of, run_job
+from job_runner import JOBS, line_of, run_job
 
 from phalanx.distributed import restarts
 from phalanx.distributed.failures import CAUSE_VARIABLE, failure_summary, oom_kills

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH, JOBS, assert_no_orphans, run_job, spawn_by_hand, wait_for
+from job_runner import JOB_PYTHONPATH, JOBS, assert_no_orphans, run_job, spawn_by_hand, wait_for
 
 import phalanx
 from phalanx.fabric.anomaly import NonFiniteError

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mp import JOB_PYTHONPATH, JOBS, free_port, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, free_port, run_job
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 
 from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Lockstep
 

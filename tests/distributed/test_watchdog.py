@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import JOB_PYTHONPATH, JOBS, REPO, assert_no_orphans, line_of, run_job, run_logs, spawn_by_hand, wait_for
+from job_runner import (
+    JOB_PYTHONPATH,
+    JOBS,
+    REPO,
+    assert_no_orphans,
+    line_of,
+    run_job,
+    run_logs,
+    spawn_by_hand,
+    wait_for,
+)
 
 from phalanx.distributed.failures import failure_summary
 from phalanx.distributed.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes

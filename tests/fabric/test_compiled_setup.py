@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from torch import nn
 
 from phalanx import Fabric

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH, JOBS
+from job_runner import JOB_PYTHONPATH, JOBS
 from torch import nn
 
 from phalanx import Fabric

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 
 from phalanx.strategies import available_strategies
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 
 pytestmark = pytest.mark.timeout(180)
 

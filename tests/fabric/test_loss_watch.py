@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from torch import nn
 
 from phalanx import Fabric

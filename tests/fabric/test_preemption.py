@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mp import JOBS, assert_terminal, run_job
+from job_runner import JOBS, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED

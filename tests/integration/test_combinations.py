@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 
 JOB = JOBS / "combinations.py"

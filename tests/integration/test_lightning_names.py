@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH
+from job_runner import JOB_PYTHONPATH
 from torch import nn
 
 from phalanx.utils.errors import CheckpointError, MisconfigurationError

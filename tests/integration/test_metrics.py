@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("torchmetrics")  # metric_models imports it: a mark cannot skip a module that fails to import
 
+from job_runner import JOBS, run_job
 from metric_models import Classifier, loader, metric_report
-from mp import JOBS, run_job
 from run_if import run_if
 from trainer_support import flat, quiet
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, REPO, run_job
+from job_runner import JOBS, REPO, run_job
 from parity_models import dataset, flat, make_model
 from torch import nn
 from torch.utils.data import DataLoader

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 from transformers_models import distill_loss, make_pair, tokens

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOBS, REPO, SUPPORT, run_job
+from job_runner import JOBS, REPO, SUPPORT, run_job
 from torch import nn
 
 pytestmark = pytest.mark.timeout(240)

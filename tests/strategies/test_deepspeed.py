@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, REPO, run_job
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 
 import phalanx

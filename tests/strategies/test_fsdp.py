@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, SUPPORT, run_job
+from job_runner import JOBS, SUPPORT, run_job
 from run_if import run_if
 
 from phalanx import Fabric

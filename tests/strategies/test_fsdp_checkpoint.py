@@ -10,8 +10,8 @@ from typing import Any
 import fsdp_models
 import pytest
 import torch
+from job_runner import JOBS, run_job
 from killed_saves import kill_trial
-from mp import JOBS, run_job
 from run_if import run_if
 
 from phalanx import Fabric

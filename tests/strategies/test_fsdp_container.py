@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp_container_models import loss_of, make_data, make_model
-from mp import JOBS, REPO, run_job
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 
 pytestmark = [

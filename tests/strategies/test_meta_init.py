@@ -18,7 +18,7 @@ from pathlib import Path
 import meta_init_models
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from torch import nn
 
 from phalanx.utils.compat import FSDP_ON_CPU

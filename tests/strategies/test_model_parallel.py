@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, SUPPORT, run_job
+from job_runner import JOBS, SUPPORT, run_job
 
 from phalanx import Fabric
 from phalanx.strategies import ModelParallelStrategy, resolve_strategy

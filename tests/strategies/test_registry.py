@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from mp import JOBS
+from job_runner import JOBS
 
 from phalanx.strategies import (
     DDPStrategy,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 

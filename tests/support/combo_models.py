@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from interrupts import Interrupt, StopAt
-from mp import report
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanAbsoluteError, MeanSquaredError

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import torch
-from mp import JOBS, kill_mid_run
+from job_runner import JOBS, kill_mid_run
 
 from phalanx.checkpoint import read_everything
 

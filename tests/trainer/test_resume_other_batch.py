@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from survival_job import Indexed
 from torch.utils.data import DataLoader
 from trainer_support import Regressor, quiet

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOB_PYTHONPATH, JOBS, Job, assert_terminal, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, Job, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED

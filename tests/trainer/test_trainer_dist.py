@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from trainer_support import Regressor, flat, loader, quiet
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from trainer_support import Regressor, dataset, flat, loader, quiet
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from interrupts import Interrupt, StopAt
-from mp import JOBS, run_job
+from job_runner import JOBS, run_job
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

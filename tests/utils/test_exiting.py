@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mp import JOB_PYTHONPATH, JOBS, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, run_job
 
 
 def test_freeze_at_exit_freezes_once_and_only_at_exit(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from host_reads import HostReads
-from mp import run_job
+from job_runner import run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import AGREEMENT_LAG, PreemptionSignals

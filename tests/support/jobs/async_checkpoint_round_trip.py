@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
+from job_runner import report
 from model_parallel_models import full_params, make_model, one_more_step, opt_state, parallelize
-from mp import report
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import phalanx

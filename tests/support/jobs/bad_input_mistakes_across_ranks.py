@@ -3,7 +3,7 @@
 import time
 
 import torch
-from mp import report
+from job_runner import report
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import phalanx

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import CheckpointError

@@ -7,7 +7,7 @@ test_trainer_with_directory_checkpoints_rotates_and_resumes_bit_identical.
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import KillAt, Regressor, flat, loader, quiet
 
 import phalanx

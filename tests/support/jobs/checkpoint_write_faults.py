@@ -6,7 +6,7 @@ Run by tests/checkpoint/test_checkpoint_layer.py: test_a_failure_on_one_rank_rea
 import math
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import CheckpointError

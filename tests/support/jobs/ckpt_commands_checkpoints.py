@@ -8,7 +8,7 @@ import sys
 
 import torch
 from ckpt_command_models import Holder, mlp, tokens
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -8,8 +8,8 @@ import sys
 
 import torch
 from compile_training import train
+from job_runner import report
 from model_parallel_models import FeedForward, parallelize
-from mp import report
 
 import phalanx
 from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy

@@ -4,7 +4,7 @@ Run by tests/fabric/test_compiled_setup.py: test_compiled_module_under_ddp.
 """
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

@@ -4,7 +4,7 @@ import os
 
 import torch
 from ddp_models import make_data, make_model
-from mp import flat_params, report
+from job_runner import flat_params, report
 
 import phalanx
 

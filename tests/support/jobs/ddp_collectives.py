@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_ddp.py::test_collectives."""
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 

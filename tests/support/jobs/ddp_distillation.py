@@ -5,7 +5,7 @@ Run by tests/strategies/test_ddp.py: test_distillation_call_paths_sync_gradients
 
 import torch
 from ddp_models import Distill, make_data
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.strategies import DDPStrategy

@@ -1,6 +1,6 @@
 """The job of tests/strategies/test_ddp.py::test_phalanx_run_cli."""
 
-from mp import report
+from job_runner import report
 
 import phalanx
 

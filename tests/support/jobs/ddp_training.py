@@ -2,7 +2,7 @@
 
 import torch
 from ddp_models import make_data, make_model
-from mp import flat_params, report
+from job_runner import flat_params, report
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx

@@ -2,7 +2,7 @@
 
 import torch
 from ddp_models import make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 

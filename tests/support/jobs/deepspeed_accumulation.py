@@ -6,7 +6,7 @@ Run by tests/strategies/test_deepspeed.py: ddp_result, test_accumulated_training
 import sys
 
 from deepspeed_mlp import CountingSGD, W, batches, flat, make_model, reference, strategy_from, train
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 from deepspeed_mlp import CountingSGD, batches, flat, make_model, reference, train
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.strategies import DeepSpeedStrategy

@@ -5,7 +5,7 @@ Run by tests/strategies/test_deepspeed.py: test_misuse_raises_like_ddp_and_clipp
 
 import torch
 from deepspeed_mlp import CountingSGD, W, batches, make_model
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

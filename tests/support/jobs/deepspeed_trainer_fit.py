@@ -5,7 +5,7 @@ Run by tests/strategies/test_deepspeed.py: test_trainer_accumulation_matches_ddp
 
 import sys
 
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

@@ -1,7 +1,7 @@
 """The job of tests/distributed/test_faults.py::test_detect_anomaly_stops_every_rank_at_the_same_backward."""
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.fabric.anomaly import NonFiniteError

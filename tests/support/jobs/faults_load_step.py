@@ -5,7 +5,7 @@ reports its step and whether every weight holds it, or the CheckpointError (run 
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import CheckpointError

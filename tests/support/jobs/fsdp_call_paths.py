@@ -9,7 +9,7 @@ import warnings
 
 import torch
 from fsdp_models import Block, Distill, Net, Teacher, full_grads, make_data, make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.strategies import FSDPStrategy

@@ -7,7 +7,7 @@ import sys
 
 import torch
 from fsdp_models import full_params, make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -5,7 +5,7 @@ Run by tests/strategies/test_fsdp_container.py: test_module_dict_distillation_un
 
 import torch
 from fsdp_container_models import loss_of, make_data, make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 

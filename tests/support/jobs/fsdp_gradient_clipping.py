@@ -5,7 +5,7 @@ Run by tests/strategies/test_fsdp.py: test_clipping_by_any_norm_and_by_value_equ
 
 import torch
 from fsdp_models import Block, Distill, Net, Teacher, full_grads, full_params, make_data, make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 import phalanx.strategies.fsdp.guards as fsdp_guards

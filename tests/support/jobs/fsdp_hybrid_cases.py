@@ -11,7 +11,7 @@ import sys
 
 import torch
 from fsdp_models import Block, Net, full, full_params, make_data, make_model
-from mp import report
+from job_runner import report
 from torch.distributed.device_mesh import init_device_mesh
 
 import phalanx

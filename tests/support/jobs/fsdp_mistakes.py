@@ -9,7 +9,7 @@ and its message (run by tests/fabric/test_bad_input.py).
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 from fsdp_models import Net, full_params, make_data
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/strategies/test_fsdp_checkpoint.py: test_rank_zero_only_save_raises
 import time
 
 from fsdp_models import make_model
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import CollectiveError

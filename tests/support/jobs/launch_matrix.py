@@ -7,7 +7,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from mp import report
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 
 from phalanx import Fabric
 from phalanx.utils.errors import MisconfigurationError

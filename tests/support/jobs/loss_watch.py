@@ -2,7 +2,7 @@
 
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

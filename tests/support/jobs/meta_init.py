@@ -6,8 +6,8 @@ Run by tests/strategies/test_meta_init.py: test_sharded_meta_init_equals_one_pro
 import sys
 
 import torch
+from job_runner import report
 from meta_init_models import Net
-from mp import report
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor

@@ -5,8 +5,8 @@ Run by tests/integration/test_metrics.py: test_ddp_killed_mid_epoch_resumes_with
 
 import sys
 
+from job_runner import report
 from metric_models import Classifier, loader
-from mp import report
 from trainer_support import KillAt, flat, quiet
 
 import phalanx

@@ -5,8 +5,8 @@ Run by tests/integration/test_metrics.py: test_two_ranks_metric_objects_exact_id
 
 import sys
 
+from job_runner import report
 from metric_models import Classifier, loader, metric_report
-from mp import report
 from trainer_support import flat, quiet
 
 import phalanx

@@ -1,8 +1,8 @@
 """ModelParallelStrategy training equals one process (run by tests/strategies/test_model_parallel.py: trained)."""
 
 import torch
+from job_runner import report
 from model_parallel_models import full_params, make_data, make_model, one_more_step, opt_state, parallelize
-from mp import report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset

@@ -7,8 +7,8 @@ import resource
 import sys
 
 import torch
+from job_runner import report
 from model_parallel_models import FeedForward, parallelize
-from mp import report
 from torch import nn
 
 import phalanx

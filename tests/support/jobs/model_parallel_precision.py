@@ -6,8 +6,8 @@ Run by tests/strategies/test_model_parallel.py: test_precisions_train_with_tenso
 import sys
 
 import torch
+from job_runner import report
 from model_parallel_models import full_params, make_data, make_model, parallelize
-from mp import report
 
 import phalanx
 from phalanx.strategies import ModelParallelStrategy

@@ -4,8 +4,8 @@ Run by tests/strategies/test_model_parallel.py: test_tensor_parallel_shards_roun
 """
 
 import torch
+from job_runner import report
 from model_parallel_models import full_params, make_model, one_more_step, opt_state, parallelize
-from mp import report
 
 import phalanx
 from phalanx.strategies import ModelParallelStrategy

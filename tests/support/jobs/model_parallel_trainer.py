@@ -4,8 +4,8 @@ Run by tests/strategies/test_model_parallel.py: test_two_by_two_trainer_fit_equa
 """
 
 import torch
+from job_runner import report
 from model_parallel_models import LitNet, full_params, make_data, parallelize_lit
-from mp import report
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/fabric/test_optimizer_ownership.py: test_foreign_parameters_refused
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

@@ -4,7 +4,7 @@ Run by tests/integration/test_parity.py: test_fabric_ddp_equals_raw_torch_ddp_an
 """
 
 import torch
-from mp import report
+from job_runner import report
 from parity_models import dataset, flat, make_model
 from torch import nn
 from torch.utils.data import DataLoader

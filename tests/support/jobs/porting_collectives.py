@@ -4,7 +4,7 @@ Run by tests/integration/test_porting_dist.py: test_fabric_collectives_on_two_ra
 """
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx as L
 

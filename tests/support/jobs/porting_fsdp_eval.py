@@ -4,7 +4,7 @@ Run by tests/integration/test_porting_dist.py:
 test_fsdp_evaluates_between_training_steps_with_the_default_inference_mode.
 """
 
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, loader
 
 import phalanx

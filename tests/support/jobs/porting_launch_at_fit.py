@@ -7,7 +7,7 @@ test_trainer_launches_at_fit_and_manual_optimization_under_ddp_equals_one_proces
 import os
 from pathlib import Path
 
-from mp import report
+from job_runner import report
 from porting_models import TwoOptimizers, data, flat
 from torch.utils.data import DataLoader
 

@@ -3,7 +3,7 @@
 Run by tests/integration/test_porting_dist.py: test_ranks_are_known_right_after_construction_under_phalanx_run.
 """
 
-from mp import report
+from job_runner import report
 
 import phalanx as L
 

@@ -10,7 +10,7 @@ import signal
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import flat
 
 import phalanx

@@ -4,7 +4,7 @@ one node, or (argv[1] ``2``) on two nodes of one process each (run by tests/dist
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -6,7 +6,7 @@ Run by tests/trainer/test_resume_other_batch.py: test_ddp_checkpoint_resumes_on_
 import logging
 
 import torch
-from mp import report
+from job_runner import report
 from survival_job import Indexed
 from torch.utils.data import DataLoader
 from trainer_support import Regressor, quiet

@@ -6,7 +6,7 @@ Run by tests/checkpoint/test_checksums.py: test_flipped_bytes_in_a_shard_file_ar
 from pathlib import Path
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.strategies import FSDPStrategy

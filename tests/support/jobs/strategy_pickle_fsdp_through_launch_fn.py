@@ -1,7 +1,7 @@
 """The job of tests/strategies/test_strategy_pickle.py::test_fsdp_object_through_launch_fn_trains_and_round_trips."""
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/fabric/test_bad_input.py: test_fsdp_refuses_a_gloo_whose_reduce_sca
 import os
 
 import torch.distributed as dist
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import MisconfigurationError

@@ -5,7 +5,7 @@ Run by tests/trainer/test_trainer_dist.py: test_accumulation_counts_and_paramete
 
 import sys
 
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

@@ -5,7 +5,7 @@ Run by tests/trainer/test_trainer_resume.py: test_ddp_killed_mid_epoch_resumes_b
 
 import sys
 
-from mp import report
+from job_runner import report
 from trainer_support import KillAt, Regressor, flat, loader, quiet
 
 import phalanx

@@ -1,7 +1,7 @@
 """A 2-rank Trainer fit (run by tests/trainer/test_trainer_dist.py: test_ddp_fit_equals_single_process_fit)."""
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

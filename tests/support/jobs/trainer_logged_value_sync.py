@@ -6,7 +6,7 @@ Run by tests/trainer/test_trainer_guards.py: test_step_metrics_sync_only_where_c
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, loader, quiet
 
 import phalanx

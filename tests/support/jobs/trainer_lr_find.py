@@ -4,7 +4,7 @@ Run by tests/trainer/test_trainer_dist.py: test_lr_finder_then_ddp_fit_via_phala
 """
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

@@ -4,7 +4,7 @@ Run by tests/trainer/test_trainer_dist.py: test_a_second_fabric_in_the_same_proc
 """
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 from phalanx.utils.errors import MisconfigurationError

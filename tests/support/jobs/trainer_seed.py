@@ -4,7 +4,7 @@ Run by tests/trainer/test_trainer_dist.py: test_ranks_seeded_differently_still_s
 """
 
 import torch
-from mp import report
+from job_runner import report
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/integration/test_transformers.py: test_gpt2_distillation_two_ranks_
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from transformers_models import distill_loss, make_pair, tokens
 
 import phalanx

@@ -6,7 +6,7 @@ Run by tests/integration/test_transformers.py: test_fsdp_direct_call_hint_names_
 import re
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 from transformers_models import gpt2, tokens
 

@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, loader, quiet
 
 import phalanx

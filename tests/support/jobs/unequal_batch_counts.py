@@ -4,7 +4,7 @@ accumulate over two batches (run by tests/fabric/test_bad_input.py)."""
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx

@@ -6,7 +6,7 @@ import sys
 import time
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 

@@ -6,7 +6,7 @@ Run by tests/distributed/test_watchdog.py: test_ordinary_exception_on_rank_zero_
 import time
 
 import torch
-from mp import report
+from job_runner import report
 
 import phalanx
 

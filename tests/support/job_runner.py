@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-SUPPORT = Path(__file__).resolve().parent  # tests/support: mp, trainer_support, combo_models, metric_models
+SUPPORT = Path(__file__).resolve().parent  # tests/support: the helpers that tests and jobs import
 JOBS = SUPPORT / "jobs"  # the job programs, one module per program (or per family)
 TESTS = SUPPORT.parent
 REPO = TESTS.parent
-# What a job script needs to import: the support modules as top-level modules (``from mp import report``),
+# What a job script needs to import: the support modules as top-level modules (``from job_runner import report``),
 # the tests package and phalanx from src.
 JOB_PYTHONPATH = os.pathsep.join(str(path) for path in (SUPPORT, REPO, REPO / "src"))
 
