@@ -3,6 +3,7 @@
 Each rank reports the error its attempt raised (or None), the message and the seconds it took.
 """
 
+import os
 import sys
 import time
 
@@ -48,7 +49,7 @@ elif SCENARIO == "raw_barrier":
 elif SCENARIO == "slow_rank":
     def slow_then_barrier():
         if r == 1:
-            time.sleep(6)   # longer than the guard bound: alive, on its way, must not trip it
+            time.sleep(1.5 * float(os.environ["PHALANX_GUARD_TIMEOUT"]))  # past the guard bound: alive, on its way
         fabric.barrier("after slow work")
     attempt(slow_then_barrier)
     attempt(lambda: fabric.save("a.ckpt", {"model": model}))
