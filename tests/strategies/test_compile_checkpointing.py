@@ -36,7 +36,7 @@ def _check(got: Any, expected: torch.Tensor, atol: float) -> None:
 
 def test_compile_before_setup_is_unwrapped_and_recompiled() -> None:
     # As in Lightning: the original module is set up, then compiled in place with the same settings
-    # (tests/fabric/test_compiled_setup.py covers the details).
+    # (tests/fabric/test_compiled.py covers the details).
     fabric = Fabric(accelerator="cpu", devices=1)
     model = fabric.setup(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
     assert list(model.state_dict()) == ["weight", "bias"]

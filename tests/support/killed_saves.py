@@ -1,6 +1,6 @@
 """Saves killed mid-write: a 2-rank FSDP job saving every step is SIGKILLed at a random moment, and what is left on
 disk must be one complete checkpoint (used by tests/strategies/test_fsdp_checkpoint.py and
-tests/checkpoint/test_async_checkpoint.py)."""
+tests/checkpoint/test_async_sharded.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The models, data and tensor-parallel plans of the model-parallel jobs and of their single-process references
-(tests/strategies/test_model_parallel.py, test_compile_checkpointing.py, tests/checkpoint/test_async_checkpoint.py)."""
+(tests/strategies/test_model_parallel.py, test_compile_checkpointing.py, tests/checkpoint/test_async_sharded.py)."""
 
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Saves asynchronously and loads back, on the strategy in argv[1].
 
-Run by tests/checkpoint/test_async_checkpoint.py: test_async_save_round_trip_and_failure.
+Run by tests/checkpoint/test_async_sharded.py: test_async_save_round_trip_and_failure.
 """
 
 import errno

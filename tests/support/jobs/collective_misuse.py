@@ -1,4 +1,4 @@
-"""Collectives misused on 2 ranks, one scenario per run (argv[1]); run by tests/distributed/test_collectives_guard.py.
+"""Collectives misused on 2 ranks, one scenario per run (argv[1]); run by tests/distributed/test_lockstep.py.
 
 Each rank reports the error its attempt raised (or None), the message and the seconds it took.
 """

@@ -1,6 +1,6 @@
 """A model compiled before fabric.setup, on 2 ranks.
 
-Run by tests/fabric/test_compiled_setup.py: test_compiled_module_under_ddp.
+Run by tests/fabric/test_compiled.py: test_compiled_module_under_ddp.
 """
 
 import torch

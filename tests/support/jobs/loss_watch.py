@@ -1,4 +1,4 @@
-"""A nan/inf loss in a 2-rank Fabric loop (run by tests/fabric/test_loss_watch.py: test_two_ranks)."""
+"""A nan/inf loss in a 2-rank Fabric loop (run by tests/fabric/test_anomaly.py: test_two_ranks)."""
 
 
 import torch

@@ -244,7 +244,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     class Opaque:  # would need code to rebuild: not something a safe checkpoint can hold
         pass
 
-    with pytest.raises(CheckpointError, match=r"state\['v'\] is a \S*test_fabric_unit\..*Opaque, which a checkpoint "
+    with pytest.raises(CheckpointError, match=r"state\['v'\] is a \S*test_fabric\..*Opaque, which a checkpoint "
                        r"cannot hold.*weights_only=True"):
         fabric.save(path, {"model": model, "v": Opaque()})
     assert fabric.load(path)["v"] == 1
