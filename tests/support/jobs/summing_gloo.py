@@ -1,4 +1,5 @@
-"""Sums tensors of every dtype over gloo.
+"""An FSDP launch on a gloo whose reduce-scatter sums where it should average (patched in here), which phalanx must
+refuse.
 
 Run by tests/fabric/test_bad_input.py: test_fsdp_refuses_a_gloo_whose_reduce_scatter_sums.
 """
