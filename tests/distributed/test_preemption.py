@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from job_runner import JOBS
 
 from phalanx.checkpoint import MARKER, latest
 from phalanx.distributed.failures import preempted_summary
@@ -71,8 +72,8 @@ def test_the_ranks_agree_on_the_signal_and_the_lowest_rank_that_got_it() -> None
 
 
 def test_preempted_ends_the_process_with_75_and_no_traceback() -> None:
-    code = "from phalanx.distributed.preemption import Preempted\nraise Preempted('preempted at step 3')"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(JOBS / "raise_preempted.py")], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == EXIT_PREEMPTED == 75
     assert done.stderr == ""
 
