@@ -1,8 +1,9 @@
 """Running real multi-process jobs from tests.
 
-A test writes a script (``run_job(code, ...)``); the script builds a ``Fabric(devices=N)`` and calls
-``fabric.launch()``, which re-runs it in N processes through phalanx's launcher, exactly as a user's
-``python train.py`` would. Each rank reports values with ``report(fabric, **values)`` (JSON under
+A test runs a job program, a file under tests/support/jobs/ (``run_job(JOBS / "name.py", tmp_path, args=...)``,
+its parameters on the command line), copied into the test's folder as ``job.py``; the program builds a
+``Fabric(devices=N)`` and calls ``fabric.launch()``, which re-runs it in N processes through phalanx's launcher,
+exactly as a user's ``python train.py`` would. Each rank reports values with ``report(fabric, **values)`` (JSON under
 ``PHALANX_TEST_OUT``); the test reads them back per rank. Every job has a hard timeout: a hung job
 fails the test instead of hanging the suite.
 """
