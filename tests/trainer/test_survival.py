@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from job_runner import JOB_PYTHONPATH, JOBS, Job, assert_terminal, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, SUPPORT, Job, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
 
-JOB = (Path(__file__).parents[1] / "support" / "survival_job.py").read_text()
+JOB = SUPPORT / "survival_job.py"
 STEPS = 16  # 48 samples / (2 ranks x batches of 3) = 8 optimizer steps per epoch, 2 epochs
 ENV = {"PHALANX_SHOW_TRACEBACKS": "0"}
 
@@ -129,7 +129,7 @@ def _fake_scontrol(folder: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_sigusr1_to_the_launcher_under_slurm_checkpoints_and_requeues(tmp_path: Path, tmp_path_factory: Any) -> None:
     expected = reference(tmp_path_factory, "ddp")
-    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "job.py").write_text(JOB.read_text())
     (tmp_path / "reports").mkdir()
     env = {**os.environ, **ENV, "PHALANX_TEST_OUT": str(tmp_path / "reports"), "PYTHONPATH": JOB_PYTHONPATH,
            "SLURM_JOB_ID": "4242", "PATH": f"{_fake_scontrol(tmp_path)}{os.pathsep}{os.environ['PATH']}"}
