@@ -1,4 +1,5 @@
-"""The job of tests/fabric/test_bad_input.py::test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step."""
+"""Mistakes across 2 ranks under lockstep='strict' (a weighted sampler, a collective on rank 0 only, different
+shapes, call sites), each caught; the ranks stay in step (run by tests/fabric/test_bad_input.py)."""
 
 import time
 

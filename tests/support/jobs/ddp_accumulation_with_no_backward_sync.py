@@ -1,4 +1,7 @@
-"""The job of tests/strategies/test_ddp.py::test_accumulation_with_no_backward_sync."""
+"""DDP accumulation over 2 micro-batches with no_backward_sync; a step on local-only gradients is refused.
+
+Run by tests/strategies/test_ddp.py.
+"""
 
 import torch
 from ddp_models import make_data, make_model

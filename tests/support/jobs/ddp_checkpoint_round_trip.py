@@ -1,4 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_ddp_checkpoint_round_trip."""
+"""A 16-mixed DDP model and Adam saved and loaded back into fresh objects (run by tests/strategies/test_ddp.py)."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_clip_gradients_and_init_module."""
+"""clip_gradients and init_module under 64-true DDP (run by tests/strategies/test_ddp.py)."""
 
 import torch
 from ddp_models import make_data, make_model

@@ -1,4 +1,7 @@
-"""The job of tests/strategies/test_ddp.py::test_collectives."""
+"""Fabric's collectives on 2 ranks: all_reduce, all_gather, broadcast, rank_zero_first, the rank properties.
+
+Run by tests/strategies/test_ddp.py.
+"""
 
 import torch
 from job_runner import report

@@ -1,4 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_launch_function_returns_rank_zero_result."""
+"""fabric.launch(work, 10.0) prints rank 0's result (run by tests/strategies/test_ddp.py)."""
 
 import torch
 

@@ -1,4 +1,7 @@
-"""The job of tests/strategies/test_ddp.py::test_phalanx_run_cli."""
+"""A Fabric whose devices come from phalanx run --devices 2 reports its world size, precision and strategy.
+
+Run by tests/strategies/test_ddp.py.
+"""
 
 from job_runner import report
 

@@ -1,4 +1,7 @@
-"""The job of tests/strategies/test_ddp.py::test_ddp_training_equals_single_process."""
+"""DDP training through setup_dataloaders, setup and setup_optimizers, verified in sync.
+
+Run by tests/strategies/test_ddp.py.
+"""
 
 import torch
 from ddp_models import make_data, make_model

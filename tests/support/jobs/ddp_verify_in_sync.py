@@ -1,4 +1,4 @@
-"""The job of tests/strategies/test_ddp.py::test_verify_in_sync_names_the_first_differing_parameter."""
+"""verify_in_sync names the parameter that rank 1 changed (run by tests/strategies/test_ddp.py)."""
 
 import torch
 from ddp_models import make_model

@@ -1,4 +1,7 @@
-"""The job of tests/distributed/test_faults.py::test_detect_anomaly_stops_every_rank_at_the_same_backward."""
+"""detect_anomaly=True on 2 ranks: a non-finite loss or gradient on one rank stops both at the same backward.
+
+Run by tests/distributed/test_faults.py.
+"""
 
 import torch
 from job_runner import report

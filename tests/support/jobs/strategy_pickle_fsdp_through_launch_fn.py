@@ -1,4 +1,7 @@
-"""The job of tests/strategies/test_strategy_pickle.py::test_fsdp_object_through_launch_fn_trains_and_round_trips."""
+"""An FSDPStrategy object passed through fabric.launch(fn) trains, saves and loads.
+
+Run by tests/strategies/test_strategy_pickle.py.
+"""
 
 import torch
 from job_runner import report
