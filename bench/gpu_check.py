@@ -43,7 +43,7 @@ from host_reads import DeviceSyncs  # noqa: E402  (what the CUDA tests count wit
 
 FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
 TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_writer.py",
-              "tests/fabric/test_loss_watch.py", "tests/fabric/test_unmanaged_backward.py"]
+              "tests/fabric/test_anomaly.py", "tests/fabric/test_unmanaged_backward.py"]
 
 
 def _device(args: argparse.Namespace) -> str:

@@ -24,7 +24,7 @@ if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.5.1 2.14.1); fi
 # equivalence with one process, clipping, 16-mixed loss scaling, a DCP checkpoint, bf16-mixed, the
 # Trainer's accumulation on both strategies and its sampler seed. Where torch cannot run FSDP on CPU
 # (2.5, 2.6) those tests skip, naming the reason, and test_bad_input checks phalanx refuses it.
-DEFAULT_TESTS="tests/fabric/test_fabric_unit.py tests/fabric/test_bad_input.py tests/trainer/test_trainer.py tests/callbacks/test_callbacks.py \
+DEFAULT_TESTS="tests/fabric/test_fabric.py tests/fabric/test_bad_input.py tests/trainer/test_trainer.py tests/callbacks/test_callbacks.py \
 tests/strategies/test_fsdp.py tests/strategies/test_fsdp_checkpoint.py::test_sixteen_mixed_scaler_state_round_trips \
 tests/strategies/test_ddp.py::test_clip_gradients_and_init_module tests/strategies/test_ddp.py::test_ddp_training_equals_single_process \
 tests/trainer/test_trainer_dist.py::test_accumulation_counts_and_parameters \

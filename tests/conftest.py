@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import multiprocessing.process
+import runpy
 import subprocess
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,17 +29,13 @@ def _no_launches_in_the_fast_tier(request: pytest.FixtureRequest, monkeypatch: p
     yield
 
 
-# ---------------------------------------------------------------- multi-process jobs (tests/support/mp.py)
+# ---------------------------------------------------------------- multi-process jobs (tests/support/job_runner.py)
 @pytest.fixture()
-def models(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
-    """The test module's model code for a job and its single-process reference: written to
-    ``tmp_path/models.py`` (the job script, run with cwd=tmp_path, does ``from models import ...``) and
-    executed here, returned as its namespace. The code is the module's ``JOB_MODELS`` or else ``MODEL_CODE``."""
-    code = getattr(request.module, "JOB_MODELS", None) or request.module.MODEL_CODE
-    (tmp_path / "models.py").write_text(code)
-    namespace: dict[str, Any] = {}
-    exec(code, namespace)
-    return namespace
+def models(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The namespace of the test module's ``MODELS``, a file under tests/support whose models its jobs import too,
+    run anew for each test (so that no module-level state passes from one test to the next), for the single-process
+    references."""
+    return runpy.run_path(str(request.module.MODELS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from fake_trainer import FakeTrainer, end_epoch
 from run_if import run_if
 from trainer_support import Regressor, loader
 
@@ -26,65 +27,13 @@ from phalanx.trainer.checkpointing import callback_keys
 from phalanx.utils.errors import MisconfigurationError, PhalanxWarning
 
 
-class FakeStrategy:
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def weights_finite(self, module: Any) -> bool:
-        return True
-
-    def remove_checkpoint(self, path: Any) -> None:
-        if self.rank == 0:
-            Path(path).unlink(missing_ok=True)
-
-
-class FakeFabric:
-    def __init__(self, rank: int = 0) -> None:
-        self.logged: list[tuple[dict[str, float], int | None]] = []
-        self.strategy = FakeStrategy(rank)
-
-    def log_dict(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((dict(metrics), step))
-
-
-class FakeTrainer:
-    def __init__(self, tmp: Path, rank: int = 0) -> None:
-        self.global_step, self.current_epoch, self.batches_done = 0, 0, 0
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self.is_global_zero, self.global_rank, self.in_window, self.should_stop = rank == 0, rank, False, False
-        self.log_dir, self.loggers, self.fabric, self.model = tmp, [object()], FakeFabric(rank), None
-        self.saved: list[str] = []
-        self.log_every_n_steps, self.num_training_batches, self.num_eval_batches = 1, 5, [3]
-        self.stage = "fit"
-        self.optimizer: Any = None
-        self.printed: list[str] = []
-
-    def save_checkpoint(self, path: Any, weights_only: bool = False) -> None:
-        self.saved.append(Path(path).name)
-        if self.is_global_zero:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text("x")
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self.printed.append(" ".join(map(str, args)))
-
-
-def _epoch(cb: Any, trainer: FakeTrainer, metric: float | None = None, name: str = "val_loss") -> None:
-    if metric is not None:
-        trainer.callback_metrics[name] = torch.tensor(metric)
-    trainer.global_step += 2
-    cb.on_train_epoch_end(trainer, None)
-    trainer.current_epoch += 1
-
-
 def test_model_checkpoint_keeps_the_best_k_and_deletes_the_rest(tmp_path: Path) -> None:
     trainer = FakeTrainer(tmp_path)
     cb = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=2, save_last=True)
     cb.setup(trainer, None, "fit")
     assert cb.dirpath == tmp_path / "checkpoints"
     for loss in (0.9, 0.5, 0.7, 0.8, 0.4):
-        _epoch(cb, trainer, loss)
+        end_epoch(cb, trainer, loss)
     files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert files == ["epoch=1-val_loss=0.50.ckpt", "epoch=4-val_loss=0.40.ckpt", "last.ckpt"]
     assert Path(cb.best_model_path).name == "epoch=4-val_loss=0.40.ckpt" and cb.best_model_score == pytest.approx(0.4)
@@ -118,17 +67,17 @@ def test_model_checkpoint_errors(tmp_path: Path) -> None:
     cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_acc")
     trainer.callback_metrics["train_loss"] = torch.tensor(1.0)
     with pytest.raises(MisconfigurationError, match=r"no such metric; logged metrics: \['train_loss'\]"):
-        _epoch(cb, trainer)
+        end_epoch(cb, trainer)
     cb = ModelCheckpoint(dirpath=tmp_path, filename="{nope}")
     with pytest.raises(MisconfigurationError, match=r"uses 'nope', which is not logged"):
-        _epoch(cb, trainer)
+        end_epoch(cb, trainer)
 
 
 def test_early_stopping_rules(tmp_path: Path) -> None:
     trainer = FakeTrainer(tmp_path)
     cb = EarlyStopping("val_loss", patience=2, min_delta=0.05)
     for loss in (1.0, 0.9, 0.88, 0.87):
-        _epoch(cb, trainer, loss)
+        end_epoch(cb, trainer, loss)
     assert trainer.should_stop and cb.stopped_epoch == 3 and cb.best_score == pytest.approx(0.9)
     assert cb.state_dict()["wait_count"] == 2
     assert EarlyStopping("m", mode="max", stopping_threshold=0.9).evaluate(0.95)[0]

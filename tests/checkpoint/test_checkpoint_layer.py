@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mp import REPO, run_job
+from fake_trainer import FakeTrainer, end_epoch
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 from torch import nn
 from trainer_support import Regressor, loader, quiet
@@ -63,15 +64,9 @@ def test_checkpoint_package_never_imports_strategies_and_deepspeed_files_do_not_
 
 
 def test_fsdp_does_not_depend_on_torch_private_checkpoint_helpers_at_import() -> None:
-    code = (
-        "import torch.distributed.checkpoint.state_dict_loader as loader\n"
-        "import torch.distributed.checkpoint.default_planner as planner\n"
-        "del loader._load_state_dict, planner._EmptyStateDictLoadPlanner\n"
-        "from phalanx.strategies import FSDPStrategy\n"
-        "assert FSDPStrategy().name == 'fsdp'\n"
-    )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, str(JOBS / "fsdp_without_torch_private_checkpoint_helpers.py")], check=True,
+                   env=env, timeout=120)
 
 
 # ---------------------------------------------------------------------- safe to open
@@ -248,40 +243,7 @@ def _tmpfs_available() -> bool:
         return False
 
 
-TMPFS_JOB = """
-import subprocess, sys, torch, phalanx
-from phalanx.utils.errors import CheckpointError
-from mp import report
-
-strategy = sys.argv[1]
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=strategy)
-fabric.launch()
-small = fabric.setup(torch.nn.Linear(16, 16))
-big = fabric.setup(torch.nn.Linear(1024, 1024))  # 4 MiB: does not fit on the 2 MiB filesystem
-out = {}
-
-def attempt(name, fn):
-    try:
-        fn()
-        out[name] = None
-    except CheckpointError as err:
-        out[name] = str(err)
-
-def load_step(path):
-    state = {"model": small, "step": -1}
-    fabric.load(path, state)
-    return state["step"]
-
-fabric.save("disk/good", {"model": small, "step": 1})
-attempt("full", lambda: fabric.save("disk/good", {"model": big, "step": 2}))
-out["after_full"] = load_step("disk/good")
-if fabric.global_rank == 0:
-    subprocess.run(["mount", "-o", "remount,ro", "disk"], check=True)
-fabric.barrier("remounted read-only")
-attempt("read_only", lambda: fabric.save("disk/good", {"model": small, "step": 3}))
-out["after_read_only"] = load_step("disk/good")
-report(fabric, **out)
-"""
+TMPFS_JOB = JOBS / "checkpoint_on_tmpfs.py"
 
 
 @pytest.mark.skipif(not _tmpfs_available(), reason="needs `unshare -rm` and tmpfs mounts (a private mount namespace)")
@@ -302,47 +264,7 @@ def test_real_full_disk_and_read_only_mount_on_two_ranks(tmp_path: Path, strateg
         assert rep["after_full"] == 1 and rep["after_read_only"] == 1
 
 
-FAULT_JOB = """
-import math, torch, phalanx
-from phalanx.utils.errors import CheckpointError
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-r = fabric.global_rank
-model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
-
-class FailsOnRankZero:
-    def state_dict(self):
-        if r == 0:
-            raise ValueError("cannot serialize the sampler")
-        return {}
-    def load_state_dict(self, state):
-        pass
-
-out = {}
-for form in ("sharded", "full"):
-    fabric.strategy.state_dict_type = form
-    path = "good" if form == "sharded" else "good.pt"
-    fabric.save(path, {"model": model, "step": 1})
-    try:
-        fabric.save(path, {"model": model, "step": 2, "sampler": FailsOnRankZero()})
-        out[form] = None
-    except CheckpointError as err:
-        out[form] = str(err)
-    state = {"model": model, "step": -1}
-    fabric.load(path, state)
-    out[form + ":step"] = state["step"]
-    fabric.remove_checkpoint(path)
-
-# Non-finite weights in one rank's shard only: every rank must see it.
-out["finite"] = fabric.strategy.weights_finite(model)
-if r == 1:
-    with torch.no_grad():
-        next(model.parameters()).to_local()[0, 0] = math.nan
-out["nan_on_rank1"] = fabric.strategy.weights_finite(model)
-report(fabric, **out)
-"""
+FAULT_JOB = JOBS / "checkpoint_write_faults.py"
 
 
 def test_a_failure_on_one_rank_reaches_every_rank_with_its_cause(tmp_path: Path) -> None:
@@ -412,28 +334,7 @@ def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: P
 
 
 # ---------------------------------------------------------------------- Trainer: directories, rotation, resume
-TRAINER_JOB = """
-import sys, torch, phalanx
-from mp import report
-from phalanx.callbacks import ModelCheckpoint
-from trainer_support import KillAt, Regressor, flat, loader, quiet
-
-strategy, mode = sys.argv[1], sys.argv[2]
-
-
-phalanx.seed_everything(5)
-ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=2, save_top_k=1, save_last=True)
-trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=3, accumulate_grad_batches=2,
-                          callbacks=[KillAt(7, active=mode == "kill"), ckpt], deterministic=True,
-                          **quiet(enable_checkpointing=True))
-# deterministic=True also fills every torch.empty with NaN; DeepSpeed allocates its 5e8-element gradient
-# buckets that way on every step (~10 s per batch here). The kernels stay deterministic without it.
-torch.utils.deterministic.fill_uninitialized_memory = False
-model = Regressor(optimizer="adam", lr=0.01, dropout=0.3)  # dropout: each rank's RNG stream matters
-trainer.fit(model, loader(48, 3, shuffle=True), ckpt_path="last" if mode == "resume" else None)
-report(trainer.fabric, params=flat(model), step=trainer.global_step, resumed_from=trainer.ckpt_path,
-       loss=float(trainer.callback_metrics["train_loss_epoch"]), best=ckpt.best_model_path)
-"""
+TRAINER_JOB = JOBS / "checkpoint_trainer_kill_resume.py"
 
 
 def _trainer_strategies() -> list[Any]:
@@ -511,13 +412,11 @@ def test_a_diverged_run_never_replaces_the_last_good_checkpoint(tmp_path: Path, 
 
 
 def test_a_non_finite_monitor_value_never_enters_the_top_k(tmp_path: Path) -> None:
-    from tests.callbacks.test_callbacks import FakeTrainer, _epoch
-
     trainer = FakeTrainer(tmp_path)
     cb = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1)
     cb.setup(trainer, None, "fit")
-    _epoch(cb, trainer, 0.5)
+    end_epoch(cb, trainer, 0.5)
     with pytest.warns(PhalanxWarning, match=r"val_loss=nan .* is not finite"):
-        _epoch(cb, trainer, float("nan"))
+        end_epoch(cb, trainer, float("nan"))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-val_loss=0.50.ckpt"]
     assert cb.best_model_score == 0.5

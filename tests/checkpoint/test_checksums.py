@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from byte_flips import flip
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 from trainer_support import Regressor, loader, quiet
@@ -44,19 +45,6 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     return model, torch.optim.Adam(model.parameters(), lr=0.5)
-
-
-def flip(path: Path, raw: bytes, count: int = 64, at: int = 256) -> tuple[bytes, bytes]:
-    """Invert ``count`` bytes inside the only copy of ``raw`` (a tensor's bytes) in ``path``: certain to hit
-    tensor data, not a zip header. Returns the bytes before and after."""
-    data = bytearray(path.read_bytes())
-    start = data.find(raw)
-    assert start >= 0 and data.find(raw, start + 1) == -1, "the tensor's bytes must occur exactly once"
-    assert at + count <= len(raw)
-    for i in range(start + at, start + at + count):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-    return raw, bytes(data[start:start + len(raw)])
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -213,53 +201,7 @@ def test_trainer_resume_refuses_a_corrupt_last_checkpoint(tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------------- directories (2 ranks)
-SHARDED_JOB = """
-import torch, phalanx
-from pathlib import Path
-from phalanx.strategies import FSDPStrategy
-from phalanx.utils.errors import CheckpointError
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
-fabric.launch()
-r = fabric.global_rank
-
-def build(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    return fabric.setup(model, opt)
-
-def full(model):
-    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
-
-model, opt = build(0)
-fabric.backward(model(torch.randn(4, 32)).sum())
-opt.step()
-fabric.save("step1", {"model": model, "optimizer": opt, "step": 1})
-fabric.save("step2", {"model": model, "optimizer": opt, "step": 2})
-fabric.strategy.async_save = True
-handle = fabric.save("async3", {"model": model, "optimizer": opt, "step": 3})
-fabric.strategy.async_save = False
-fabric.load("step1", {"model": build(1)[0]})  # waits for the asynchronous save on every rank
-# Rank 1's shard of the first weight: its bytes are in rank 1's file only.
-Path(f"shard{r}.bin").write_bytes(model[0].weight.to_local().detach().contiguous().numpy().tobytes())
-fabric.barrier()
-if r == 0:
-    from tests.checkpoint.test_checksums import flip
-    flip(Path("step2") / "__1_0.distcp", Path("shard1.bin").read_bytes())
-fabric.barrier()
-out = {}
-for name in ("step2", "step1", "async3"):
-    fresh, fresh_opt = build(1)
-    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
-    try:
-        fabric.load(name, state)
-        out[name] = torch.equal(full(fresh), full(model)) and state["step"] > 0
-    except CheckpointError as err:
-        out[name] = f"{type(err).__name__}: {err}"
-report(fabric, **out)
-"""
+SHARDED_JOB = JOBS / "sharded_checksums.py"
 
 
 @run_if(fsdp=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from job_runner import JOBS
 from torch import nn
 
 import phalanx
@@ -322,9 +323,7 @@ def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_th
 def test_a_rank_killed_with_9_lets_go_of_its_folder(folder: Path) -> None:
     # What a restarted attempt relies on: the kernel drops the claim of a process that ends without cleaning up.
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from phalanx.checkpoint.snapshot import FolderClaim; "
-                               f"claim = FolderClaim(__import__('pathlib').Path({str(folder)!r}), 0); "
-                               "print('held', flush=True); time.sleep(60)"],
+        [sys.executable, str(JOBS / "snapshot_folder_holder.py"), str(folder)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(phalanx.__file__).parents[1])})
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"

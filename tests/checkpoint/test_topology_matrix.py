@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from run_if import missing, run_if
 from topology_job import EPOCHS, FABRIC_STEPS, GLOBAL_BATCH, SAMPLES
 
@@ -43,10 +43,7 @@ PER_JOB = 12
 DEFAULT = (("ddp@2", "fsdp@2"), ("ddp@2", "deepspeed_stage_3@2"), ("fsdp@2", "single@1"))
 #: A Fabric loop's sharded FSDP checkpoint loaded under DeepSpeed (fabric.save / fabric.load).
 FABRIC = ("fsdp@2", "deepspeed_stage_2@2")
-JOB = """
-from topology_job import main
-main()
-"""
+JOB = JOBS / "topology_matrix.py"
 
 
 def _ranks(topology: str) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import run_job
+from job_runner import JOBS, line_of, run_job
 
 from phalanx.distributed import restarts
 from phalanx.distributed.failures import CAUSE_VARIABLE, failure_summary, oom_kills
@@ -237,56 +237,17 @@ def test_the_run_logs_go_under_the_runs_root(monkeypatch: pytest.MonkeyPatch, tm
 
 
 # ---------------------------------------------------------------- real 2-rank jobs that crash
-FABRIC_LOOP = """
-import torch, phalanx
-
-def train(fabric):
-    model = torch.nn.Linear(4, 1)
-    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for step in range(4):
-        print(f"rank {{fabric.global_rank}} step {{step}}", flush=True)
-        loss = model(torch.randn(8, 4)).sum()
-        if step == 2 and {who}:
-            raise ValueError(f"bad batch at step {{step}}")  # the line the summary names
-        fabric.backward(loss)
-        opt.step()
-"""
-SCRIPT = FABRIC_LOOP + """
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-train(fabric)
-"""
-FUNCTION = FABRIC_LOOP + """
-if __name__ == "__main__":
-    phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp").launch(train)
-"""
-RUN = FABRIC_LOOP + """
-fabric = phalanx.Fabric(accelerator="cpu")
-fabric.launch()
-train(fabric)
-"""
-TRAINER = """
-import torch, phalanx
-from trainer_support import Regressor, loader, quiet
-
-class Crashing(Regressor):
-    def training_step(self, batch, batch_idx):
-        print(f"rank {{self.global_rank}} batch {{batch_idx}}", flush=True)
-        if batch_idx == 2 and {who}:
-            raise ValueError(f"bad batch at step {{batch_idx}}")  # the line the summary names
-        return super().training_step(batch, batch_idx)
-
-phalanx.Trainer(devices=2, strategy="ddp", max_epochs=1, **quiet()).fit(Crashing(), loader(32, 4))
-"""
-WHO = {"rank 1": "fabric.global_rank == 1", "both ranks": "True"}
-PATHS = {"python train.py": SCRIPT, "launch(fn)": FUNCTION, "Trainer": TRAINER, "phalanx run": RUN}
+FABRIC_LOOP = JOBS / "crashing_fabric_loop.py"
+TRAINER = JOBS / "crashing_trainer.py"
+WHO = {"rank 1": "rank1", "both ranks": "both"}
+PATHS = {"python train.py": "script", "launch(fn)": "function", "Trainer": "trainer", "phalanx run": "run"}
 
 
 def _crash(tmp_path: Path, how: str, who: str, env: dict[str, str] | None = None) -> tuple[Any, int]:
-    code = PATHS[how].format(who=WHO[who].replace("fabric.", "self.") if how == "Trainer" else WHO[who])
-    line = next(i for i, text in enumerate(code.splitlines(), 1) if "the line the summary names" in text)
+    job_file, args = (TRAINER, (WHO[who],)) if how == "Trainer" else (FABRIC_LOOP, (PATHS[how], WHO[who]))
+    line = line_of(job_file, "the line the summary names")
     command = [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2"] if how == "phalanx run" else None
-    job = run_job(code, tmp_path, timeout=180, env=env, command=command)
+    job = run_job(job_file, tmp_path, timeout=180, env=env, command=command, args=args)
     return job, line
 
 
@@ -343,23 +304,9 @@ def test_show_tracebacks_prints_them_inline(tmp_path: Path) -> None:
 
 
 def test_log_dir_comes_from_the_environment_and_stderr_stays_live(tmp_path: Path) -> None:
-    code = """
-import sys, torch, phalanx
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-print(f"stdout of rank {fabric.global_rank}", flush=True)
-print(f"stderr of rank {fabric.global_rank}", file=sys.stderr, flush=True)
-if fabric.global_rank == {rank} and {handled}:
-    try:
-        raise OSError("retrying the download")
-    except OSError:
-        import traceback
-        traceback.print_exc()
-fabric.barrier()
-"""
     logs = tmp_path / "logs"
     for handled in (False, True):
-        job = run_job(code.replace("{rank}", "1").replace("{handled}", str(handled)), tmp_path, timeout=180,
+        job = run_job(JOBS / "stderr_shown_live.py", tmp_path, args=(str(handled),), timeout=180,
                       env={"PHALANX_LOG_DIR": str(logs)})
         job.check()
         for rank in (0, 1):

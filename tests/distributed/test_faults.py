@@ -15,14 +15,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH, assert_no_orphans, run_job, spawn_by_hand, wait_for
+from job_runner import JOB_PYTHONPATH, JOBS, assert_no_orphans, run_job, spawn_by_hand, wait_for
 
 import phalanx
 from phalanx.fabric.anomaly import NonFiniteError
@@ -37,54 +36,9 @@ ENV = {"PHALANX_GUARD_TIMEOUT": str(GUARD)}
 PHALANX_CLI = str(Path(sys.executable).with_name("phalanx"))
 
 
-TRAIN = """
-import os, signal, sys, time
-import torch
-import phalanx
+TRAIN = JOBS / "faults_train_until_killed.py"  # argv: victim rank, kill step, where
 
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-model, opt = fabric.setup(model, opt)
-VICTIM, KILL_STEP, WHERE = {victim}, {kill_step}, {where!r}
-
-def die() -> None:
-    with open("killed_at", "w") as fh:
-        fh.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
-
-for step in range(10_000):
-    killing = fabric.global_rank == VICTIM and step == KILL_STEP
-    if step == 2:
-        open(f"ready{{fabric.global_rank}}", "w").close()
-    loss = model(torch.randn(8, 16)).pow(2).mean()
-    if killing and WHERE == "forward":
-        die()
-    if killing and WHERE == "backward":
-        # Dies inside autograd, while DDP's reducer may already be all-reducing the first buckets.
-        model.module[0].weight.register_hook(lambda g: die())
-    fabric.backward(loss)
-    if killing and WHERE == "step":
-        die()
-    opt.step()
-    opt.zero_grad()
-"""
-
-# Rank 0 waits in a guarded barrier for rank 1, which is alive (heartbeating) but elsewhere; then
-# rank 1 is killed and only its frozen heartbeat tells rank 0 what happened.
-WAITING = """
-import time, phalanx
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-open(f"ready{fabric.global_rank}", "w").close()
-if fabric.global_rank == 0:
-    fabric.barrier("wait for rank 1")
-else:
-    time.sleep(600)
-"""
+WAITING = JOBS / "faults_waiting_in_barrier.py"
 
 
 # ---------------------------------------------------------------- a rank killed mid-step
@@ -93,7 +47,7 @@ else:
 )
 def test_sigkill_mid_step_under_launch(tmp_path: Path, fault_log: Log, where: str) -> None:
     kill_step = random.Random(where).randint(3, 12)
-    job = run_job(TRAIN.format(victim=1, kill_step=kill_step, where=where), tmp_path, timeout=120, env=ENV)
+    job = run_job(TRAIN, tmp_path, timeout=120, env=ENV, args=("1", str(kill_step), where))
     seconds = time.time() - float((tmp_path / "killed_at").read_text())
     assert job.returncode != 0
     assert "rank 1 was killed by SIGKILL; rank 0 stopped as a consequence" in job.stderr, job.output[-3000:]
@@ -104,8 +58,8 @@ def test_sigkill_mid_step_under_launch(tmp_path: Path, fault_log: Log, where: st
 
 
 def test_sigkill_mid_step_under_phalanx_run(tmp_path: Path, fault_log: Log) -> None:
-    code = TRAIN.format(victim=1, kill_step=5, where="backward")
-    job = run_job(code, tmp_path, timeout=120, env=ENV, command=[PHALANX_CLI, "run", "--devices", "2"])
+    job = run_job(TRAIN, tmp_path, timeout=120, env=ENV, command=[PHALANX_CLI, "run", "--devices", "2"],
+                  args=("1", "5", "backward"))
     seconds = time.time() - float((tmp_path / "killed_at").read_text())
     assert job.returncode != 0
     assert "rank 1 was killed by SIGKILL; rank 0 stopped as a consequence" in job.stderr, job.output[-3000:]
@@ -128,9 +82,9 @@ def test_sigkill_without_a_supervisor_survivor_names_the_dead_rank(
 ) -> None:
     """No launcher kills the survivor here: the guard alone must turn the dead peer into an error."""
     script = tmp_path / "job.py"
-    code = WAITING if where == "barrier" else TRAIN.format(victim=-1, kill_step=-1, where=where)
-    script.write_text(textwrap.dedent(code))
-    procs = spawn_by_hand(script, 2, ENV)
+    job, args = (WAITING, ()) if where == "barrier" else (TRAIN, ("-1", "-1", where))
+    script.write_text(job.read_text())
+    procs = spawn_by_hand(script, 2, ENV, args)
     try:
         wait_for(tmp_path / "ready0")
         wait_for(tmp_path / "ready1")
@@ -205,35 +159,7 @@ def _mlp_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def test_detect_anomaly_stops_every_rank_at_the_same_backward(tmp_path: Path, fault_log: Log) -> None:
     job = run_job(
-        """
-        import torch, phalanx
-        from mp import report
-        from phalanx.fabric.anomaly import NonFiniteError
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, detect_anomaly=True)
-        fabric.launch()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = fabric.setup(model, opt)
-        r = fabric.global_rank
-        errors = {}
-        for step in range(1, 7):
-            x = torch.randn(4, 4)
-            if step == 4 and r == 0:
-                x[0, 0] = float("nan")  # rank 0 only: DDP's all-reduce spreads it to rank 1's gradients
-            loss = model(x).pow(2).mean()
-            if step == 2 and r == 1:
-                loss = loss + float("inf")  # rank 1's loss only; the gradients stay finite
-            try:
-                fabric.backward(loss)
-                opt.step()
-            except NonFiniteError as err:
-                errors[step] = str(err)
-            opt.zero_grad()
-        fabric.barrier("end")  # both ranks are still in step
-        report(fabric, errors=errors, finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()))
-        """,
+        JOBS / "faults_detect_anomaly.py",
         tmp_path,
         timeout=120,
         env=ENV,
@@ -252,25 +178,7 @@ def test_detect_anomaly_stops_every_rank_at_the_same_backward(tmp_path: Path, fa
 
 
 # ---------------------------------------------------------------- kill -9 in the middle of a save
-SAVE_LOOP = """
-import os, sys, torch, phalanx
-
-fabric = phalanx.Fabric(accelerator="cpu", devices={devices}, strategy={strategy!r})
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(1024, 2048))  # 8 MiB of weights: a save takes tens of ms
-if fabric.global_rank == 0:
-    with open("writer.pid", "w") as fh:
-        fh.write(str(os.getpid()))
-k = 0
-while True:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float(k))
-    fabric.save(sys.argv[1], {{"model": model, "step": k}})
-    if fabric.global_rank == 0:
-        print(f"saved {{k}}", flush=True)
-    k += 1
-"""
+SAVE_LOOP = JOBS / "faults_save_loop.py"  # argv: checkpoint path, devices, strategy
 
 FORMATS = {"file-1proc": (1, "single"), "file-ddp": (2, "ddp"), "sharded-fsdp": (2, "fsdp")}
 
@@ -280,10 +188,10 @@ def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int
     ones, then check what is on disk. Returns (last confirmed step, step on disk, partials left, refused)."""
     devices, strategy = FORMATS[fmt]
     script = tmp_path / "save_loop.py"
-    script.write_text(textwrap.dedent(SAVE_LOOP.format(devices=devices, strategy=strategy)))
+    script.write_text(SAVE_LOOP.read_text())
     target = tmp_path / "ckpt"
     env = {**os.environ, **ENV, "PYTHONPATH": JOB_PYTHONPATH}
-    proc = subprocess.Popen([sys.executable, str(script), str(target)], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, str(script), str(target), str(devices), strategy], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
@@ -329,23 +237,9 @@ def _load_step(path: Path, devices: int, strategy: str, tmp_path: Path) -> int:
     for stale in (tmp_path / "reports").glob("rank*.json"):
         stale.unlink()  # report() merges into existing files: start each verification clean
     job = run_job(  # a sharded checkpoint needs the same number of ranks to load
-        f"""
-        import torch, phalanx
-        from mp import report
-        from phalanx.utils.errors import CheckpointError
-        fabric = phalanx.Fabric(accelerator="cpu", devices={devices}, strategy={strategy!r})
-        fabric.launch()
-        model = fabric.setup(torch.nn.Linear(1024, 2048))
-        state = {{"model": model, "step": -1}}
-        try:
-            fabric.load({str(path)!r}, state)
-        except CheckpointError as err:
-            report(fabric, error=str(err))
-            raise SystemExit(0)
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-        report(fabric, step=state["step"], consistent=all(bool((p == float(state["step"])).all()) for p in full))
-        """,
+        JOBS / "faults_load_step.py",
         tmp_path,
+        args=(str(devices), strategy, str(path)),
         timeout=120,
         name="verify.py",
     ).check()

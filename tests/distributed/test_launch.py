@@ -6,22 +6,14 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-from mp import JOB_PYTHONPATH, free_port, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, free_port, run_job
 
 pytestmark = pytest.mark.timeout(150)
 
-REPORT_SCRIPT = """
-import torch, phalanx
-from mp import report
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-total = fabric.all_reduce(torch.tensor(float(fabric.global_rank + 1)), reduce_op="sum")
-report(fabric, total=total, ranks=[fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size])
-"""
+REPORT_SCRIPT = JOBS / "report_ranks.py"
 
 
 def test_torchrun_job_is_joined(tmp_path: Path) -> None:
@@ -35,7 +27,7 @@ def test_torchrun_job_is_joined(tmp_path: Path) -> None:
 
 def test_slurm_job_is_joined(tmp_path: Path) -> None:
     """Two tasks started the way srun starts them: only SLURM_* variables, rank 0 hosts the store."""
-    (tmp_path / "job.py").write_text(textwrap.dedent(REPORT_SCRIPT))
+    (tmp_path / "job.py").write_text(REPORT_SCRIPT.read_text())
     (tmp_path / "reports").mkdir()
     port = free_port()
     procs = []
@@ -70,8 +62,7 @@ def test_slurm_allocation_that_does_not_match_devices_fails_fast(tmp_path: Path)
 
 def test_phalanx_run_two_nodes_on_one_machine(tmp_path: Path) -> None:
     """`phalanx run --num-nodes 2` on each "node" forms one job, as torchrun's multi-node does."""
-    script = REPORT_SCRIPT.replace("devices=2", "devices=1, num_nodes=2")
-    (tmp_path / "job.py").write_text(textwrap.dedent(script))
+    (tmp_path / "job.py").write_text(REPORT_SCRIPT.read_text())
     (tmp_path / "reports").mkdir()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PHALANX_"))}
@@ -79,7 +70,7 @@ def test_phalanx_run_two_nodes_on_one_machine(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "phalanx.cli", "run", "--devices", "1", "--num-nodes", "2", "--node-rank",
-             str(node), "--main-address", "127.0.0.1", "--main-port", str(port), "job.py"],
+             str(node), "--main-address", "127.0.0.1", "--main-port", str(port), "job.py", "2"],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)

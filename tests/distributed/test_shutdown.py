@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import run_job
+from job_runner import JOBS, run_job
 
 from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Lockstep
 
-SCRIPT = """
-import torch, phalanx
-fabric = phalanx.Fabric(accelerator="cpu")
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-fabric.backward(model(torch.randn(2, 3)).sum())
-fabric.barrier()
-fabric.print("done")
-"""
+SCRIPT = JOBS / "shutdown_under_phalanx_run.py"
 
 
 def _runs(tmp_path: Path, n: int) -> None:

@@ -11,14 +11,23 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from mp import JOB_PYTHONPATH, REPO, assert_no_orphans, run_job, run_logs, spawn_by_hand, wait_for
+from job_runner import (
+    JOB_PYTHONPATH,
+    JOBS,
+    REPO,
+    assert_no_orphans,
+    line_of,
+    run_job,
+    run_logs,
+    spawn_by_hand,
+    wait_for,
+)
 
 from phalanx.distributed.failures import failure_summary
 from phalanx.distributed.launch import MAX_CPU_RANKS_PER_CORE, check_cpu_processes
@@ -31,33 +40,8 @@ pytestmark = pytest.mark.timeout(240)
 GUARD = 4.0
 ENV = {"PHALANX_GUARD_TIMEOUT": str(GUARD)}
 
-TRAIN_THEN = """
-import os, signal, sys, time
-import torch
-import torch.distributed as dist
-import phalanx
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy={strategy!r})
-fabric.launch()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-model, opt = fabric.setup(model, opt)
-rank = fabric.global_rank
-
-def mark(name):
-    with open(f"{{name}}{{rank}}", "w") as fh:
-        fh.write(repr(time.time()))
-
-for step in range({steps}):
-    if step == 2:
-        mark("ready")
-    loss = model(torch.randn(8, 16)).pow(2).mean()
-    fabric.backward(loss)
-    opt.step()
-    opt.zero_grad()
-{then}
-"""
+TRAIN_THEN = JOBS / "watchdog_train.py"  # argv: steps, then what goes wrong
+FROZEN = ("100000", "freeze")
 
 
 def _seconds_since(path: Path) -> float:
@@ -65,24 +49,11 @@ def _seconds_since(path: Path) -> float:
 
 
 # ---------------------------------------------------------------- a frozen rank inside DDP's all-reduce
-FREEZE = """
-    if rank == 1 and step == 5:
-        mark("stopped")
-        os.kill(os.getpid(), signal.SIGSTOP)   # a debugger, a stuck data worker: alive, silent
-"""
-
-
-def _frozen_job(tmp_path: Path) -> str:
-    body = TRAIN_THEN.format(strategy="ddp", steps=100_000, then="").replace(
-        "    loss = model(", FREEZE.strip("\n") + "\n    loss = model(", 1)
-    return textwrap.dedent(body)
-
-
 def test_rank_frozen_in_ddp_training_ends_the_job_naming_it(tmp_path: Path) -> None:
     """No phalanx-named collective in the loop: rank 0 blocks in DDP's gradient all-reduce."""
     script = tmp_path / "job.py"
-    script.write_text(_frozen_job(tmp_path))
-    procs = spawn_by_hand(script, 2, ENV)  # no supervisor: rank 0's own exit is observed directly
+    script.write_text(TRAIN_THEN.read_text())
+    procs = spawn_by_hand(script, 2, ENV, FROZEN)  # no supervisor: rank 0's own exit is observed directly
     try:
         wait_for(tmp_path / "stopped1", timeout=120)
         procs[0].wait(timeout=GUARD + 60)
@@ -102,7 +73,7 @@ def test_rank_frozen_in_ddp_training_ends_the_job_naming_it(tmp_path: Path) -> N
 
 @pytest.mark.slow  # CI: the same freeze is detected by hand in test_rank_frozen_in_ddp_training_ends_the_job_naming_it
 def test_frozen_rank_under_the_launcher_exits_non_zero_with_the_cause_and_no_process_left(tmp_path: Path) -> None:
-    job = run_job(_frozen_job(tmp_path), tmp_path, timeout=150, env=ENV)
+    job = run_job(TRAIN_THEN, tmp_path, timeout=150, env=ENV, args=FROZEN)
     assert job.returncode != 0
     summary = job.stderr.strip().splitlines()[-1]
     assert summary.startswith("[phalanx] job failed: rank 0 exited with code 1: RankGoneError: backward (DDP "
@@ -114,43 +85,11 @@ def test_frozen_rank_under_the_launcher_exits_non_zero_with_the_cause_and_no_pro
 
 
 # ---------------------------------------------------------------- seed 001 by another path: FSDP, rank 0 alone
-FSDP_EXTRA_FORWARD = """
-import time, torch, phalanx
-from mp import report
-
-def main(fabric):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = fabric.setup(model, opt)
-    for _ in range(2):
-        fabric.backward(model(torch.randn(4, 16)).sum())
-        opt.step()
-        opt.zero_grad()
-    if fabric.global_rank == 0:
-        with torch.no_grad():
-            model(torch.randn(1, 16))   # "generate a sample on rank 0": FSDP all-gathers the parameters
-    elif {rank1_barrier}:
-        start = time.monotonic()
-        try:
-            fabric.barrier("after sampling")
-        except Exception as err:
-            report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
-            raise
-    return "done"
-
-if __name__ == "__main__":
-    fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-    start = time.monotonic()
-    try:
-        fabric.launch(main)
-    except Exception as err:
-        report(rank=0, launcher_error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
-"""
+FSDP_EXTRA_FORWARD = JOBS / "watchdog_fsdp_extra_forward.py"  # argv[1]: whether rank 1 waits in a barrier
 
 
 def test_fsdp_forward_on_rank_zero_alone_while_rank_one_returns(tmp_path: Path) -> None:
-    job = run_job(FSDP_EXTRA_FORWARD.format(rank1_barrier=False), tmp_path, timeout=150, env=ENV)
+    job = run_job(FSDP_EXTRA_FORWARD, tmp_path, args=("False",), timeout=150, env=ENV)
     rep = job.reports[0]
     assert rep["launcher_error"] == "PhalanxError", job.output[-3000:]
     assert re.search(r"fabric\.launch\(main\) failed: rank 0 exited with code 1: RankGoneError: forward \(FSDP "
@@ -163,7 +102,7 @@ def test_fsdp_forward_on_rank_zero_alone_while_rank_one_returns(tmp_path: Path) 
 
 
 def test_fsdp_forward_on_rank_zero_while_rank_one_waits_in_a_barrier(tmp_path: Path) -> None:
-    job = run_job(FSDP_EXTRA_FORWARD.format(rank1_barrier=True), tmp_path, timeout=150, env=ENV)
+    job = run_job(FSDP_EXTRA_FORWARD, tmp_path, args=("True",), timeout=150, env=ENV)
     one = job.reports[1]
     assert one["error"] == "CollectiveMismatchError", job.output[-3000:]
     assert re.search(r"after sampling \(collective #(\d+), called at job\.py:\d+ \(main\) on rank 1\) is waiting for "
@@ -183,11 +122,7 @@ def test_fsdp_forward_on_rank_zero_while_rank_one_waits_in_a_barrier(tmp_path: P
 
 # ---------------------------------------------------------------- a raw torch.distributed call in user code
 def test_raw_torch_collective_waiting_on_a_rank_that_left(tmp_path: Path) -> None:
-    then = """
-if rank == 0:
-    dist.all_reduce(torch.ones(3))   # a raw call the other rank never makes
-"""
-    job = run_job(TRAIN_THEN.format(strategy="ddp", steps=3, then=then), tmp_path, timeout=150, env=ENV)
+    job = run_job(TRAIN_THEN, tmp_path, timeout=150, env=ENV, args=("3", "raw_all_reduce"))
     assert job.returncode != 0
     # Either the watchdog ends rank 0 inside the call, or gloo notices the closed connection first; then the
     # rank explains torch's bare "Connection closed by peer" before it exits, and publishes the explanation.
@@ -198,31 +133,7 @@ if rank == 0:
 
 
 # ---------------------------------------------------------------- the true cause reaches every rank
-RAISE_IN_SAVE = """
-import time, torch, phalanx
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-fabric.save("ok.ckpt", {"model": model})
-
-class Stats:
-    def state_dict(self):
-        if fabric.global_rank == 0:
-            raise ValueError("the stats table is locked")
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-start = time.monotonic()
-try:
-    fabric.save("next.ckpt", {"model": model, "stats": Stats()})
-except Exception as err:
-    report(fabric, error=type(err).__name__, message=str(err), seconds=time.monotonic() - start)
-    raise
-"""
+RAISE_IN_SAVE = JOBS / "watchdog_raise_in_save.py"
 
 
 def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_path: Path) -> None:
@@ -243,15 +154,7 @@ def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_pa
 
 
 # ---------------------------------------------------------------- launchers print the cause
-CRASH = """
-import torch, phalanx
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-model = fabric.setup(torch.nn.Linear(3, 1))
-if fabric.global_rank == 1:
-    raise KeyError("missing_column")
-fabric.barrier()
-"""
+CRASH = JOBS / "watchdog_crash.py"
 
 
 @pytest.mark.parametrize("how", ["phalanx run", "torchrun"])
@@ -271,12 +174,13 @@ def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> Non
     # the terminal shows the cause once, at the end).
     output = job.stderr + run_logs(tmp_path)
     assert "rank-dependent branch" not in output, output[-3000:]
+    raised = line_of(CRASH, "raise KeyError")
     named = re.search(r"barrier \(collective #\d+, .* on rank 0\) is waiting for rank\(s\) \[1\], but rank 1 failed: "
-                      r"KeyError: 'missing_column' \(raised at job\.py:7 \(<module>\)\)", output)
+                      rf"KeyError: 'missing_column' \(raised at job\.py:{raised} \(<module>\)\)", output)
     # Either launcher's agent may stop rank 0 (SIGTERM) before its watchdog speaks; phalanx's summary reads the same
     # either way, and nothing wrong was said (a race the agent decides, seen in full-suite runs on 2 busy cores).
-    stopped = ("job failed: rank 1 exited with code 1: KeyError: 'missing_column' (raised at job.py:7 (<module>)); "
-               "rank 0 stopped as a consequence." in output if how == "phalanx run"
+    stopped = (f"job failed: rank 1 exited with code 1: KeyError: 'missing_column' (raised at job.py:{raised} "
+               "(<module>)); rank 0 stopped as a consequence." in output if how == "phalanx run"
                else re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: -15", output) is not None)
     assert named or stopped, output[-3000:]
 
@@ -307,13 +211,7 @@ def test_too_many_cpu_processes_are_refused_before_starting_any() -> None:
 
 
 def test_oversubscribed_cpu_job_is_refused_at_launch(tmp_path: Path) -> None:
-    code = """
-import os, phalanx
-os.sched_getaffinity  # noqa
-fabric = phalanx.Fabric(accelerator="cpu", devices=64)
-fabric.launch()
-"""
-    job = run_job(code, tmp_path, timeout=60)
+    job = run_job(JOBS / "oversubscribed_cpu_job.py", tmp_path, timeout=60)
     assert job.returncode != 0
     assert "MisconfigurationError: devices=64 CPU processes on a machine with" in job.stderr
     assert "DistNetworkError" not in job.stderr and job.stderr.count("\n") < 40

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 
@@ -161,59 +161,7 @@ def test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step(tmp_path: Path)
     """One strict-mode job; every mistake here is caught before any real collective starts, so the
     ranks are still in step afterwards and the job goes on to the next case."""
     job = run_job(
-        """
-        import time, torch, phalanx
-        from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
-        from mp import report
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, lockstep="strict")
-        fabric.launch()
-        r = fabric.global_rank
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = fabric.setup(model, opt)
-        out = {}
-
-        def case(name, fn):
-            start = time.monotonic()
-            try:
-                fn()
-                out[name] = ("ok", "", 0.0)
-            except Exception as err:
-                out[name] = (type(err).__name__, str(err), time.monotonic() - start)
-
-        data = TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
-        weighted = DataLoader(data, sampler=WeightedRandomSampler(torch.ones(12), 12), batch_size=4)
-        case("sampler", lambda: fabric.setup_dataloaders(weighted))
-        # A collective on rank 0 only; rank 1 goes straight on to the next one.
-        case("save", lambda: fabric.save("x.ckpt", {"model": model}) if r == 0 else fabric.all_gather(torch.zeros(1)))
-        case("barrier", lambda: fabric.barrier() if r == 0 else fabric.all_gather(torch.zeros(1)))
-        case("all_reduce", lambda: fabric.all_reduce(torch.ones(3)) if r == 0 else fabric.all_gather(torch.zeros(1)))
-        case("shapes", lambda: fabric.all_reduce(torch.ones(2 + r)))
-        if r == 0:  # the same collective from two different lines: only strict mode objects
-            case("call_sites", lambda: fabric.barrier())
-        else:
-            case("call_sites", lambda: fabric.barrier())
-
-        # Still in step: equal user-sharded loaders train for two epochs, and a loader read on rank 0
-        # alone (no collectives inside) is not mistaken for a desync.
-        own = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4) + r, torch.randn(8, 1)),
-                                                  batch_size=4), use_distributed_sampler=False)
-        def train():
-            for _ in range(2):
-                for x, y in own:
-                    fabric.backward((model(x) - y).pow(2).mean())
-                    opt.step()
-                    opt.zero_grad()
-            if r == 0:
-                with torch.no_grad():
-                    for x, y in own:
-                        model(x)
-            fabric.barrier("end")
-        case("train", train)
-        report(fabric, out=out)
-        """,
+        JOBS / "bad_input_mistakes_across_ranks.py",
         tmp_path,
         timeout=150,
         env=ENV,
@@ -237,35 +185,7 @@ def test_mistakes_across_ranks_fail_fast_and_leave_ranks_in_step(tmp_path: Path)
     assert not (tmp_path / "x.ckpt").exists()
 
 
-UNEQUAL = """
-import torch, phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-r = fabric.global_rank
-torch.manual_seed(0)
-n = {sizes}[r]
-loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=4),
-                                  use_distributed_sampler=False)
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-model, opt = fabric.setup(model, opt)
-try:
-    for epoch in range(2):
-        for i, (x, y) in enumerate(loader):
-            # accumulate: only the second batch of a pass syncs (a trailing partial window stays local)
-            local = {accumulate} and i != 1
-            with fabric.no_backward_sync(model, enabled=local):
-                fabric.backward((model(x) - y).pow(2).mean())
-            if not local:
-                opt.step()
-                opt.zero_grad()
-except Exception as err:
-    report(fabric, error=type(err).__name__, message=str(err))
-    raise
-"""
+UNEQUAL = JOBS / "unequal_batch_counts.py"  # argv[1]: whether to accumulate
 
 
 @pytest.mark.parametrize(
@@ -280,7 +200,7 @@ except Exception as err:
 def test_unequal_batch_counts_with_user_sharded_data(tmp_path: Path, accumulate: bool, expected: str) -> None:
     """Without the check, the two epochs' all-reduces silently pair up across epochs and the job dies
     at the end with a bare gloo 'Connection closed by peer' (or hangs until the 30 min timeout)."""
-    job = run_job(UNEQUAL.format(sizes=[16, 12], accumulate=accumulate), tmp_path, timeout=120, env=ENV)
+    job = run_job(UNEQUAL, tmp_path, args=(str(accumulate),), timeout=120, env=ENV)
     assert job.returncode != 0
     reports = [job.reports[r] for r in sorted(job.reports) if "message" in job.reports[r]]
     assert any(rep["error"] == "CollectiveMismatchError" for rep in reports), job.output[-3000:]
@@ -290,31 +210,15 @@ def test_unequal_batch_counts_with_user_sharded_data(tmp_path: Path, accumulate:
 
 
 # ---------------------------------------------------------------- sharded (FSDP) mistakes, when FSDP exists
-FSDP_PRELUDE = """
-import torch, phalanx
-from mp import report
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-def attempt(fn):
-    try:
-        fn()
-        report(fabric, error="none", message="")
-    except Exception as err:
-        report(fabric, error=type(err).__name__, message=str(err))
-"""
+FSDP_MISTAKES = JOBS / "fsdp_mistakes.py"  # argv[1]: the mistake
 
 
 @CPU_FSDP
 def test_sharded_checkpoint_mistakes(tmp_path: Path) -> None:
     job = run_job(
-        FSDP_PRELUDE
-        + """
-model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-fabric.save("sharded", {"model": model})
-wider = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
-attempt(lambda: fabric.load("sharded", {"model": wider}))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("save_then_load_wider",),
         timeout=150,
         env=ENV,
     )
@@ -328,12 +232,9 @@ attempt(lambda: fabric.load("sharded", {"model": wider}))
     victim = max(files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     job = run_job(
-        FSDP_PRELUDE
-        + """
-model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
-attempt(lambda: fabric.load("sharded", {"model": model}))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("load",),
         timeout=150,
         env=ENV,
         name="load.py",
@@ -345,14 +246,9 @@ attempt(lambda: fabric.load("sharded", {"model": model}))
 @CPU_FSDP
 def test_optimizer_built_before_fsdp_setup_is_refused(tmp_path: Path) -> None:
     job = run_job(
-        FSDP_PRELUDE
-        + """
-raw = torch.nn.Linear(8, 4)
-opt = torch.optim.SGD(raw.parameters(), lr=0.1)
-model = fabric.setup(raw)
-attempt(lambda: fabric.setup_optimizers(opt))
-""",
+        FSDP_MISTAKES,
         tmp_path,
+        args=("optimizer_before_setup",),
         timeout=150,
         env=ENV,
     )
@@ -369,26 +265,7 @@ def test_fsdp_on_cpu_is_refused_where_torch_cannot_run_it() -> None:
             Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 
 
-SUMMING_GLOO_JOB = """
-import os
-import torch.distributed as dist
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from mp import report
-
-real = dist.reduce_scatter_tensor
-
-def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
-    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
-
-dist.reduce_scatter_tensor = summing
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-try:
-    fabric.launch()
-    report(rank=int(os.environ["RANK"]), error=None)
-except MisconfigurationError as err:
-    report(rank=int(os.environ["RANK"]), error=str(err))
-"""
+SUMMING_GLOO_JOB = JOBS / "summing_gloo.py"
 
 
 @CPU_FSDP

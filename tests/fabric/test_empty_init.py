@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH
+from job_runner import JOB_PYTHONPATH, JOBS
 from torch import nn
 
 from phalanx import Fabric
@@ -96,21 +96,7 @@ def test_materialize_meta_tensors() -> None:
         raise AssertionError("a module without reset_parameters was materialised with garbage")
 
 
-PARITY_SCRIPT = """
-import sys, json, torch
-from torch import nn
-if sys.argv[1] == "lightning":
-    from lightning.fabric import Fabric
-else:
-    from phalanx import Fabric
-fabric = Fabric(accelerator="cpu", devices=1)
-torch.manual_seed(1)
-with fabric.init_module(empty_init=True):
-    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
-for name, p in model.named_parameters():  # the program's own initialisation, as litgpt's
-    nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
-print(json.dumps([round(v, 7) for p in model.parameters() for v in p.detach().reshape(-1).tolist()]))
-"""
+PARITY_SCRIPT = JOBS / "empty_init_weights.py"
 
 
 def test_same_weights_as_lightning(tmp_path: Path) -> None:
@@ -119,7 +105,7 @@ def test_same_weights_as_lightning(tmp_path: Path) -> None:
     if not lightning_python.exists():
         pytest.skip(f"the Lightning peer is not installed ({lightning_python})")
     script = tmp_path / "init.py"
-    script.write_text(PARITY_SCRIPT)
+    script.write_text(PARITY_SCRIPT.read_text())
     env = {**os.environ, "PYTHONPATH": JOB_PYTHONPATH}
     ours = subprocess.run([sys.executable, str(script), "phalanx"], capture_output=True, text=True, env=env,
                           timeout=120)

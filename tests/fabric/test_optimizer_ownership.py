@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from torch import nn
 
@@ -38,33 +38,7 @@ def test_single_process_refuses_foreign_parameters() -> None:
     fabric.setup_optimizers(torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1))
 
 
-JOB = """
-import sys, torch
-from torch import nn
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from mp import report
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=sys.argv[1])
-fabric.launch()
-torch.manual_seed(0)
-model, helper = nn.Linear(4, 4), nn.Linear(4, 1)  # the loss goes through both; only model is set up
-errors = []
-for build in (
-    lambda: fabric.setup(model, torch.optim.SGD([*model.parameters(), *helper.parameters()], lr=0.1)),
-    lambda: fabric.setup_optimizers(torch.optim.SGD(helper.parameters(), lr=0.1)),
-):
-    try:
-        build()
-        errors.append(None)
-    except MisconfigurationError as err:
-        errors.append(str(err))
-    if errors[-1] is None:
-        break
-    if len(errors) == 1:
-        fabric.setup_module(model)
-report(fabric, errors=errors)
-"""
+JOB = JOBS / "optimizer_ownership.py"
 
 STRATEGIES = ["ddp", pytest.param("fsdp", marks=run_if(fsdp=True))]
 

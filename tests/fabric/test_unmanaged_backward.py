@@ -1,6 +1,6 @@
 """``fabric.backward(loss)`` on a loss from a module that was never set up (meta-learning): allowed on one
 process (nothing to sync), refused where gradients would silently not sync (see also the 2-rank job in
-tests/fabric/test_loss_watch.py)."""
+tests/fabric/test_anomaly.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_loss_scaler_without_setup_is_refused() -> None:
 
 
 def test_several_processes_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The world size as a DDP job reports it; the real 2-rank job is in test_loss_watch.py.
+    # The world size as a DDP job reports it; the real 2-rank job is in test_anomaly.py.
     fabric = Fabric(accelerator="cpu", devices=1)
     monkeypatch.setattr(Fabric, "world_size", property(lambda self: 2))
     inner = nn.Linear(3, 1)

@@ -16,13 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 
-JOB = """
-from combo_models import main
-main()
-"""
+JOB = JOBS / "combinations.py"
 
 
 def _cases() -> list[Any]:

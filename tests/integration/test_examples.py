@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mp import REPO
+from job_runner import REPO
 
 from phalanx.checkpoint import snapshot
 

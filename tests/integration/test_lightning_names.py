@@ -4,13 +4,14 @@ saying what to use instead)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from mp import JOB_PYTHONPATH
+from job_runner import JOB_PYTHONPATH
 from torch import nn
 
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
@@ -48,9 +49,53 @@ def test_every_name_imports_in_a_fresh_interpreter() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+# What each name must be for LitGPT's calls to work: a class or a function, and the parameters LitGPT passes, in
+# Lightning's order (positional) or by Lightning's names (keyword).
+CLASS, FUNCTION = "class", "function"
+SHAPES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "CUDAAccelerator": (CLASS, (), ()),
+    "BitsandbytesPrecision": (CLASS, ("mode", "dtype"), ("ignore_modules",)),
+    "ThroughputMonitor": (CLASS, ("fabric",), ()),
+    "rank_zero_only": (FUNCTION, ("fn",), ()),
+    "measure_flops": (FUNCTION, ("model", "forward_fn", "loss_fn"), ()),
+    "_lazy_load": (FUNCTION, ("path",), ()),
+    "_NotYetLoadedTensor": (CLASS, (), ()),
+    "_materialize_meta_tensors": (FUNCTION, ("module", "device"), ()),
+    "_runif_reasons": (FUNCTION, (), ("min_cuda_gpus", "min_torch", "bf16_cuda")),
+    "CSVLogger": (CLASS, ("root_dir", "name", "version"), ()),
+    "TensorBoardLogger": (CLASS, ("root_dir", "name", "version"), ()),
+    "FSDPStrategy": (CLASS, (), ("auto_wrap_policy", "activation_checkpointing_policy", "state_dict_type",
+                                 "sharding_strategy", "cpu_offload")),
+    "ModelParallelStrategy": (CLASS, ("parallelize_fn", "data_parallel_size", "tensor_parallel_size"), ()),
+    "LitLogger": (CLASS, (), ()),
+    "MLFlowLogger": (CLASS, ("experiment_name", "run_name", "tracking_uri"), ()),
+    "WandbLogger": (CLASS, ("name", "save_dir", "version"), ("project",)),
+    "instantiate_class": (FUNCTION, ("args", "init"), ()),
+    "LightningDataModule": (CLASS, (), ()),
+}
+
+
 @pytest.mark.parametrize(("lightning", "module", "name"), NAMES)
 def test_name(lightning: str, module: str, name: str) -> None:
-    assert getattr(importlib.import_module(module), name) is not None
+    """The name is what LitGPT uses it as: a class or a function taking the parameters LitGPT passes."""
+    obj = getattr(importlib.import_module(module), name)
+    kind, positional, keywords = SHAPES[name]
+    assert (inspect.isclass(obj) if kind == CLASS else inspect.isfunction(obj)), (name, obj)
+    parameters = inspect.signature(obj).parameters
+    assert list(parameters)[: len(positional)] == list(positional), (name, list(parameters))
+    assert set(keywords) <= set(parameters), (name, list(parameters))
+    # Each name has one phalanx object, whatever path it is imported from.
+    assert all(getattr(importlib.import_module(m), n) is obj for _, m, n in NAMES if n == name)
+
+
+def test_lightning_names_are_phalanx_own_types() -> None:
+    import phalanx
+    from phalanx.accelerators import Accelerator, CUDAAccelerator
+    from phalanx.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+
+    assert issubclass(CUDAAccelerator, Accelerator)
+    assert issubclass(FSDPStrategy, Strategy) and issubclass(ModelParallelStrategy, Strategy)
+    assert phalanx.LightningDataModule is phalanx.DataModule
 
 
 def test_cuda_accelerator_answers() -> None:

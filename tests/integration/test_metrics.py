@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("torchmetrics")  # metric_models imports it: a mark cannot skip a module that fails to import
 
+from job_runner import JOBS, run_job
 from metric_models import Classifier, loader, metric_report
-from mp import run_job
 from run_if import run_if
 from trainer_support import flat, quiet
 
@@ -151,26 +151,7 @@ def test_logging_metric_objects_errors() -> None:
 
 
 # ---------------------------------------------------------------------- 2 ranks
-DDP_JOB = """
-import sys, torch, phalanx
-from mp import report
-from metric_models import Classifier, loader, metric_report
-from phalanx.tuner.lr_find import Tuner
-from trainer_support import flat, quiet
-
-strategy = sys.argv[1]
-out = {}
-for mode in ("plain", "lr_find"):  # one process set for both runs: two ranks' start-up is most of a job
-    phalanx.seed_everything(3)
-    trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=2, **quiet())
-    model = Classifier("object")
-    if mode == "lr_find":
-        Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=12, min_lr=1e-4,
-                               max_lr=1.0, update_attr=False)
-    trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
-    out[mode] = dict(params=flat(model), **metric_report(trainer, model))
-report(trainer.fabric, **out)
-"""
+DDP_JOB = JOBS / "metrics_synced.py"
 
 
 # FSDP is slow-marked here: tests/integration/test_combinations.py runs Metric objects through the LR finder, a fit
@@ -286,24 +267,7 @@ def test_metric_state_survives_a_restart_from_a_per_step_snapshot(tmp_path: Path
     assert not folder.exists()  # the resumed fit finished: its snapshots are gone
 
 
-RESUME_JOB = """
-import sys, torch, phalanx
-from mp import report
-from phalanx.callbacks import ModelCheckpoint
-from metric_models import Classifier, loader
-from trainer_support import KillAt, flat, quiet
-
-mode = sys.argv[1]
-
-
-phalanx.seed_everything(5)
-ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=3, save_last=True, save_top_k=0)
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, callbacks=[KillAt(13, active=mode == "kill"), ckpt],
-                          **quiet(enable_checkpointing=True))
-model = Classifier("object", dropout=0.3)
-trainer.fit(model, loader(64, 4, shuffle=True), loader(21, 5), ckpt_path="last" if mode == "resume" else None)
-report(trainer.fabric, params=flat(model), metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
-"""
+RESUME_JOB = JOBS / "metrics_resume.py"
 
 
 @pytest.mark.slow  # three 2-rank jobs; the single-process resume test above covers the same path in CI

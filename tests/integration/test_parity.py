@@ -15,15 +15,15 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import REPO, run_job
+from job_runner import JOBS, REPO, run_job
+from parity_models import dataset, flat, make_model
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import phalanx as L
 
@@ -31,21 +31,6 @@ pytestmark = pytest.mark.timeout(600)
 
 LIGHTNING_PYTHON = Path(os.environ.get("PHALANX_LIGHTNING_PYTHON", "/work/lightning-venv/bin/python"))
 EXAMPLES = REPO / "examples" / "lightning_style"
-
-
-def dataset(n: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1))
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(42)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
 def raw_loop(precision: str) -> tuple[list[float], torch.Tensor]:
@@ -89,49 +74,9 @@ def test_fabric_loop_equals_raw_torch_loop_on_one_process(precision: str) -> Non
     assert torch.equal(fab_params, raw_params)
 
 
-RAW_DDP = """
-import json, os, torch, torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-from tests.integration.test_parity import dataset, make_model, flat
+RAW_DDP = JOBS / "parity_raw_ddp.py"
 
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = DistributedDataParallel(make_model())
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-sampler = DistributedSampler(dataset(), num_replicas=2, rank=rank, shuffle=False)
-for epoch in range(2):
-    sampler.set_epoch(epoch)
-    for x, y in DataLoader(dataset(), batch_size=4, sampler=sampler):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x).squeeze(1), y).backward()
-        opt.step()
-out = os.environ["PHALANX_TEST_OUT"]
-with open(f"{out}/raw{rank}.json", "w") as fh:
-    json.dump(flat(model.module).tolist(), fh)
-dist.destroy_process_group()
-"""
-
-FABRIC_DDP = """
-import torch, phalanx as L
-from torch import nn
-from torch.utils.data import DataLoader
-from mp import report
-from tests.integration.test_parity import dataset, make_model, flat
-
-fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=4))
-for epoch in range(2):
-    for x, y in loader:
-        opt.zero_grad()
-        fabric.backward(nn.functional.mse_loss(model(x).squeeze(1), y))
-        opt.step()
-report(fabric, params=flat(model))
-"""
+FABRIC_DDP = JOBS / "parity_fabric_ddp.py"
 
 
 def test_fabric_ddp_equals_raw_torch_ddp_and_one_process(tmp_path: Path) -> None:
@@ -228,57 +173,16 @@ def test_the_same_examples_run_under_lightning(name: str, tmp_path: Path) -> Non
         assert line == ours  # no shuffled sampler in between: the same numbers exactly
 
 
-TRAINER_SCRIPT = """
-import json, sys, torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-import {framework} as L
-
-g = torch.Generator().manual_seed(0)
-x = torch.randn(64, 8, generator=g)
-data = TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1))
-
-
-class Model(L.LightningModule):
-    def __init__(self, lr=0.05):
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(42)
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
-        self.losses.append(loss.item())
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(1), y))
-
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        return {{"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}}
-
-
-model = Model()
-trainer = L.Trainer(accelerator="cpu", max_epochs=3, accumulate_grad_batches=2, gradient_clip_val=0.5,
-                    enable_progress_bar=False, default_root_dir=sys.argv[1])
-trainer.fit(model, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
-print(json.dumps({{"losses": model.losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                  "steps": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}}))
-"""
+TRAINER_SCRIPT = JOBS / "parity_trainer_script.py"  # argv: root dir, framework
 
 
 @needs_lightning
 def test_trainer_script_matches_lightning_numbers(tmp_path: Path) -> None:
     def run(python: str, framework: str) -> dict[str, Any]:
         script = tmp_path / f"{framework}_trainer.py"
-        script.write_text(textwrap.dedent(TRAINER_SCRIPT.format(framework=framework)))
+        script.write_text(TRAINER_SCRIPT.read_text())
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        proc = subprocess.run([python, str(script), str(tmp_path / framework)], cwd=tmp_path, env=env,
+        proc = subprocess.run([python, str(script), str(tmp_path / framework), framework], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

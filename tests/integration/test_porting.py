@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from porting_models import TwoOptimizers, data, flat, manual_reference
 from run_if import run_if
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import phalanx as L
 from phalanx.utils.errors import MisconfigurationError
@@ -29,12 +30,6 @@ LIGHTNING_TRAINER_ARGS = [
     "sync_batchnorm", "reload_dataloaders_every_n_epochs", "default_root_dir", "enable_autolog_hparams",
     "model_registry",
 ]
-
-
-def data(n: int = 32, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
 
 
 def quiet(**kwargs: Any) -> dict[str, Any]:
@@ -84,10 +79,6 @@ class Net(L.LightningModule):
 
     def predict_dataloader(self) -> Any:
         return DataLoader(data(16, seed=2), batch_size=8)
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -434,67 +425,6 @@ def test_overrides_of_backward_and_zero_grad_run_and_late_callbacks_join_at_the_
 
 
 # ---------------------------------------------------------------------------------------------- manual optimization
-class TwoOptimizers(L.LightningModule):
-    """A GAN-shaped loop: two optimizers, toggled, stepped by hand."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        torch.manual_seed(0)
-        self.gen = nn.Linear(4, 4)
-        self.disc = nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, _ = batch
-        opt_g, opt_d = self.optimizers()
-        self.toggle_optimizer(opt_d)
-        assert all(not p.requires_grad for p in self.gen.parameters())
-        d_loss = self.disc(x).pow(2).mean() + self.disc(self.gen(x).detach()).mean()
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        opt_d.step()
-        self.untoggle_optimizer(opt_d)
-        with self.toggled_optimizer(opt_g):
-            g_loss = -self.disc(self.gen(x)).mean()
-            opt_g.zero_grad()
-            self.manual_backward(g_loss)
-            self.clip_gradients(opt_g, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
-            opt_g.step()
-        sched = self.lr_schedulers()
-        sched.step()
-        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
-
-    def configure_optimizers(self) -> Any:
-        opt_g = torch.optim.SGD(self.gen.parameters(), lr=0.05)
-        opt_d = torch.optim.SGD(self.disc.parameters(), lr=0.05)
-        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 1, gamma=0.5)]
-
-
-def manual_reference(batches: list[Any]) -> nn.Module:
-    ref = TwoOptimizers()
-    opt_g = torch.optim.SGD(ref.gen.parameters(), lr=0.05)
-    opt_d = torch.optim.SGD(ref.disc.parameters(), lr=0.05)
-    sched = torch.optim.lr_scheduler.StepLR(opt_g, 1, gamma=0.5)
-    for x, _ in batches:
-        for p in ref.gen.parameters():
-            p.requires_grad_(False)
-        d_loss = ref.disc(x).pow(2).mean() + ref.disc(ref.gen(x).detach()).mean()
-        opt_d.zero_grad()
-        d_loss.backward()
-        opt_d.step()
-        for p in ref.gen.parameters():
-            p.requires_grad_(True)
-        for p in ref.disc.parameters():
-            p.requires_grad_(False)
-        g_loss = -ref.disc(ref.gen(x)).mean()
-        opt_g.zero_grad()
-        g_loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.gen.parameters(), 1.0)
-        opt_g.step()
-        for p in ref.disc.parameters():
-            p.requires_grad_(True)
-        sched.step()
-    return ref
 
 
 def test_manual_optimization_matches_a_hand_written_loop() -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mp import REPO
+from job_runner import REPO
 
 from phalanx.checkpoint import read_everything
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import free_port
+from job_runner import free_port
 from run_if import run_if
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -9,62 +9,16 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, SUPPORT, run_job
 
 from phalanx import Fabric
 from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from phalanx.utils.errors import MisconfigurationError
-from tests.strategies.test_model_parallel import MODEL_CODE
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB = """
-import sys, torch, phalanx
-from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from mp import report
-from models import FeedForward, parallelize, train
-
-torch.set_num_threads(1)
-kind, option = sys.argv[1], sys.argv[2]
-options = {"ac": {"activation_checkpointing_policy": {FeedForward}}, "compile": {"compile": True}}[option]
-strategy, devices = {
-    "ddp": (lambda: DDPStrategy(**options), 2),
-    "fsdp": (lambda: FSDPStrategy(**options), 2),
-    "model_parallel": (lambda: ModelParallelStrategy(parallelize, 2, 2, **options), 4),
-}[kind]
-fabric = phalanx.Fabric(accelerator="cpu", devices=devices, strategy=strategy())
-fabric.launch()
-report(fabric, **train(fabric))
-"""
-
-# Shared training loop: 4 SGD steps on global batches of 8, each rank taking its data-parallel part.
-TRAIN_CODE = '''
-
-calls = [0]
-last = []  # the set-up model of the latest run, for in-process checks
-
-
-def train(fabric):
-    model = make_model()
-    for block in model.blocks:
-        block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    last[:] = [model]
-    split = fabric.strategy.distributed_sampler_kwargs() or {"num_replicas": 1, "rank": 0}
-    size = 8 // split["num_replicas"]
-    x, y = make_data()
-    for i in range(0, 32, 8):
-        lo = i + size * split["rank"]
-        opt.zero_grad()
-        fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + size]), y[lo : lo + size]))
-        opt.step()
-    compiled = getattr(model._forward_module, "_compiled_call_impl", None) is not None
-    return {"params": full_params(model), "block_calls": calls[0], "compiled": compiled}
-'''
-
-
-# What the ``models`` fixture (conftest.py) writes to the jobs' models.py and runs for the references.
-JOB_MODELS = MODEL_CODE + TRAIN_CODE
+JOB = JOBS / "compile_and_activation_checkpointing.py"
+MODELS = SUPPORT / "compile_training.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def _reference(models: dict[str, Any]) -> torch.Tensor:
@@ -82,7 +36,7 @@ def _check(got: Any, expected: torch.Tensor, atol: float) -> None:
 
 def test_compile_before_setup_is_unwrapped_and_recompiled() -> None:
     # As in Lightning: the original module is set up, then compiled in place with the same settings
-    # (tests/fabric/test_compiled_setup.py covers the details).
+    # (tests/fabric/test_compiled.py covers the details).
     fabric = Fabric(accelerator="cpu", devices=1)
     model = fabric.setup(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
     assert list(model.state_dict()) == ["weight", "bias"]

@@ -8,62 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import REPO, run_job
+from job_runner import JOBS, REPO, SUPPORT, run_job
 from torch import nn
 
 pytestmark = pytest.mark.timeout(240)
 
-# Shared by the jobs and by the single-process references below (imported by the job scripts).
-MODEL_CODE = '''
-import torch
-from torch import nn
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-class Distill(nn.ModuleDict):
-    """A frozen teacher and a trainable student; `distill` is a custom method."""
-    def __init__(self):
-        torch.manual_seed(0)
-        student = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        super().__init__({"teacher": nn.Linear(6, 3), "student": student})
-        self["teacher"].requires_grad_(False)
-
-    def distill(self, x):
-        with torch.no_grad():
-            t = self["teacher"](x)
-        return ((self["student"](x) - t) ** 2).mean()
-'''
+MODELS = SUPPORT / "ddp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        from torch.utils.data import DataLoader, TensorDataset
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
-        x, y = make_data()
-        loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=4))
-        model = fabric.setup(make_model())  # an optimizer over another instance's parameters is refused
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        for epoch in range(2):
-            for xb, yb in loader:
-                opt.zero_grad()
-                fabric.backward(torch.nn.functional.cross_entropy(model(xb), yb))
-                opt.step()
-        fabric.verify_in_sync(model)
-        report(fabric, params=flat_params(model))
-        """,
+        JOBS / "ddp_training.py",
         tmp_path,
     ).check()
     # Reference: one process, batches of 8 = the union of both ranks' batches of 4.
@@ -81,45 +36,11 @@ def test_ddp_training_equals_single_process(tmp_path: Path, models: dict[str, ob
         assert torch.allclose(got, expected, atol=1e-6), (rank, (got - expected).abs().max())
 
 
-DISTILL_JOB = """
-import sys
-import torch
-import phalanx
-from phalanx.strategies import DDPStrategy
-from mp import report
-from models import Distill, make_data
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(verify_sync=VERIFY))
-fabric.launch()
-model = Distill()
-opt = torch.optim.SGD(model["student"].parameters(), lr=0.1)
-stale_student = model["student"]  # a reference kept from before setup
-model, opt = fabric.setup(model, opt)
-x, _ = make_data()
-xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-
-def mse(a, b):
-    return ((a - b) ** 2).mean()
-
-paths = {
-    "attribute": lambda: mse(model.student(xb), model.teacher(xb).detach()),
-    "item": lambda: mse(model["student"](xb), model["teacher"](xb).detach()),
-    "teacher_with_grad": lambda: mse(model.student(xb), model.teacher(xb)),
-    "custom_method": lambda: model.distill(xb),
-    "stale_reference": lambda: mse(stale_student(xb), model.teacher(xb).detach()),
-}
-grads = {}
-for name, loss_fn in paths.items():
-    opt.zero_grad()
-    fabric.backward(loss_fn())
-    grads[name] = torch.cat([p.grad.reshape(-1) for p in model.student.parameters()])
-    assert all(p.grad is None for p in model.teacher.parameters()), "frozen params must get no grad"
-report(fabric, grads=grads)
-"""
+DISTILL_JOB = JOBS / "ddp_distillation.py"
 
 
 def test_distillation_call_paths_sync_gradients(tmp_path: Path, models: dict[str, object]) -> None:
-    job = run_job(DISTILL_JOB.replace("VERIFY", "True"), tmp_path).check()
+    job = run_job(DISTILL_JOB, tmp_path).check()
     # Reference: the student's gradient on the concatenated batch (both ranks' 8 samples).
     model = models["Distill"]()  # type: ignore[operator]
     x, _ = models["make_data"]()  # type: ignore[operator]
@@ -136,24 +57,7 @@ def test_distillation_call_paths_sync_gradients(tmp_path: Path, models: dict[str
 
 def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-        from models import make_model
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        model = fabric.setup(make_model())
-        fabric.verify_in_sync(model, grads=False)  # identical after setup (DDP broadcast rank 0's)
-        if fabric.global_rank == 1:
-            with torch.no_grad():
-                model.module[2].bias.add_(1e-3)
-        try:
-            fabric.verify_in_sync(model, grads=False)
-        except phalanx.errors.GradientSyncError as err:
-            report(fabric, error=str(err))
-        """,
+        JOBS / "ddp_verify_in_sync.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -163,35 +67,7 @@ def test_verify_in_sync_names_the_first_differing_parameter(tmp_path: Path, mode
 
 def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-        x, y = make_data()
-        r = fabric.global_rank
-        for step in range(2):            # 2 optimizer steps of 2 micro-batches of 4 per rank
-            for micro in range(2):
-                lo = step * 16 + micro * 8 + r * 4
-                with fabric.no_backward_sync(model, enabled=micro == 0):
-                    loss = torch.nn.functional.cross_entropy(model(x[lo:lo + 4]), y[lo:lo + 4]) / 2
-                    fabric.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        report(fabric, params=flat_params(model))
-        # Stepping on local-only gradients would make the replicas diverge: refused.
-        with fabric.no_backward_sync(model):
-            fabric.backward(model(x[:4]).sum())
-        try:
-            opt.step()
-        except phalanx.errors.GradientSyncError as err:
-            report(fabric, error=str(err))
-        """,
+        JOBS / "ddp_accumulation_with_no_backward_sync.py",
         tmp_path,
     ).check()
     model = models["make_model"]()  # type: ignore[operator]
@@ -210,32 +86,7 @@ def test_accumulation_with_no_backward_sync(tmp_path: Path, models: dict[str, ob
 
 def test_collectives(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-        fabric.launch()
-        r = fabric.global_rank
-        t = torch.tensor([1.0, 2.0]) * (r + 1)
-        fresh = lambda: t.clone()  # all_reduce writes its result into its input (Lightning's meaning)
-        order = []
-        with fabric.rank_zero_first():
-            order.append(r)
-        report(
-            fabric,
-            mean=fabric.all_reduce(fresh()),
-            sum=fabric.all_reduce(fresh(), reduce_op="sum"),
-            max=fabric.all_reduce(fresh(), reduce_op="max"),
-            scalar=fabric.all_reduce(3.0 * (r + 1), reduce_op="sum"),
-            gathered=fabric.all_gather(t),
-            nested=fabric.all_gather({"a": torch.tensor([r])}),
-            broadcast=fabric.broadcast({"from": r, "data": [r, r]}, src=1),
-            ranks=[fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size, fabric.is_global_zero],
-        )
-        fabric.barrier("end")
-        """,
+        JOBS / "ddp_collectives.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -249,36 +100,7 @@ def test_collectives(tmp_path: Path) -> None:
 
 def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import os
-        import torch
-        import phalanx
-        from mp import report, flat_params
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision="16-mixed")
-        fabric.launch()
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
-        x, y = make_data()
-        for i in range(3):
-            xb, yb = x[i * 4:i * 4 + 4], y[i * 4:i * 4 + 4]
-            fabric.backward(torch.nn.functional.cross_entropy(model(xb), yb))
-            opt.step()
-            opt.zero_grad()
-        fabric.save("ckpt/a.ckpt", {"model": model, "opt": opt, "step": 3})
-        files = sorted(os.listdir("ckpt"))
-        model2 = fabric.setup(make_model())
-        opt2 = fabric.setup_optimizers(torch.optim.Adam(model2.parameters(), lr=0.01))
-        state = {"model": model2, "opt": opt2, "step": 0}
-        fabric.load("ckpt/a.ckpt", state)
-        same_opt = all(
-            torch.equal(a["exp_avg"], b["exp_avg"])
-            for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values())
-        )
-        report(fabric, params=flat_params(model), loaded=flat_params(model2), step=state["step"], files=files,
-               same_opt=same_opt)
-        """,
+        JOBS / "ddp_checkpoint_round_trip.py",
         tmp_path,
     ).check()
     for rank in (0, 1):
@@ -289,17 +111,7 @@ def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) ->
 
 def test_launch_function_returns_rank_zero_result(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-
-        def work(fabric, base):
-            return float(fabric.all_reduce(torch.tensor(base + fabric.global_rank), reduce_op="sum"))
-
-        if __name__ == "__main__":
-            fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-            print("result", fabric.launch(work, 10.0))
-        """,
+        JOBS / "ddp_launch_function_returns_rank_zero_result.py",
         tmp_path,
     ).check()
     assert "result 21.0" in job.stdout
@@ -307,16 +119,7 @@ def test_launch_function_returns_rank_zero_result(tmp_path: Path) -> None:
 
 def test_phalanx_run_cli(tmp_path: Path) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-
-        fabric = phalanx.Fabric(accelerator="cpu")   # devices come from `phalanx run --devices 2`
-        fabric.launch()
-        report(fabric, world=fabric.world_size, precision=fabric.strategy.precision.name,
-               strategy=fabric.strategy.name)
-        """,
+        JOBS / "ddp_phalanx_run_cli.py",
         tmp_path,
         command=[sys.executable, "-m", "phalanx.cli", "run", "--devices", "2", "--precision", "bf16-mixed"],
     ).check()
@@ -339,25 +142,7 @@ def test_main_example_runs(tmp_path: Path) -> None:
 
 def test_clip_gradients_and_init_module(tmp_path: Path, models: dict[str, object]) -> None:
     job = run_job(
-        """
-        import torch
-        import phalanx
-        from mp import report
-        from models import make_model, make_data
-
-        fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision="64-true")
-        fabric.launch()
-        with fabric.init_module():
-            created = torch.nn.Linear(2, 2)
-        model = fabric.setup(make_model())
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-        x, y = make_data()
-        r = fabric.global_rank
-        fabric.backward(torch.nn.functional.cross_entropy(model(x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]))
-        norm = fabric.clip_gradients(model, opt, max_norm=0.01)
-        clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
-        report(fabric, norm=norm, clipped=clipped, created_dtype=str(created.weight.dtype))
-        """,
+        JOBS / "ddp_clip_gradients_and_init_module.py",
         tmp_path,
     ).check()
     model = models["make_model"]()  # type: ignore[operator]

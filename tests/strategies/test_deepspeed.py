@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import REPO, run_job
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 
 import phalanx
@@ -22,69 +22,7 @@ pytestmark = run_if(deepspeed=True)
 
 TIMEOUT = 180
 
-# Shared by the jobs: a small MLP, per-rank micro-batches of one global batch, and the single-process
-# reference that trains on the concatenation of everything the ranks saw in each window.
-COMMON = """
-import sys, torch
-from torch import nn
-import phalanx
-from phalanx.strategies import DeepSpeedStrategy
-from mp import report
-
-W, N, B = 2, 3, 2
-
-class CountingSGD(torch.optim.SGD):
-    calls = 0
-    def step(self, closure=None):
-        CountingSGD.calls += 1
-        return super().step(closure)
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-def batches(steps):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(steps, N, W, B, 4, generator=g), torch.randn(steps, N, W, B, 1, generator=g)
-
-def train(fabric, model, opt, X, Y, steps, world=W):
-    r = fabric.global_rank
-    for s in steps:
-        for m in range(N):
-            with fabric.no_backward_sync(model, enabled=m < N - 1):
-                xs = X[s, m].reshape(world, -1, 4)[r]
-                ys = Y[s, m].reshape(world, -1, 1)[r]
-                fabric.backward(nn.functional.mse_loss(model(xs), ys) / N)
-        opt.step()
-        opt.zero_grad()
-
-def reference(steps, X, Y):
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for s in range(steps):
-        nn.functional.mse_loss(model(X[s].reshape(-1, 4)), Y[s].reshape(-1, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-    return model
-
-def flat(state):
-    return torch.cat([v.reshape(-1).double() for v in state.values()])
-
-def strategy_from(name):
-    return DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("deepspeed") else name
-"""
-
-TRAIN_JOB = COMMON + """
-name = sys.argv[1]
-fabric = phalanx.Fabric(accelerator="cpu", devices=W, strategy=strategy_from(name))
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1, momentum=0.9))
-X, Y = batches(3)
-train(fabric, model, opt, X, Y, range(3))
-state = fabric.strategy.module_state_dict(model.module)
-report(fabric, params=flat(state), reference=flat(reference(3, X, Y).state_dict()), calls=CountingSGD.calls)
-"""
+TRAIN_JOB = JOBS / "deepspeed_accumulation.py"
 
 
 def _params(job: Any, rank: int, key: str = "params") -> torch.Tensor:
@@ -107,38 +45,7 @@ def test_accumulated_training_equals_ddp_and_single_process(tmp_path: Path, stag
         torch.testing.assert_close(_params(job, rank), _params(ddp_result, rank), rtol=0, atol=1e-6)
 
 
-MISUSE_JOB = COMMON + """
-from phalanx.utils.errors import GradientSyncError, MisconfigurationError
-fabric = phalanx.Fabric(accelerator="cpu", devices=W, strategy=DeepSpeedStrategy(stage=2))
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1))
-X, Y = batches(1)
-errors = {}
-def attempt(name, fn):
-    try:
-        fn()
-    except (GradientSyncError, MisconfigurationError) as err:
-        errors[name] = f"{type(err).__name__}: {err}"
-with fabric.no_backward_sync(model):
-    fabric.backward(nn.functional.mse_loss(model(X[0, 0, 0]), Y[0, 0, 0]))
-attempt("step_after_no_sync", opt.step)
-attempt("zero_grad_without_step", opt.zero_grad)
-attempt("clip_val", lambda: fabric.clip_gradients(model, opt, clip_val=0.1))
-attempt("norm_type", lambda: fabric.clip_gradients(model, opt, max_norm=1.0, norm_type=1.0))
-second = make_model()
-attempt("second_engine", lambda: fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.1)))
-attempt("setup_optimizers", lambda: fabric.setup_optimizers(torch.optim.SGD(make_model().parameters(), lr=0.1)))
-# The sync'd micro-batch closes the window; clipping then applies inside DeepSpeed's step.
-fabric.backward(nn.functional.mse_loss(model(X[0, 1, 0]), Y[0, 1, 0]))
-before = [p.detach().clone() for p in model.module.parameters()]
-assert fabric.clip_gradients(model, opt, max_norm=1e-3) is None
-opt.step()
-opt.zero_grad()
-moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.module.parameters(), before)])
-norm = fabric.strategy.engine.get_global_grad_norm()
-report(fabric, errors=errors, calls=CountingSGD.calls, update_norm=float(moved.norm()), grad_norm=float(norm))
-"""
+MISUSE_JOB = JOBS / "deepspeed_misuse.py"
 
 
 def test_misuse_raises_like_ddp_and_clipping_maps_to_deepspeed(tmp_path: Path) -> None:
@@ -159,58 +66,7 @@ def test_misuse_raises_like_ddp_and_clipping_maps_to_deepspeed(tmp_path: Path) -
         assert report["update_norm"] == pytest.approx(0.1 * 1e-3, rel=1e-3)  # float32 parameter differences
 
 
-CKPT_JOB = COMMON + """
-import os
-from pathlib import Path
-mode, stage, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-strategy = DeepSpeedStrategy(stage=stage) if world > 1 else DeepSpeedStrategy(stage=stage, state_dict_type="full")
-fabric = phalanx.Fabric(accelerator="cpu", devices=world, strategy=strategy)
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1, momentum=0.9))
-X, Y = batches(4)
-state = {"model": model, "optimizer": opt, "step": 0}
-out = {}
-if mode == "save":
-    train(fabric, model, opt, X, Y, range(2), world)
-    state["step"] = 2
-    fabric.save("ckpt", state)
-    fabric.strategy.state_dict_type = "full"
-    fabric.save("full.pt", state)
-    train(fabric, model, opt, X, Y, range(2, 4), world)
-    # a save killed before its meta file was written: load must refuse the directory
-    if fabric.global_rank == 0:
-        os.system("cp -r ckpt broken && rm broken/phalanx_meta.pt")
-    fabric.barrier()
-    try:
-        fabric.load("broken", state)
-    except Exception as err:
-        out["broken"] = f"{type(err).__name__}: {err}"
-    if stage == 3:
-        # ZeRO-3 pads each partition to ceil(numel / ranks) with never-written memory: rank 1's partition
-        # of the 1-element last bias is all padding. Garbage there is not the model's weights...
-        out["params"] = flat(fabric.strategy.module_state_dict(model.module))
-        weight, *_, bias = model.module.parameters()
-        with torch.no_grad():
-            if fabric.global_rank == 1:
-                bias.ds_tensor.fill_(float("nan"))
-            out["finite_despite_padding"] = fabric.strategy.weights_finite(model)
-            # ...but a nan this rank really holds is, and every rank hears of it.
-            if fabric.global_rank == 1:
-                weight.ds_tensor[0] = float("nan")
-            out["nan_on_rank1"] = fabric.strategy.weights_finite(model)
-else:
-    source = "ckpt" if mode == "load_sharded" else "full.pt"
-    try:
-        fabric.load(source, state)
-    except Exception as err:
-        out["error"] = f"{type(err).__name__}: {err}"
-    else:
-        assert state["step"] == 2
-        train(fabric, model, opt, X, Y, range(2, 4), world)
-out.setdefault("params", flat(fabric.strategy.module_state_dict(model.module)))
-report(fabric, calls=CountingSGD.calls, reference=flat(reference(4, X, Y).state_dict()), **out)
-"""
+CKPT_JOB = JOBS / "deepspeed_checkpoint.py"
 
 
 @pytest.mark.slow
@@ -258,17 +114,7 @@ def test_zero3_save_refuses_incomplete_dirs_and_full_file_loads_into_plain_torch
     assert len(opt.state) == 4 and all(s["momentum_buffer"].abs().sum() > 0 for s in opt.state.values())
 
 
-TRAINER_JOB = """
-import sys, torch, phalanx
-from mp import report
-from trainer_support import Regressor, flat, loader, quiet
-
-trainer = phalanx.Trainer(devices=2, strategy=sys.argv[1], max_epochs=1, accumulate_grad_batches=4, **quiet())
-model = Regressor()
-trainer.fit(model, loader(40, 2))
-report(trainer.fabric, params=flat(model), counts=model.counts, opt_steps=model.opt.steps,
-       global_step=trainer.global_step)
-"""
+TRAINER_JOB = JOBS / "deepspeed_trainer_fit.py"
 
 
 def test_trainer_accumulation_matches_ddp(tmp_path: Path) -> None:
@@ -292,7 +138,7 @@ def test_validate_with_a_sharded_checkpoint_loads_the_fitted_weights(tmp_path: P
     """trainer.validate(ckpt_path=<sharded DeepSpeed checkpoint>) sets the module up without its optimizer,
     so there is no engine: the ZeRO partitions are merged into full weights, and the new module validates
     to the fitted model's metric (tests/support/deepspeed_validate_job.py)."""
-    job = run_job("from deepspeed_validate_job import main\nmain()\n", tmp_path, args=(str(stage),),
+    job = run_job(JOBS / "deepspeed_validate.py", tmp_path, args=(str(stage),),
                   timeout=TIMEOUT).check()
     for rank in (0, 1):
         report = job.reports[rank]
@@ -313,11 +159,7 @@ def test_strings_resolve_lazily_without_importing_deepspeed() -> None:
     for stage in (1, 2, 3):
         strategy = resolve_strategy(f"deepspeed_stage_{stage}", 2)
         assert isinstance(strategy, DeepSpeedStrategy) and strategy.stage == stage
-    code = (
-        "import sys, phalanx; f = phalanx.Fabric(accelerator='cpu', devices=2, strategy='deepspeed_stage_3'); "
-        "assert 'deepspeed' not in sys.modules, 'imported eagerly'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+    subprocess.run([sys.executable, str(JOBS / "deepspeed_imported_lazily.py")], check=True, cwd=REPO, timeout=120)
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,13 +4,14 @@ re-pointing, direct submodule calls, gradient accumulation, clipping, empty init
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, SUPPORT, run_job
 from run_if import run_if
 
 from phalanx import Fabric
@@ -20,79 +21,7 @@ from phalanx.utils.errors import MisconfigurationError
 # FSDP2 runs on CPU from torch 2.7 (scripts/torch_matrix.sh runs the oldest supported torch, 2.5, too).
 pytestmark = [pytest.mark.timeout(240), run_if(fsdp=True)]
 
-# Shared by the jobs and the single-process references (imported by the job scripts).
-MODEL_CODE = '''
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.l1 = nn.Linear(d, 2 * d)
-        self.l2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.l2(torch.tanh(self.l1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-class Teacher(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.proj(x)
-
-
-class Distill(nn.Module):
-    """A trainable student (a Net) next to a frozen teacher."""
-    def __init__(self):
-        super().__init__()
-        self.student = Net()
-        self.teacher = Teacher()
-        self.teacher.requires_grad_(False)
-
-    def forward(self, x):
-        return self.student(x)
-
-
-def make_model(cls=Net):
-    torch.manual_seed(0)
-    return cls()
-
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
-
-
-def full_params(model):
-    return torch.cat([full(p) for p in model.parameters()])
-
-
-def full_grads(model):
-    return torch.cat([full(p.grad) if p.grad is not None else torch.zeros(p.numel()).double()
-                      for p in model.parameters()])
-'''
+MODELS = SUPPORT / "fsdp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def _close(got: list[float], expected: torch.Tensor, atol: float = 1e-6) -> None:
@@ -138,57 +67,7 @@ def test_strategy_arguments_are_validated() -> None:
 
 
 # ---------------------------------------------------------------------- training equivalence
-EQUIVALENCE_JOB = """
-import torch
-import phalanx
-from phalanx.utils.errors import GradientSyncError
-from phalanx.strategies import FSDPStrategy
-from mp import report
-from models import Block, make_model, make_data, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(**KWARGS))
-fabric.launch()
-x, y = make_data()
-r = fabric.global_rank
-ce = torch.nn.functional.cross_entropy
-
-# A: optimizer built before setup -> phalanx re-points it at the sharded parameters.
-model2 = make_model()
-model, opt = fabric.setup(model2, torch.optim.Adam(model2.parameters(), lr=0.01))
-assert all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
-norms = []
-for i in range(0, 32, 8):
-    opt.zero_grad()
-    fabric.backward(ce(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4]))
-    norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
-    opt.step()
-report(fabric, a=full_params(model), a_norms=norms)
-
-# B: gradient accumulation (2 micro-batches per step) through setup_module + setup_optimizers.
-model = fabric.setup_module(make_model())
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-sharded_grad_none_inside_no_sync = []
-for i in range(0, 32, 8):
-    opt.zero_grad()
-    for j, micro in enumerate((0, 2)):
-        lo = i + 4 * r + micro
-        with fabric.no_backward_sync(model, enabled=j == 0):
-            fabric.backward(ce(model(x[lo : lo + 2]), y[lo : lo + 2]) / 2)
-        if j == 0:
-            # The reduce-scatter was skipped: no sharded gradient exists yet.
-            sharded_grad_none_inside_no_sync.append(all(p.grad is None for p in model.parameters()))
-    opt.step()
-report(fabric, b=full_params(model), skipped=sharded_grad_none_inside_no_sync)
-
-# Stepping after an unsynchronized backward must raise, like DDP.
-with fabric.no_backward_sync(model):
-    fabric.backward(ce(model(x[:4]), y[:4]))
-try:
-    opt.step()
-    report(fabric, step_error=None)
-except GradientSyncError as err:
-    report(fabric, step_error=str(err))
-"""
+EQUIVALENCE_JOB = JOBS / "fsdp_equivalence.py"
 
 
 def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4) -> tuple[torch.Tensor, list[float]]:
@@ -219,8 +98,8 @@ def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4
     ids=["default", "options"],
 )
 def test_fsdp_training_equals_single_process(tmp_path: Path, models: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    code = EQUIVALENCE_JOB.replace("KWARGS", repr(kwargs).replace("'Block'", "Block"))
-    job = run_job(code, tmp_path).check()
+    job = run_job(EQUIVALENCE_JOB, tmp_path, args=(json.dumps({k: sorted(v) if isinstance(v, set) else v
+                                                              for k, v in kwargs.items()}),)).check()
     expected_a, expected_norms = _reference(models, "adam", clip=True)
     expected_b, _ = _reference(models, "sgd", clip=False)
     assert max(expected_norms) > 0.5  # clipping really happened
@@ -237,67 +116,7 @@ def test_fsdp_training_equals_single_process(tmp_path: Path, models: dict[str, A
 
 
 # ---------------------------------------------------------------------- call paths and misuse
-CALL_PATHS_JOB = """
-import warnings
-import torch
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from phalanx.strategies import FSDPStrategy
-from mp import report
-from models import Block, Distill, Net, Teacher, make_model, make_data, full_grads, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=POLICY))
-fabric.launch()
-x, _ = make_data()
-xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-model = make_model(Distill)
-model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-def errors(fn):
-    try:
-        fn()
-        return None
-    except MisconfigurationError as err:
-        return str(err)
-
-def distill_step():
-    # The distillation pattern: the student is called directly, before the root ever ran forward.
-    loss = ((model.student(xb) - model.teacher(xb)) ** 2).mean()
-    fabric.backward(loss)
-
-report(fabric, student_error=errors(distill_step))
-report(fabric, student_grads=full_grads(model.student))
-fabric.verify_in_sync(model, grads=False)
-
-# A child that is its own sharded unit works on any policy (the blocks of a ModuleList are units).
-opt.zero_grad()
-fabric.backward(model.student.blocks[0](torch.ones(2, 8) * (1 + fabric.global_rank)).pow(2).sum())
-report(fabric, block_grads=full_grads(model.student.blocks[0]))
-
-# An optimizer holding pre-sharding parameters is refused.
-plain = make_model()
-stale = torch.optim.SGD(plain.parameters(), lr=0.1)
-fabric.setup_module(plain)
-report(fabric, stale_error=errors(lambda: fabric.setup_optimizers(stale)))
-
-# An optimizer over another (unsharded) model's parameters is refused.
-other = make_model()
-report(fabric, unrelated_error=errors(lambda: fabric.setup(make_model(), torch.optim.SGD(other.parameters(), lr=0.1))))
-
-# An optimizer that already has state cannot be moved to the sharded parameters.
-used = make_model()
-used_opt = torch.optim.Adam(used.parameters())
-used(x[:2]).sum().backward()
-used_opt.step()
-report(fabric, state_error=errors(lambda: fabric.setup(used, used_opt)))
-
-# model.state_dict() holds shards only: a one-time hint about torch.save.
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    model.state_dict()
-    model.state_dict()
-report(fabric, hints=[str(w.message) for w in caught])
-"""
+CALL_PATHS_JOB = JOBS / "fsdp_call_paths.py"
 
 
 def _distill_reference(models: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +139,7 @@ def _distill_reference(models: dict[str, Any]) -> tuple[torch.Tensor, torch.Tens
 def test_direct_call_of_sharded_child_keeps_grads_correct(tmp_path: Path, models: dict[str, Any]) -> None:
     """``model.student(x)`` where the student is its own sharded unit: FSDP's hooks on the unit gather
     its parameters and reduce its gradients, so every rank gets the averaged gradient."""
-    job = run_job(CALL_PATHS_JOB.replace("POLICY", "{Net, Block, Teacher}"), tmp_path).check()
+    job = run_job(CALL_PATHS_JOB, tmp_path, args=("classes",)).check()
     expected, expected_block = _distill_reference(models)
     for rank in (0, 1):
         rep = job.reports[rank]
@@ -337,7 +156,7 @@ def test_direct_call_of_sharded_child_keeps_grads_correct(tmp_path: Path, models
 def test_direct_call_of_unsharded_child_raises(tmp_path: Path, models: dict[str, Any]) -> None:
     """With the default policy the student is not a unit: its own layers belong to the root's unit, so
     calling it directly would compute on sharded parameters and skip the reduce-scatter: it raises."""
-    job = run_job(CALL_PATHS_JOB.replace("POLICY", "None"), tmp_path).check()
+    job = run_job(CALL_PATHS_JOB, tmp_path, args=("none",)).check()
     _, expected_block = _distill_reference(models)
     for rank in (0, 1):
         rep = job.reports[rank]
@@ -351,75 +170,12 @@ def test_direct_call_of_unsharded_child_raises(tmp_path: Path, models: dict[str,
 
 
 # ---------------------------------------------------------------------- empty init and precision
-PRECISION_JOB = """
-import torch
-from torch import nn
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from mp import report
-from models import Net, make_model, make_data, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp", precision=PRECISION)
-fabric.launch()
-x, y = make_data()
-r = fabric.global_rank
-
-# empty_init: parameters on the meta device, only local shards materialized at setup.
-torch.manual_seed(0)
-with fabric.init_module(empty_init=True):
-    model = Net()
-report(fabric, meta_before=all(p.is_meta for p in model.parameters()))
-model = fabric.setup_module(model)
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-w = model.blocks[0].l1.weight  # (16, 8): 8 rows per rank
-report(fabric, meta_after=any(p.is_meta or p.to_local().is_meta for p in model.parameters()),
-       local_shape=list(w.to_local().shape), local_sum=float(w.to_local().sum()),
-       param_dtype=str(w.dtype), init_std=float(w.full_tensor().std()))
-dtypes = []
-model.blocks[0].l1.register_forward_hook(lambda m, a, out: dtypes.append(str(a[0].dtype)))
-def full_data_loss():
-    with torch.no_grad():
-        return float(torch.nn.functional.cross_entropy(model(x), y))
-
-losses = [full_data_loss()]
-for _ in range(3):  # three epochs over the 32 samples, 8 per step (4 per rank)
-    for i in range(0, 32, 8):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4])
-        fabric.backward(loss)
-        opt.step()
-    losses.append(full_data_loss())
-report(fabric, losses=losses, compute_dtype=dtypes[0], grad_dtype=str(w.grad.dtype))
-
-class NoReset(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
-
-try:
-    with fabric.init_module(empty_init=True):
-        bad = nn.Sequential(nn.Linear(4, 4), NoReset())
-    fabric.setup_module(bad)
-    report(fabric, no_reset_error=None)
-except MisconfigurationError as err:
-    report(fabric, no_reset_error=str(err))
-
-if PRECISION == "16-mixed":
-    # An overflow on one rank only must skip the step on every rank (shards would diverge otherwise).
-    before = full_params(model)
-    scale = fabric.strategy.precision.scaler.get_scale()
-    opt.zero_grad()
-    loss = torch.nn.functional.cross_entropy(model(x[:4]), y[:4])
-    fabric.backward(loss * (float("inf") if r == 1 else 1.0))
-    opt.step()
-    report(fabric, skipped=bool(torch.equal(before, full_params(model))),
-           scale_ratio=fabric.strategy.precision.scaler.get_scale() / scale)
-"""
+PRECISION_JOB = JOBS / "fsdp_precision.py"
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_empty_init_and_mixed_precision(tmp_path: Path, models: dict[str, Any], precision: str) -> None:
-    job = run_job(PRECISION_JOB.replace("PRECISION", repr(precision)), tmp_path).check()
+    job = run_job(PRECISION_JOB, tmp_path, args=(precision,)).check()
     half = "torch.float16" if precision == "16-mixed" else "torch.bfloat16"
     reps = job.reports
     print("full-data losses per epoch:", reps[0]["losses"])
@@ -448,48 +204,15 @@ def test_empty_init_and_mixed_precision(tmp_path: Path, models: dict[str, Any], 
 
 
 # ---------------------------------------------------------------------- torch's numerics on DTensor gradients
-OVERFLOW_JOB = """
-import torch
-import phalanx
-from mp import report
-from models import make_model, make_data, full_params
-
-from phalanx.strategies import FSDPStrategy
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY, precision="16-mixed")
-fabric.launch()
-x, y = make_data()
-r = fabric.global_rank
-model = fabric.setup_module(make_model())
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-scaler = fabric.strategy.precision.scaler
-
-def step(poison, clip):
-    before, scale = full_params(model), scaler.get_scale()
-    opt.zero_grad()
-    fabric.backward(torch.nn.functional.cross_entropy(model(x[:4]), y[:4]))
-    grad = model.head.weight.grad.to_local()  # rows 0-1 on rank 0, row 2 on rank 1
-    if poison and r == 1:
-        # After the reduce-scatter: the overflow exists in rank 1's shard only.
-        grad[0, 0] = float("inf")
-    local_finite = bool(torch.isfinite(grad).all())
-    if clip:
-        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
-    opt.step()
-    return {"local_finite": local_finite, "skipped": bool(torch.equal(before, full_params(model))),
-            "scale_ratio": scaler.get_scale() / scale}
-
-report(fabric, poisoned=step(True, clip=False), clean=step(False, clip=False),
-       poisoned_clipped=step(True, clip=True), clean_clipped=step(False, clip=True))
-"""
+OVERFLOW_JOB = JOBS / "fsdp_overflow.py"
 
 
 @pytest.mark.parametrize(
     "strategy",
     [
-        "'fsdp'",
+        "fsdp",
         # Hybrid sharding's 2-D mesh (replicate, shard) = (1, 2): the same shards, on DTensors of two dimensions.
-        pytest.param("FSDPStrategy(sharding_strategy='HYBRID_SHARD', device_mesh=(1, 2))", marks=pytest.mark.slow),
+        pytest.param("hybrid", marks=pytest.mark.slow),
     ],
     ids=["fsdp", "hybrid"],
 )
@@ -498,7 +221,7 @@ def test_sixteen_mixed_overflow_in_one_shard_skips_every_rank(
 ) -> None:
     """torch's GradScaler on DTensor gradients: the found-inf flag of one rank's shard reaches every
     rank, whether the gradients are unscaled by the step or earlier by clip_gradients."""
-    reps = run_job(OVERFLOW_JOB.replace("STRATEGY", strategy), tmp_path).check().reports
+    reps = run_job(OVERFLOW_JOB, tmp_path, args=(strategy,)).check().reports
     for rank in (0, 1):
         for case in ("poisoned", "poisoned_clipped"):
             rep = reps[rank][case]
@@ -509,60 +232,7 @@ def test_sixteen_mixed_overflow_in_one_shard_skips_every_rank(
             assert rep["local_finite"] and rep["skipped"] is False and rep["scale_ratio"] == 1.0
 
 
-CLIP_JOB = """
-import torch
-import phalanx
-from phalanx.utils.errors import MisconfigurationError
-from phalanx.strategies import FSDPStrategy
-import phalanx.strategies.fsdp.guards as fsdp_guards
-from mp import report
-from models import Block, Distill, Net, Teacher, make_model, make_data, full_grads, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Net, Block, Teacher}))
-fabric.launch()
-x, y = make_data()
-r = fabric.global_rank
-model = fabric.setup_module(make_model())
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
-norms = []
-utils, get_total_norm = torch.nn.utils, torch.nn.utils.get_total_norm
-for i, clip in zip(range(0, 32, 8), ({"max_norm": 0.05, "norm_type": float("inf")}, {"clip_val": 0.01},
-                                      {"max_norm": 0.1, "norm_type": 1.0}, {"max_norm": 0.05})):
-    opt.zero_grad()
-    lo = i + 4 * r
-    fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + 4]), y[lo : lo + 4]))
-    if i == 24:  # as on torch < 2.6: clip_grad_norm_ on the DTensor gradients
-        del utils.get_total_norm
-    try:
-        norm = fabric.clip_gradients(model, opt, **clip)
-    finally:
-        utils.get_total_norm = get_total_norm
-    norms.append(None if norm is None else float(norm))
-    opt.step()
-report(fabric, params=full_params(model), norms=norms)
-
-opt.zero_grad()
-fabric.backward(model(x[:4]).sum() * float("nan"))
-try:
-    fabric.clip_gradients(model, opt, max_norm=1.0)
-    report(fabric, nonfinite_error=None)
-except RuntimeError as err:
-    report(fabric, nonfinite_error=str(err))
-
-# A torch without FSDP's private hook to pick the root at setup: the first forward must be the root's.
-fsdp_guards.decide_root_now = lambda module: False
-distill = fabric.setup_module(make_model(Distill))
-xb = x[r * 8 : (r + 1) * 8]
-try:
-    distill.student(xb)
-    report(fabric, early_error=None)
-except MisconfigurationError as err:
-    report(fabric, early_error=str(err))
-with torch.no_grad():
-    distill(xb)
-fabric.backward(((distill.student(xb) - distill.teacher(xb)) ** 2).mean())
-report(fabric, student_grads=full_grads(distill.student))
-"""
+CLIP_JOB = JOBS / "fsdp_gradient_clipping.py"
 
 
 def test_clipping_by_any_norm_and_by_value_equals_single_process(tmp_path: Path, models: dict[str, Any]) -> None:

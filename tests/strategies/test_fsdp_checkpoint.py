@@ -4,95 +4,24 @@ loading at another world size, ``phalanx consolidate``, guarded saves, and atomi
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
+import fsdp_models
 import pytest
 import torch
-from mp import kill_mid_run, run_job
+from job_runner import JOBS, run_job
+from killed_saves import kill_trial
 from run_if import run_if
 
 from phalanx import Fabric
 from phalanx.checkpoint import MARKER, read_everything
 from phalanx.cli.commands import main as phalanx_main
 from phalanx.utils.errors import CheckpointError
-from tests.strategies.test_fsdp import MODEL_CODE
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
 
-SAVE_JOB = """
-import torch
-import phalanx
-from phalanx.strategies import FSDPStrategy
-from mp import report
-from models import make_model, make_data, full, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(), precision=PRECISION)
-fabric.launch()
-x, y = make_data()
-r = fabric.global_rank
-ce = torch.nn.functional.cross_entropy
-
-class Counter:  # a user object with state_dict/load_state_dict
-    def __init__(self):
-        self.n = 0
-    def state_dict(self):
-        return {"n": self.n}
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-def build():
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, opt = fabric.setup(model, opt)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    return model, opt, sched
-
-def train(model, opt, sched, counter, steps):
-    for i in range(0, 8 * steps, 8):
-        opt.zero_grad()
-        fabric.backward(ce(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4]))
-        opt.step()
-        sched.step()
-        counter.n += 1
-
-def opt_state(model, opt):
-    # Every tensor of the optimizer state, unsharded, in parameter order.
-    st = opt.state
-    return torch.cat([full(st[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
-
-model, opt, sched = build()
-counter = Counter()
-train(model, opt, sched, counter, 2)
-state = {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2, "note": "hi"}
-fabric.strategy.state_dict_type = "sharded"
-fabric.save("ckpt", state)
-fabric.strategy.state_dict_type = "full"
-fabric.save("ckpt.pt", state)
-report(fabric, params=full_params(model), opt=opt_state(model, opt), lr=sched.get_last_lr())
-train(model, opt, sched, counter, 1)
-report(fabric, after=full_params(model))
-
-for name in ("ckpt", "ckpt.pt"):
-    model, opt, sched = build()
-    counter = Counter()
-    fresh = {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 0}
-    rest = fabric.load(name, fresh)
-    report(fabric, **{
-        name + ":params": full_params(model), name + ":opt": opt_state(model, opt),
-        name + ":lr": sched.get_last_lr(), name + ":counter": counter.n, name + ":step": fresh["step"],
-        name + ":rest": sorted(rest), name + ":note": rest.get("note"),
-    })
-    train(model, opt, sched, counter, 1)  # continuing must match the run that never stopped
-    report(fabric, **{name + ":after": full_params(model)})
-if PRECISION == "16-mixed":
-    report(fabric, scale=fabric.strategy.precision.scaler.get_scale())
-"""
-
-
-def _write_models(tmp_path: Path) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
+SAVE_JOB = JOBS / "fsdp_checkpoint_save.py"
 
 
 def _close(got: list[float], expected: list[float]) -> None:
@@ -104,8 +33,7 @@ def _close(got: list[float], expected: list[float]) -> None:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     """One 2-rank job: train, save sharded + full, reload both into fresh objects, keep training."""
     tmp_path = tmp_path_factory.mktemp("fsdp_ckpt")
-    _write_models(tmp_path)
-    job = run_job(SAVE_JOB.replace("PRECISION", repr("32-true")), tmp_path).check()
+    job = run_job(SAVE_JOB, tmp_path, args=("32-true",)).check()
     return tmp_path, job.reports
 
 
@@ -137,16 +65,14 @@ def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any
 
 def _load_single_process(path: Path) -> dict[str, Any]:
     """Load into a plain single-device Fabric (no process group) and report the same numbers."""
-    ns: dict[str, Any] = {}
-    exec(MODEL_CODE, ns)
     fabric = Fabric(accelerator="cpu", devices=1)
-    model = ns["make_model"]()
+    model = fsdp_models.make_model()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(path, state, strict=False)
     exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
                      for p in model.parameters()])
-    return {"params": ns["full_params"](model), "opt": exp, "step": state["step"]}
+    return {"params": fsdp_models.full_params(model), "opt": exp, "step": state["step"]}
 
 
 def test_consolidate_output_loads_with_torch_load(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
@@ -179,46 +105,13 @@ def test_consolidate_refuses_incomplete_directory(tmp_path: Path, capsys: pytest
     assert not (tmp_path / "out.pt").exists()
 
 
-WORLD1_JOB = """
-import shutil
-import torch
-import phalanx
-from phalanx.utils.errors import CheckpointError
-from mp import report
-from models import make_model, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=1, strategy="fsdp")
-fabric.launch()
-for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
-    model = make_model()
-    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
-    state = {"model": model, "optimizer": opt, "step": 0}
-    fabric.load(name, state, strict=False)
-    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":step": state["step"]})
-
-# A directory without the completion marker is refused.
-shutil.copytree("SAVED/ckpt", "broken")
-(__import__("pathlib").Path("broken") / "phalanx_meta.pt").unlink()
-try:
-    fabric.load("broken", {"model": model})
-    report(fabric, broken=None)
-except CheckpointError as err:
-    report(fabric, broken=str(err))
-# A checkpoint of another model names what does not match.
-other = fabric.setup_module(torch.nn.Linear(6, 3))
-try:
-    fabric.load("SAVED/ckpt", {"model": other})
-    report(fabric, mismatch=None)
-except CheckpointError as err:
-    report(fabric, mismatch=str(err))
-"""
+WORLD1_JOB = JOBS / "fsdp_checkpoint_load_on_one_rank.py"
 
 
 def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int, dict[str, Any]]],
                                                       tmp_path: Path) -> None:
     saved_dir, reports = saved
-    _write_models(tmp_path)
-    job = run_job(WORLD1_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    job = run_job(WORLD1_JOB, tmp_path, args=(str(saved_dir),)).check()
     rep = job.reports[0]
     _close(rep["ckpt"], reports[0]["params"])
     _close(rep["ckpt.pt"], reports[0]["params"])
@@ -228,29 +121,12 @@ def test_load_two_rank_checkpoints_at_world_size_one(saved: tuple[Path, dict[int
                                       "unexpected keys: [inp.weight, inp.bias, blocks.0.l1.weight")
 
 
-DDP_LOAD_JOB = """
-import torch, phalanx
-from mp import report
-from models import make_model, full_params
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-for name in ("SAVED/ckpt", "SAVED/ckpt.pt"):
-    model = make_model()
-    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
-    state = {"model": model, "optimizer": opt, "step": 0}
-    fabric.load(name, state, strict=False)
-    exp = torch.cat([torch.cat([opt.state[p][k].reshape(-1).double() for k in ("exp_avg", "exp_avg_sq", "step")])
-                     for p in model.parameters()])
-    report(fabric, **{name.split("/")[-1]: full_params(model), name.split("/")[-1] + ":opt": exp,
-                      name.split("/")[-1] + ":step": state["step"]})
-"""
+DDP_LOAD_JOB = JOBS / "fsdp_checkpoint_load_under_ddp.py"
 
 
 def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     saved_dir, reports = saved
-    _write_models(tmp_path)
-    job = run_job(DDP_LOAD_JOB.replace("SAVED", str(saved_dir)), tmp_path).check()
+    job = run_job(DDP_LOAD_JOB, tmp_path, args=(str(saved_dir),)).check()
     for rank in (0, 1):
         for name in ("ckpt", "ckpt.pt"):
             _close(job.reports[rank][name], reports[0]["params"])
@@ -259,8 +135,7 @@ def test_ddp_loads_an_fsdp_sharded_checkpoint(saved: tuple[Path, dict[int, dict[
 
 
 def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
-    _write_models(tmp_path)
-    reports = run_job(SAVE_JOB.replace("PRECISION", repr("16-mixed")), tmp_path).check().reports
+    reports = run_job(SAVE_JOB, tmp_path, args=("16-mixed",)).check().reports
     for rank in (0, 1):
         rep = reports[rank]
         _close(rep["ckpt:params"], rep["params"])
@@ -270,30 +145,10 @@ def test_sixteen_mixed_scaler_state_round_trips(tmp_path: Path) -> None:
     assert meta["precision"] == "16-mixed" and meta["precision_state"]["scaler"]["scale"] == reports[0]["scale"]
 
 
-RANK0_ONLY_JOB = """
-import time
-import phalanx
-from phalanx.utils.errors import CollectiveError
-from mp import report
-from models import make_model
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-model = fabric.setup_module(make_model())
-start = time.monotonic()
-try:
-    if fabric.global_rank == 0:
-        fabric.save("ckpt", {"model": model})  # the classic bug: save only on rank 0
-    else:
-        fabric.barrier("after save")
-    report(fabric, error=None)
-except CollectiveError as err:
-    report(fabric, error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - start)
-"""
+RANK0_ONLY_JOB = JOBS / "fsdp_rank0_only_save.py"
 
 
 def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
-    _write_models(tmp_path)
     job = run_job(RANK0_ONLY_JOB, tmp_path, env={"PHALANX_GUARD_TIMEOUT": "5"}, timeout=120)
     for rank in (0, 1):
         rep = job.reports[rank]
@@ -302,60 +157,6 @@ def test_rank_zero_only_save_raises_named_error_quickly(tmp_path: Path) -> None:
         # The lockstep check's own error, naming both operations (a timeout would say something else).
         assert "rank 0 called save at job.py" in rep["error"] and "after save" in rep["error"]
     assert not (tmp_path / "ckpt").exists()
-
-
-# STRATEGY is replaced by the strategy under test (test_async_checkpoint runs it with async_save=True).
-KILL_JOB = """
-import os
-import torch
-from torch import nn
-import phalanx
-from pathlib import Path
-from phalanx.strategies import FSDPStrategy
-
-torch.set_num_threads(1)
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=STRATEGY)
-fabric.launch()
-Path(f"pid{fabric.global_rank}").write_text(str(os.getpid()))
-model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
-model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
-model(torch.randn(2, 512)).sum().backward()
-opt.step()
-
-def fill(step):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float(step))
-
-def save(step):
-    fill(step)
-    handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": step})
-    fill(-step)  # training overwrites the parameters while an asynchronous write runs: its copy must not see it
-    return handle
-
-first = save(1)
-if first is not None:
-    first.wait()
-fabric.barrier()
-if fabric.global_rank == 0:
-    Path("ready").write_text("1")
-for step in range(2, 10_000):
-    save(step)
-"""
-
-
-def kill_trial(tmp_path: Path, seed: int, strategy: str = "'fsdp'") -> int:
-    """Run the saving job, SIGKILL every process of it at a random moment mid-save; return the step of
-    the checkpoint that survived (and assert it is complete and holds one save's values only)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    kill_mid_run(KILL_JOB.replace("STRATEGY", strategy), tmp_path, ranks=2,
-                 delay=random.Random(seed).uniform(0.0, 2.0))
-    sd = read_everything(tmp_path / "ckpt")  # raises CheckpointError if not complete
-    step = int(sd["step"])
-    for key, value in sd["model"].items():
-        assert torch.all(value == float(step)), f"{key} holds values of another step than {step}"
-    assert set(sd["optimizer"]["state"]) == set(range(16))
-    return step
 
 
 @pytest.mark.parametrize("trial", range(2))

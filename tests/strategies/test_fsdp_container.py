@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import REPO, run_job
+from fsdp_container_models import loss_of, make_data, make_model
+from job_runner import JOBS, REPO, run_job
 from run_if import run_if
-from torch import nn
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -22,55 +22,7 @@ pytestmark = [
 ]
 
 
-def make_model() -> nn.ModuleDict:
-    torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "teacher": nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)),
-        "student": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)),
-    })
-    model["teacher"].requires_grad_(False)
-    return model
-
-
-def make_data(n: int = 32) -> torch.Tensor:
-    return torch.randn(n, 6, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        target = model["teacher"](x).softmax(-1)
-    return nn.functional.kl_div(model.student(x).log_softmax(-1), target, reduction="batchmean")
-
-
-JOB = """
-import torch, phalanx
-from mp import report
-from tests.strategies.test_fsdp_container import loss_of, make_data, make_model
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
-fabric.launch()
-model = make_model()
-model, opt = fabric.setup(model, torch.optim.Adam(model["student"].parameters(), lr=0.01))
-x = make_data()
-r = fabric.global_rank
-for step in range(3):  # windows of 2 micro-batches of 4 samples per rank
-    for micro in range(2):
-        start = step * 16 + micro * 8 + 4 * r
-        with fabric.no_backward_sync(model, enabled=micro == 0):
-            fabric.backward(loss_of(model, x[start : start + 4]) / 2)
-    opt.step()
-    opt.zero_grad()
-full = lambda m: torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
-                            for p in m.parameters()])
-fabric.save("ckpt", {"model": model, "optimizer": opt})
-student, teacher = full(model.student), full(model.teacher)
-with torch.no_grad():
-    for p in model.student.parameters():
-        p.zero_()
-fabric.load("ckpt", {"model": model, "optimizer": opt})
-report(fabric, student=student, teacher=teacher, reloaded=full(model.student),
-       sharded=[type(p).__name__ for p in model.student.parameters()])
-"""
+JOB = JOBS / "fsdp_container.py"
 
 
 def test_module_dict_distillation_under_fsdp_equals_one_process(tmp_path: Path) -> None:

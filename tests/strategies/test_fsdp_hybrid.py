@@ -5,24 +5,24 @@ process on the concatenated batches, clip by the global norm and round-trip chec
 from __future__ import annotations
 
 import enum
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, SUPPORT, run_job
 from run_if import run_if
 
 from phalanx import Fabric
 from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.fsdp.sharding import SHARDING_STRATEGIES
 from phalanx.utils.errors import MisconfigurationError
-from tests.strategies.test_fsdp import MODEL_CODE
 
 pytestmark = [pytest.mark.timeout(300), run_if(fsdp=True)]
 
-JOB_MODELS = MODEL_CODE
+MODELS = SUPPORT / "fsdp_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 class ShardingStrategy(enum.Enum):  # the shape of torch's FSDP1 enum, which Lightning programs pass
@@ -154,90 +154,7 @@ def test_bad_sharding_arguments_are_refused_with_the_fix() -> None:
 
 
 # ---------------------------------------------------------------------- 2-rank jobs
-# Every case trains 4 Adam steps on 8 samples split over the ranks, clipping by the global norm (2, inf, 1, 2), with the
-# optimizer built before setup; the hybrid cases then round-trip a sharded and a full checkpoint.
-HYBRID_JOB = """
-import glob
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-import phalanx
-from phalanx.strategies import FSDPStrategy
-from mp import report
-from models import make_model, make_data, full, full_params
-
-x, y = make_data()
-ce = torch.nn.functional.cross_entropy
-NORM_TYPES = (2.0, float("inf"), 1.0, 2.0)
-
-def opt_state(model, opt):
-    return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
-
-def build(fabric):
-    model = make_model()
-    return fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
-
-for name, kwargs, precision in CASES:
-    if kwargs.get("device_mesh") == "MESH_OBJECT":  # a DeviceMesh built in this process (a group exists now)
-        try:
-            FSDPStrategy(device_mesh=init_device_mesh("cpu", (2, 1)))
-        except phalanx.errors.MisconfigurationError as err:
-            report(fabric, unnamed_mesh=str(err))
-        kwargs = {**kwargs, "device_mesh": init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))}
-    fabric = phalanx.Fabric(accelerator="cpu", devices=DEVICES, strategy=FSDPStrategy(**kwargs), precision=precision)
-    fabric.launch()
-    r, n = fabric.global_rank, 8 // DEVICES
-    mesh = fabric.strategy.mesh
-    model, opt = build(fabric)
-    norms, unreduced = [], []
-    for step, i in enumerate(range(0, 32, 8)):
-        opt.zero_grad()
-        for micro in range(2):  # accumulate: the first backward skips the reduction of the gradients
-            lo, half = i + n * r + micro * n // 2, n // 2
-            with fabric.no_backward_sync(model, enabled=micro == 0):
-                fabric.backward(ce(model(x[lo : lo + half]), y[lo : lo + half]) / 2)
-            if micro == 0:  # no reduce-scatter nor all-reduce ran: no sharded gradient exists yet
-                unreduced.append(all(p.grad is None for p in model.parameters()))
-        norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.25, norm_type=NORM_TYPES[step])))
-        opt.step()
-    weight = model.inp.weight
-    report(fabric, **{name: full_params(model), name + ":norms": norms, name + ":unreduced": unreduced,
-                      name + ":mesh": list(mesh.shape),
-                      name + ":placements": [str(p) for p in weight.placements],
-                      name + ":local_rows": weight.to_local().shape[0],
-                      name + ":sampler": fabric.strategy.distributed_sampler_kwargs()})
-    if name.startswith("hybrid") or name == "no_shard":
-        # Replicas created from different random streams (ranks seeded differently, with empty_init too) are made
-        # equal at setup: verify_in_sync compares every tensor a rank holds whole.
-        in_sync = []
-        for empty_init in (False, True):
-            torch.manual_seed(100 + r)
-            with fabric.init_module(empty_init=empty_init):
-                other = Net()
-            other = fabric.setup_module(other)
-            try:
-                fabric.verify_in_sync(other)
-                in_sync.append(True)
-            except Exception as err:
-                in_sync.append(str(err)[:200])
-        report(fabric, **{name + ":in_sync": in_sync})
-    # Sharded checkpoints saved on another mesh load here (DCP reshards between 1-D and 2-D meshes).
-    for saved in sorted(glob.glob("ckpt-hybrid*")):
-        if saved != f"ckpt-{name}" and not saved.endswith(".pt"):
-            fresh_model, fresh_opt = build(fabric)
-            fabric.load(saved, {"model": fresh_model, "optimizer": fresh_opt})
-            report(fabric, **{f"{name}<-{saved}": full_params(fresh_model)})
-    if name.startswith("hybrid"):
-        params, state = full_params(model), opt_state(model, opt)
-        for path in (f"ckpt-{name}", f"ckpt-{name}.pt"):
-            fabric.strategy.state_dict_type = "full" if path.endswith(".pt") else "sharded"
-            fabric.save(path, {"model": model, "optimizer": opt, "step": 4})
-            fresh_model, fresh_opt = build(fabric)
-            fresh = {"model": fresh_model, "optimizer": fresh_opt, "step": 0}
-            fabric.load(path, fresh)
-            report(fabric, **{path: bool(torch.equal(full_params(fresh_model), params)
-                                         and torch.equal(opt_state(fresh_model, fresh_opt), state)
-                                         and fresh["step"] == 4)})
-"""
+HYBRID_JOB = JOBS / "fsdp_hybrid_cases.py"  # argv: the cases as JSON, devices
 
 FAST_CASES = [
     ("hybrid_2x1", {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)}, "32-true"),
@@ -271,9 +188,9 @@ def _reference(models: dict[str, Any]) -> tuple[torch.Tensor, list[float]]:
 def _run_cases(
     tmp_path: Path, models: dict[str, Any], cases: list[tuple[str, dict[str, Any], str]], devices: int = 2
 ) -> dict[str, Any]:
-    code = HYBRID_JOB.replace("CASES", repr(cases).replace("'Block'", "Block")).replace("DEVICES", str(devices))
-    code = code.replace("from models import ", "from models import Block, Net, ")
-    reports = run_job(code, tmp_path, timeout=280).check().reports
+    as_json = json.dumps([(name, {k: sorted(v) if isinstance(v, set) else v for k, v in kwargs.items()}, precision)
+                          for name, kwargs, precision in cases])
+    reports = run_job(HYBRID_JOB, tmp_path, args=(as_json, str(devices)), timeout=280).check().reports
     expected, expected_norms = _reference(models)
     assert min(expected_norms) > 0.25  # every step really clips
     for name, kwargs, precision in cases:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import meta_init_models
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from torch import nn
 
 from phalanx.utils.compat import FSDP_ON_CPU
@@ -26,110 +27,15 @@ from phalanx.utils.init import materialize_meta_tensors
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not FSDP_ON_CPU, reason="FSDP2 runs on CPU from torch 2.7")]
 
-MODEL_CODE = '''
-import math
-import torch
-from torch import nn
 
-
-class LoRALinear(nn.Module):
-    """LitGPT's LoRA layer in small: lora_A drawn (kaiming), lora_B zero; the base Linear its own module."""
-
-    def __init__(self, d_in, d_out, r=3):
-        super().__init__()
-        self.linear = nn.Linear(d_in, d_out)
-        self.lora_A = nn.Parameter(torch.empty(r, d_in))
-        self.lora_B = nn.Parameter(torch.empty(d_out, r))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B)
-
-    def forward(self, x):
-        return self.linear(x) + x @ self.lora_A.T @ self.lora_B.T
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.blocks = nn.ModuleList([LoRALinear(6, 6), LoRALinear(6, 6)])
-        self.norm = nn.BatchNorm1d(6)  # parameters and buffers
-        self.head = nn.Linear(6, 5)  # 5 rows over 2 ranks: uneven shards
-
-    def forward(self, x):
-        h = self.emb(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-'''
-
-JOB = r'''
-import sys
-import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-import phalanx
-from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
-from mp import report
-from models import Net
-
-
-def like_litgpt(model, mesh):  # litgpt.finetune.lora.parallelize_fn, without activation checkpointing
-    for m in reversed(list(model.modules())):
-        if isinstance(m, nn.Linear) and m.weight.requires_grad:
-            fully_shard(m, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def tensor_parallel(model, mesh):
-    parallelize_module(model, mesh["tensor_parallel"],
-                       {"head": ColwiseParallel(), "blocks.0.linear": RowwiseParallel()})
-    return model
-
-
-def two_d(model, mesh):  # tensor parallel inside, FSDP across: FSDP shards TP shards (strided placements)
-    tensor_parallel(model, mesh)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-strategies = {
-    "fsdp": lambda: FSDPStrategy(),
-    "litgpt": lambda: ModelParallelStrategy(like_litgpt, data_parallel_size=2, tensor_parallel_size=1),
-    "tp": lambda: ModelParallelStrategy(tensor_parallel, data_parallel_size=1, tensor_parallel_size=2),
-    "2x2": lambda: ModelParallelStrategy(two_d, data_parallel_size=2, tensor_parallel_size=2),
-}
-devices, names = int(sys.argv[1]), sys.argv[2:]
-for name in names:
-    fabric = phalanx.Fabric(accelerator="cpu", devices=devices, strategy=strategies[name]())
-    fabric.launch()
-    torch.manual_seed(5)
-    with fabric.init_module(empty_init=True):
-        net = Net()
-    fabric.setup_module(net)
-    tensors = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()]}
-    report(fabric, **{name: {
-        "sharded": sorted(n for n, t in tensors.items() if isinstance(t, DTensor)),
-        "full": {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for n, t in tensors.items()},
-        "next_draw": torch.rand(3),
-    }})
-'''
+JOB = JOBS / "meta_init.py"
 
 
 def single_process() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """What one process gets: the same meta model, seed 5, materialized module by module."""
-    scope: dict[str, object] = {}
-    exec(MODEL_CODE, scope)
     torch.manual_seed(5)
     with torch.device("meta"):
-        net = scope["Net"]()  # type: ignore[operator]
+        net = meta_init_models.Net()
     assert isinstance(net, nn.Module)
     materialize_meta_tensors(net, "cpu")
     full = {n: t.detach() for n, t in [*net.named_parameters(), *net.named_buffers()]}
@@ -141,7 +47,6 @@ def single_process() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     pytest.param(4, ("2x2",), marks=pytest.mark.slow),  # 4 processes: the slow tier
 ])
 def test_sharded_meta_init_equals_one_process(tmp_path: Path, devices: int, names: tuple[str, ...]) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(JOB, tmp_path, timeout=150, args=(str(devices), *names)).check()
     expected, next_draw = single_process()
     bound = 1 / math.sqrt(6)  # kaiming_uniform_(a=sqrt(5)) on fan_in 6

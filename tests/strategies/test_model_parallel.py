@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, SUPPORT, run_job
 
 from phalanx import Fabric
 from phalanx.strategies import ModelParallelStrategy, resolve_strategy
@@ -18,111 +18,7 @@ from phalanx.utils.errors import MisconfigurationError
 
 pytestmark = pytest.mark.timeout(400)
 
-# Shared by the jobs (imported as `models`) and the single-process references.
-MODEL_CODE = '''
-import torch
-import phalanx
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-
-class FeedForward(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.blocks = nn.ModuleList([FeedForward(), FeedForward()])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def parallelize(model, mesh):
-    """Megatron-style MLP split over 'tensor_parallel', each block and the root sharded over 'data_parallel'."""
-    for block in model.blocks:
-        parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def make_model():
-    torch.manual_seed(0)
-    return Net()
-
-
-def make_data(n=32):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-class LitNet(phalanx.Module):
-    """Net under the Trainer; logs a per-sample count with reduce_fx="sum" (each sample counted once)."""
-    def __init__(self):
-        super().__init__()
-        self.net = make_model()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
-        self.log("train_samples", float(len(x)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
-        self.log("val_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-
-def parallelize_lit(module, mesh):
-    parallelize(module.net, mesh)  # the strategy shards the LitNet root itself
-    return module
-
-
-def full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1).double().cpu()
-
-
-def full_params(model):
-    return torch.cat([full(p) for p in model.parameters()])
-
-
-def opt_state(model, opt):
-    return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
-
-
-def one_more_step(fabric, model, opt):
-    """One Adam step on the global batch x[0:8], whatever the mesh shape (a checkpoint's continuation)."""
-    x, y = make_data()
-    dp = fabric.strategy.distributed_sampler_kwargs() or {"num_replicas": 1, "rank": 0}
-    size = 8 // dp["num_replicas"]
-    lo = size * dp["rank"]
-    opt.zero_grad()
-    fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + size]), y[lo : lo + size]))
-    opt.step()
-'''
+MODELS = SUPPORT / "model_parallel_models.py"  # the ``models`` fixture (conftest.py); the jobs import it too
 
 
 def _close(got: list[float], expected: torch.Tensor, atol: float = 1e-6) -> None:
@@ -184,93 +80,7 @@ def test_sampler_kwargs_are_data_parallel_before_launch() -> None:
 
 
 # ---------------------------------------------------------------------- 4 ranks, 2 x 2
-EQUIVALENCE_JOB = """
-import torch
-import phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from phalanx.utils.errors import GradientSyncError
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import make_model, make_data, full_params, opt_state, one_more_step, parallelize
-
-torch.set_num_threads(1)
-fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
-fabric.launch()
-mesh = fabric.strategy.device_mesh
-dp = mesh["data_parallel"].get_local_rank()
-x, y = make_data()
-ce = torch.nn.functional.cross_entropy
-
-# Data: tensor-parallel peers read the same samples, data-parallel ranks different ones.
-loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(16)), batch_size=2, shuffle=True))
-report(fabric, coords=mesh.get_coordinate(), seen=[int(i) for (b,) in loader for i in b],
-       sampler=fabric.strategy.distributed_sampler_kwargs())
-
-# A: Adam + clipping by the global norm (over both mesh dimensions), optimizer built before setup.
-model2 = make_model()
-model, opt = fabric.setup(model2, torch.optim.Adam(model2.parameters(), lr=0.01))
-norms = []
-for i in range(0, 32, 8):
-    opt.zero_grad()
-    lo = i + 4 * dp
-    fabric.backward(ce(model(x[lo : lo + 4]), y[lo : lo + 4]))
-    norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
-    opt.step()
-report(fabric, a=full_params(model), a_norms=norms)
-
-# Checkpoints of the 2 x 2 run (sharded directory and full file), then one more step for reference.
-state = {"model": model, "optimizer": opt, "step": 4}
-fabric.save("ckpt", state)
-fabric.strategy.state_dict_type = "full"
-fabric.save("ckpt.pt", state)
-fabric.strategy.state_dict_type = "sharded"
-report(fabric, a_opt=opt_state(model, opt))
-one_more_step(fabric, model, opt)
-report(fabric, a_after=full_params(model))
-
-
-# B: gradient accumulation (2 micro-batches per step); the first skips the data-parallel reduce.
-model = fabric.setup_module(make_model())
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-skipped = []
-for i in range(0, 32, 8):
-    opt.zero_grad()
-    for j, micro in enumerate((0, 2)):
-        lo = i + 4 * dp + micro
-        with fabric.no_backward_sync(model, enabled=j == 0):
-            fabric.backward(ce(model(x[lo : lo + 2]), y[lo : lo + 2]) / 2)
-        if j == 0:
-            skipped.append(all(p.grad is None for p in model.parameters()))
-    opt.step()
-report(fabric, b=full_params(model), skipped=skipped)
-
-# Stepping after a backward that skipped the reduce must raise (as under FSDP and DDP).
-with fabric.no_backward_sync(model):
-    fabric.backward(ce(model(x[:4]), y[:4]))
-try:
-    opt.step()
-    report(fabric, step_error=None)
-except GradientSyncError as err:
-    report(fabric, step_error=str(err))
-
-# Misuse, each refused at setup with the fix (the strategy's function is swapped per case).
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from phalanx.utils.errors import MisconfigurationError
-cases = {
-    "no_fn": None,
-    "returns_other": lambda model, mesh: torch.compile(model),
-    "not_data_parallel": lambda model, mesh: fully_shard(model, mesh=mesh["tensor_parallel"]),
-    "foreign_mesh": lambda model, mesh: fully_shard(model, mesh=init_device_mesh("cpu", (4,))),
-}
-for name, fn in cases.items():
-    fabric.strategy.parallelize_fn = fn
-    try:
-        fabric.setup_module(make_model())
-        report(fabric, **{name: None})
-    except MisconfigurationError as err:
-        report(fabric, **{name: str(err)})
-"""
+EQUIVALENCE_JOB = JOBS / "model_parallel_equivalence.py"
 
 
 def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4) -> tuple[torch.Tensor, list[float]]:
@@ -294,7 +104,6 @@ def _reference(models: dict[str, Any], opt_name: str, clip: bool, steps: int = 4
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     """One 4-rank 2 x 2 job: training phases, a data-split probe, and the checkpoints it saved."""
     tmp_path = tmp_path_factory.mktemp("mp2x2")
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     return tmp_path, run_job(EQUIVALENCE_JOB, tmp_path, timeout=300).check().reports
 
 
@@ -323,24 +132,7 @@ def test_two_by_two_training_equals_single_process(trained: tuple[Path, dict[int
     assert sorted(seen[(0, 0)] + seen[(1, 0)]) == list(range(16))
 
 
-TRAINER_JOB = """
-import torch, phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import LitNet, make_data, full_params, parallelize_lit
-
-torch.set_num_threads(1)
-phalanx.seed_everything(7)
-trainer = phalanx.Trainer(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize_lit, 2, 2),
-                          max_epochs=2, enable_progress_bar=False, enable_checkpointing=False, logger=False)
-model = LitNet()
-x, y = make_data()
-trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
-            DataLoader(TensorDataset(x[:20], y[:20]), batch_size=4))
-report(trainer.fabric, params=full_params(model.net), steps=trainer.global_step,
-       metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
-"""
+TRAINER_JOB = JOBS / "model_parallel_trainer.py"
 
 
 @pytest.mark.slow
@@ -368,25 +160,7 @@ def test_two_by_two_trainer_fit_equals_single_process(tmp_path: Path, models: di
         assert rep["metrics"] == pytest.approx(single, rel=1e-6)
 
 
-LOAD_JOB = """
-import sys, torch, phalanx
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import make_model, full_params, opt_state, one_more_step, parallelize
-
-torch.set_num_threads(1)
-dp, tp = int(sys.argv[1]), int(sys.argv[2])
-fabric = phalanx.Fabric(accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(parallelize, dp, tp))
-fabric.launch()
-for name in ("ckpt", "ckpt.pt"):
-    m = make_model()
-    model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
-    state = {"model": model, "optimizer": opt, "step": 0}
-    fabric.load("SAVED/" + name, state)
-    report(fabric, **{name: full_params(model), name + ":opt": opt_state(model, opt), name + ":step": state["step"]})
-    one_more_step(fabric, model, opt)
-    report(fabric, **{name + ":after": full_params(model)})
-"""
+LOAD_JOB = JOBS / "model_parallel_load.py"
 
 
 @pytest.mark.parametrize("shape", [
@@ -395,8 +169,7 @@ for name in ("ckpt", "ckpt.pt"):
 def test_two_by_two_checkpoint_loads_on_other_meshes(trained: tuple[Path, dict[int, dict[str, Any]]],
                                                      tmp_path: Path, shape: tuple[int, int]) -> None:
     saved, reports = trained
-    (tmp_path / "models.py").write_text(MODEL_CODE)
-    job = run_job(LOAD_JOB.replace("SAVED", str(saved)), tmp_path, args=tuple(map(str, shape)), timeout=300).check()
+    job = run_job(LOAD_JOB, tmp_path, args=(str(saved), *map(str, shape)), timeout=300).check()
     ref = reports[0]
     for rank in range(shape[0] * shape[1]):
         rep = job.reports[rank]
@@ -437,56 +210,11 @@ def test_two_by_two_checkpoint_loads_without_a_process_group(trained: tuple[Path
 
 
 # ---------------------------------------------------------------------- meta-device init
-MEMORY_JOB = """
-import resource, sys, torch, phalanx
-from torch import nn
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import FeedForward, parallelize
-
-torch.set_num_threads(1)
-
-
-class Big(nn.Module):
-    def __init__(self, d=1024, layers=12):
-        super().__init__()
-        self.blocks = nn.ModuleList(FeedForward(d) for _ in range(layers))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def peak_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
-fabric.launch()
-fabric.seed_everything(3)
-empty = sys.argv[1] == "meta"
-before = peak_mib()
-with fabric.init_module(empty_init=empty):
-    model = Big()
-full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-model = fabric.setup_module(model)
-after_setup = peak_mib()
-opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
-x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(fabric.strategy.distributed_sampler_kwargs()["rank"]))
-fabric.backward(model(x).pow(2).mean())
-opt.step()
-after_step = peak_mib()
-local = {n: float(p.to_local().double().sum()) for n, p in model.module.named_parameters() if n.startswith("blocks.0.")}
-report(fabric, full_mib=full_mib, setup_mib=after_setup - before, step_mib=after_step - before,
-       coords=fabric.strategy.device_mesh.get_coordinate(), local=local,
-       finite=all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()))
-"""
+MEMORY_JOB = JOBS / "model_parallel_memory.py"
 
 
 @pytest.mark.slow
 def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     # glibc raises its mmap threshold after each large free, then keeps freed blocks (FSDP's per-block
     # all-gather buffers) in the heap: RSS would count every block's buffers as if alive. A fixed threshold
     # makes RSS follow live memory.
@@ -515,30 +243,7 @@ def test_meta_init_materializes_only_local_shards(tmp_path: Path) -> None:
     assert all(eager[rank]["setup_mib"] > 0.9 * full for rank in range(4))
 
 
-PRECISION_JOB = """
-import sys, torch, phalanx
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import make_model, make_data, full_params, parallelize
-
-torch.set_num_threads(1)
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, precision=sys.argv[1],
-                        strategy=ModelParallelStrategy(parallelize, 1, 2))
-fabric.launch()
-m = make_model()
-model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
-x, y = make_data()
-losses = []
-for i in range(0, 32, 8):
-    opt.zero_grad()
-    loss = torch.nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8])
-    fabric.backward(loss)
-    fabric.clip_gradients(model, opt, max_norm=0.5)
-    opt.step()
-    losses.append(float(loss))
-report(fabric, params=full_params(model), losses=losses, dtype=str(next(model.parameters()).dtype),
-       scaler=fabric.strategy.precision.state_dict().get("scaler", {}).get("scale"))
-"""
+PRECISION_JOB = JOBS / "model_parallel_precision.py"
 
 
 @pytest.mark.slow
@@ -565,40 +270,12 @@ def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str,
     assert job.reports[0]["params"] == job.reports[1]["params"]
 
 
-
-SNAPSHOT_JOB = """
-import torch, phalanx
-from phalanx.strategies import ModelParallelStrategy
-from mp import report
-from models import make_model, full_params, opt_state, one_more_step, parallelize
-
-torch.set_num_threads(1)
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(parallelize, 1, 2))
-fabric.launch()
-m = make_model()
-model, opt = fabric.setup(m, torch.optim.Adam(m.parameters(), lr=0.01))
-for _ in range(2):
-    one_more_step(fabric, model, opt)
-ref = fabric.save_snapshot({"model": model, "optimizer": opt, "step": 2}, 2, "snapshots", every_n_steps=1)
-saved_params, saved_opt = full_params(model), opt_state(model, opt)
-one_more_step(fabric, model, opt)
-expected_next = full_params(model)
-one_more_step(fabric, model, opt)  # away from the snapshot, then back
-latest = fabric.latest_checkpoint("snapshots")
-state = {"model": model, "optimizer": opt, "step": None}
-fabric.load(latest, state)
-restored = torch.equal(full_params(model), saved_params) and torch.equal(opt_state(model, opt), saved_opt)
-one_more_step(fabric, model, opt)
-report(fabric, restored=restored, step=state["step"], same_next=torch.equal(full_params(model), expected_next),
-       latest=str(latest), ref=str(ref))
-fabric.remove_snapshots("snapshots")
-"""
+SNAPSHOT_JOB = JOBS / "model_parallel_snapshot.py"
 
 
 def test_tensor_parallel_shards_round_trip_through_a_per_rank_snapshot(tmp_path: Path) -> None:
     # Each rank snapshots its own tensor-parallel shards (parameters and Adam state as DTensor shards), and
     # loading puts them back as DTensors with the live parameters' placements: training continues identically.
-    (tmp_path / "models.py").write_text(MODEL_CODE)
     job = run_job(SNAPSHOT_JOB, tmp_path, timeout=300).check()
     for rank in (0, 1):
         rep = job.reports[rank]

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mp import report
+from interrupts import Interrupt, StopAt
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanAbsoluteError, MeanSquaredError
@@ -25,7 +26,6 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError
 import phalanx
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 from phalanx.tuner.lr_find import Tuner
-from tests.trainer.test_trainer_resume import Interrupt, StopAt
 
 SAMPLES = 64  # 8 batches of 4 per rank on 2 ranks: 4 optimizer steps per epoch with accumulation 2
 BATCH = 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from mp import report
+from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx

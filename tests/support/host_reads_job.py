@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from host_reads import DeviceSyncs, HostReads
-from mp import report
+from job_runner import report
 from torch import nn
 from trainer_support import Regressor, loader
 

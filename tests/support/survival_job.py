@@ -15,7 +15,7 @@ import signal
 from typing import Any
 
 import torch
-from mp import report
+from job_runner import report
 from torch.utils.data import Dataset
 from trainer_support import Regressor, dataset, flat, quiet
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mp import report
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 

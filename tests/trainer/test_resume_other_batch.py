@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from survival_job import Indexed
 from torch.utils.data import DataLoader
 from trainer_support import Regressor, quiet
@@ -159,49 +159,7 @@ def test_limit_and_val_check_interval_count_batches_of_the_new_size(tmp_path: Pa
     assert probe.steps == [7, 11] and trainer.global_step == 11 and probe.batches_done == [10]
 
 
-JOB = """
-import logging, torch, phalanx
-from mp import report
-from survival_job import Indexed
-from torch.utils.data import DataLoader
-from trainer_support import Regressor, quiet
-
-messages, mode = [], "first"
-
-
-class Keep(logging.Handler):
-    def emit(self, record):
-        if record.getMessage().startswith("The checkpoint was written with"):
-            messages.append(record.getMessage())
-
-
-class Seen(Regressor):
-    def training_step(self, batch, batch_idx):
-        x, y, idx = batch
-        with open(f"seen_{mode}_{self.trainer.global_rank}.txt", "a") as fh:
-            fh.writelines(f"{self.trainer.current_epoch} {int(i)} {batch_idx}\\n" for i in idx)
-        return super().training_step((x, y), batch_idx)
-
-
-class SaveAt:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == 5 and not trainer.in_window:
-            trainer.save_checkpoint("mid.ckpt")
-
-
-logging.getLogger("phalanx").addHandler(Keep())
-# The first run: 2 ranks x batch 4, stopped after step 5 (its checkpoint is written then), at sample 40.
-phalanx.seed_everything(3, verbose=False)
-trainer = phalanx.Trainer(**quiet(devices=2, strategy="ddp", max_steps=5, callbacks=[SaveAt()]))
-trainer.fit(Seen(optimizer="adam"), DataLoader(Indexed(51, torch.float64), batch_size=4, shuffle=True))
-# Resumed in the same processes with 2 ranks x batch 3.
-mode = "resume"
-phalanx.seed_everything(3, verbose=False)
-trainer = phalanx.Trainer(**quiet(devices=2, strategy="ddp", max_epochs=2))
-trainer.fit(Seen(optimizer="adam"), DataLoader(Indexed(51, torch.float64), batch_size=3, shuffle=True),
-            ckpt_path="mid.ckpt")
-report(trainer.fabric, step=trainer.global_step, messages=messages)
-"""
+JOB = JOBS / "resume_other_batch.py"
 
 
 def _seen(path: Path, batches: bool = False) -> list[tuple[int, int]]:

@@ -15,18 +15,17 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mp import JOB_PYTHONPATH, Job, assert_terminal, run_job
+from job_runner import JOB_PYTHONPATH, JOBS, SUPPORT, Job, assert_terminal, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
 
-JOB = (Path(__file__).parents[1] / "support" / "survival_job.py").read_text()
+JOB = SUPPORT / "survival_job.py"
 STEPS = 16  # 48 samples / (2 ranks x batches of 3) = 8 optimizer steps per epoch, 2 epochs
 ENV = {"PHALANX_SHOW_TRACEBACKS": "0"}
 
@@ -130,7 +129,7 @@ def _fake_scontrol(folder: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_sigusr1_to_the_launcher_under_slurm_checkpoints_and_requeues(tmp_path: Path, tmp_path_factory: Any) -> None:
     expected = reference(tmp_path_factory, "ddp")
-    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "job.py").write_text(JOB.read_text())
     (tmp_path / "reports").mkdir()
     env = {**os.environ, **ENV, "PHALANX_TEST_OUT": str(tmp_path / "reports"), "PYTHONPATH": JOB_PYTHONPATH,
            "SLURM_JOB_ID": "4242", "PATH": f"{_fake_scontrol(tmp_path)}{os.pathsep}{os.environ['PATH']}"}
@@ -192,18 +191,7 @@ def test_kill_9_of_a_rank_under_max_restarts_resumes_from_the_snapshot(
 @pytest.mark.timeout(300)
 def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) -> None:
     # No ModelCheckpoint, no Snapshot: the restarted attempt trains from step 0 and says why, never silently.
-    code = """
-    import os, phalanx
-    from trainer_support import Regressor, loader, quiet
-    class Die:
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step == 2 and trainer.global_rank == 1 and not os.path.exists("died"):
-                open("died", "w").close()
-                os._exit(3)
-    trainer = phalanx.Trainer(**quiet(devices=2, strategy="ddp", max_steps=4, max_restarts=1, callbacks=[Die()]))
-    trainer.fit(Regressor(), loader(32, 4))
-    """
-    done = run_job(code, tmp_path, timeout=180, env=ENV).check()
+    done = run_job(JOBS / "restart_without_checkpoint.py", tmp_path, timeout=180, env=ENV).check()
     (logs,) = (tmp_path / "phalanx_logs").glob("phalanx-*")
     assert done.stderr.splitlines() == [
         f"[phalanx] Restart 1 of at most 1: rank 1 exited with code 3; rank 0 stopped as a consequence. No checkpoint "
@@ -216,28 +204,9 @@ def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) ->
 def test_a_second_fit_from_the_same_root_dir_is_refused_while_the_first_runs(tmp_path: Path) -> None:
     # Both runs snapshot into the folder named after default_root_dir. The second is refused at its first
     # snapshot, naming the first run's process; the first runs on, ends like a run alone and cleans up.
-    code = """
-    import sys, time, phalanx
-    from pathlib import Path
-    from mp import report
-    from trainer_support import Regressor, loader, quiet
-    name, root = sys.argv[1], sys.argv[2]
-    class Pace:  # the first run holds step 2 until the second one has tried
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            Path(f"{name}-at-{trainer.global_step}").touch()
-            deadline = time.monotonic() + 120
-            while name == "first" and trainer.global_step == 2 and not Path("second-done").exists():
-                assert time.monotonic() < deadline, "the second run never finished"
-                time.sleep(0.05)
-    snapshot = phalanx.callbacks.Snapshot(every_n_train_steps=1)
-    trainer = phalanx.Trainer(**quiet(max_steps=6, default_root_dir=root, callbacks=[snapshot, Pace()]))
-    module = Regressor()
-    trainer.fit(module, loader(48, 6))
-    report(rank=0, folder=str(phalanx.checkpoint.snapshot.default_dir(root)))
-    """
     root = str(tmp_path / "shared-root")
     script = tmp_path / "fit.py"
-    script.write_text(textwrap.dedent(code))
+    script.write_text((JOBS / "two_fits_one_root.py").read_text())
     env = {**os.environ, **ENV, "PYTHONPATH": JOB_PYTHONPATH, "PHALANX_TEST_OUT": str(tmp_path)}
     first = subprocess.Popen([sys.executable, str(script), "first", root], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from run_if import run_if
 from trainer_support import Regressor, flat, loader, quiet
 
@@ -17,25 +17,7 @@ import phalanx
 
 pytestmark = pytest.mark.timeout(240)
 
-FIT_JOB = """
-import sys, torch, phalanx
-from mp import report
-from trainer_support import Regressor, flat, loader, quiet
-
-phalanx.seed_everything(7)
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, **quiet())
-model = Regressor(optimizer="adam", lr=0.01)
-trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
-report(trainer.fabric, params=flat(model), metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
-       steps=trainer.global_step)
-# Lightning's trainer.test(other_model) after fit: the same processes and group, another model.
-other = Regressor()
-with torch.no_grad():
-    for p in other.parameters():
-        p.fill_(0.25)
-tested = trainer.test(other, loader(37, 8))
-report(trainer.fabric, other_test=tested[0]["test_mae"], other_params=flat(other), same_params=flat(model))
-"""
+FIT_JOB = JOBS / "trainer_fit.py"
 
 
 def test_ddp_fit_equals_single_process_fit(tmp_path: Path) -> None:
@@ -76,18 +58,7 @@ def test_ddp_fit_equals_single_process_fit(tmp_path: Path) -> None:
         assert report["other_params"] == flat(other).tolist() and report["same_params"] == report["params"]
 
 
-ACCUM_JOB = """
-import sys, torch, phalanx
-from mp import report
-from trainer_support import Regressor, flat, loader, quiet
-
-strategy = sys.argv[1]
-trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=2, accumulate_grad_batches=4, **quiet())
-model = Regressor()
-trainer.fit(model, loader(40, 2))
-report(trainer.fabric, params=flat(model), counts=model.counts, opt_steps=model.opt.steps,
-       global_step=trainer.global_step)
-"""
+ACCUM_JOB = JOBS / "trainer_accumulation.py"
 
 
 def _manual_accumulation_reference() -> torch.Tensor:
@@ -125,55 +96,7 @@ def test_accumulation_counts_and_parameters(tmp_path: Path, strategy: str) -> No
         torch.testing.assert_close(torch.tensor(report["params"], dtype=torch.float64), reference, rtol=0, atol=1e-10)
 
 
-LR_FIND_JOB = """
-import torch, phalanx
-from mp import report
-from phalanx.callbacks import LearningRateFinder, ModelCheckpoint
-from phalanx.utils.seed import capture_rng_state
-from phalanx.tuner.lr_find import Tuner
-from trainer_support import Regressor, flat, loader, quiet
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a == b).all())
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-class Probe:
-    '''Runs a search itself and checks that it changed nothing.'''
-    def on_fit_start(self, trainer, module):
-        def state():
-            return {
-                "params": flat(module), "opt": trainer.optimizer.state_dict(),
-                "sched": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-                "rng": capture_rng_state()["torch"], "lr": module.lr,
-                "counters": [trainer.global_step, trainer.current_epoch, trainer.batches_done, trainer.should_stop],
-                "callbacks": [cb.state_dict() for cb in trainer.callbacks if hasattr(cb, "state_dict")],
-                "metrics": dict(trainer.callback_metrics), "results": trainer.results,
-            }
-        before = state()
-        result = Tuner(trainer).lr_find(module, num_training=15, min_lr=1e-4, max_lr=1.0, update_attr=False)
-        after = state()
-        report(trainer.fabric, probe_equal={k: same(before[k], after[k]) for k in before if k != "results"},
-               probe_results_same=before["results"] is after["results"], probe_points=len(result.lrs))
-
-
-phalanx.seed_everything(3)
-finder = LearningRateFinder(num_training_steps=20, min_lr=1e-4, max_lr=1.0, plot_path="lr_find.png")
-ckpt = ModelCheckpoint(dirpath="ckpts", monitor="val_mae", save_top_k=2)
-trainer = phalanx.Trainer(max_epochs=2, callbacks=[Probe(), finder, ckpt], **quiet(enable_checkpointing=True))
-model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
-trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
-devices = {str(d) for r in trainer.results.values() for d in r.devices()}
-report(trainer.fabric, lr=model.lr, suggestion=finder.lr, opt_lr=trainer.optimizer.param_groups[0]["initial_lr"],
-       val_mae=float(trainer.callback_metrics["val_mae"]), devices=sorted(devices), device=str(trainer.device),
-       world=trainer.world_size, best=ckpt.best_model_path)
-"""
+LR_FIND_JOB = JOBS / "trainer_lr_find.py"
 
 
 @run_if(executable="phalanx")
@@ -193,21 +116,7 @@ def test_lr_finder_then_ddp_fit_via_phalanx_run(tmp_path: Path) -> None:
     assert Path(r0["best"]).is_file()
 
 
-SEED_JOB = """
-import torch, phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from mp import report
-from phalanx.trainer.data import prepare_train_loader
-
-fabric = phalanx.Fabric(accelerator="cpu", devices=2)
-fabric.launch()
-phalanx.seed_everything(100 + fabric.global_rank)  # each rank seeded differently on purpose (e.g. dropout)
-data = TensorDataset(torch.arange(16))
-fabric_loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
-trainer_loader, _ = prepare_train_loader(DataLoader(data, batch_size=4, shuffle=True), fabric, True)
-report(fabric, fabric_order=[int(i) for (batch,) in fabric_loader for i in batch],
-       trainer_order=[int(i) for (batch,) in trainer_loader for i in batch])
-"""
+SEED_JOB = JOBS / "trainer_seed.py"
 
 
 def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) -> None:
@@ -223,32 +132,7 @@ def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) ->
     assert sorted(reps[0]["trainer_order"] + reps[1]["trainer_order"]) == list(range(16))
 
 
-SECOND_FABRIC_JOB = """
-import torch, phalanx
-from mp import report
-from phalanx.utils.errors import MisconfigurationError
-
-first = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-first.launch()
-one = first.all_reduce(torch.tensor(float(first.global_rank)), reduce_op="sum")
-second = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-second.launch()  # takes the process group (and its guard) over from `first`
-two = second.all_reduce(torch.tensor(float(second.global_rank + 1)), reduce_op="sum")
-try:
-    first.barrier()
-    stale = ""
-except MisconfigurationError as err:
-    stale = str(err)
-try:
-    phalanx.Fabric(accelerator="cpu", devices=2, strategy=phalanx.strategies.DDPStrategy(guard_timeout=3)).launch()
-    differs = ""
-except MisconfigurationError as err:
-    differs = str(err)
-third = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-third.launch()  # a refused take-over left `second` holding the group: a correct one still works
-three = third.all_reduce(torch.tensor(1.0), reduce_op="sum")
-report(third, one=float(one), two=float(two), three=float(three), stale=stale, differs=differs)
-"""
+SECOND_FABRIC_JOB = JOBS / "trainer_second_fabric.py"
 
 
 def test_a_second_fabric_in_the_same_processes_takes_the_group_over(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from job_runner import JOBS, run_job
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from trainer_support import Regressor, dataset, flat, loader, quiet
 
@@ -48,17 +48,7 @@ def test_non_finite_loss_stops_the_run_before_the_optimizer_step(accumulate: int
     assert torch.equal(flat(model), flat(ref_model))
 
 
-NAN_JOB = """
-import torch, phalanx
-from torch.utils.data import DataLoader, TensorDataset
-from trainer_support import Regressor, dataset, quiet
-
-x, y = dataset(48).tensors
-x = x.clone()
-x[9, 0] = float("nan")  # rank 1's 5th sample: its batch 1
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, **quiet())
-trainer.fit(Regressor(), DataLoader(TensorDataset(x, y), batch_size=4))
-"""
+NAN_JOB = JOBS / "trainer_nan_loss.py"
 
 
 def test_non_finite_loss_on_one_rank_ends_the_ddp_job(tmp_path: Path) -> None:
@@ -117,67 +107,7 @@ def test_loaders_without_batches_are_refused() -> None:
 
 
 # ---------------------------------------------------------------------- step metrics: where they are synced
-SYNC_JOB = """
-import sys, torch, phalanx
-from mp import report
-from phalanx.callbacks import ModelCheckpoint
-from phalanx.loggers import CSVLogger
-from trainer_support import Regressor, loader, quiet
-
-mode = sys.argv[1]
-
-
-class Logs(Regressor):
-    # Regressor's per-batch hooks are user code that may read callback_metrics (phalanx syncs before
-    # them); this module keeps Module's defaults, so nothing but the consumers below syncs.
-    on_before_optimizer_step = phalanx.Module.on_before_optimizer_step
-    optimizer_step = phalanx.Module.optimizer_step
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self(x), y)
-        if self.current_epoch == 0:  # epoch 1 logs nothing: the baseline of collectives per epoch
-            self.log("local", loss * (1 + self.trainer.global_rank))  # differs per rank: rank 0's value is published
-            self.log("avg", loss, sync_dist=True, prog_bar=True)
-        return loss
-
-
-class Count:
-    def __init__(self):
-        self.per_epoch = []
-
-    def on_train_epoch_start(self, trainer, module):
-        self.start = trainer.fabric.strategy.collectives_issued()
-
-    def on_train_epoch_end(self, trainer, module):
-        self.per_epoch.append(trainer.fabric.strategy.collectives_issued() - self.start)
-
-
-class Reader:
-    '''Reads callback_metrics every batch: on every rank, and on rank 0 alone (which must not hang).'''
-    def __init__(self):
-        self.seen = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.is_global_zero:
-            float(trainer.callback_metrics.get("local", float("nan")))
-        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-
-count = Count()
-callbacks = [count]
-if mode == "read":
-    reader = Reader()
-    callbacks += [reader, ModelCheckpoint(dirpath="ckpt", monitor="avg", every_n_train_steps=4, save_top_k=2)]
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=2, log_every_n_steps=4, callbacks=callbacks,
-                          **quiet(logger=CSVLogger("logs"), enable_checkpointing=mode == "read"))
-trainer.fit(Logs(sync_dist=False), loader(128, 4))
-out = {"per_epoch": count.per_epoch, "logged": trainer.logged_metrics, "bar": trainer.progress_bar_metrics}
-if mode == "read":
-    best = trainer.checkpoint_callback.best_k_models
-    out.update(seen=reader.seen, best={k.split("/")[-1]: v for k, v in best.items()})
-report(trainer.fabric, **out)
-"""
+SYNC_JOB = JOBS / "trainer_logged_value_sync.py"
 
 
 def test_step_metrics_sync_only_where_consumed_yet_identical_everywhere(tmp_path: Path) -> None:

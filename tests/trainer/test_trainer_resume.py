@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from mp import run_job
+from interrupts import Interrupt, StopAt
+from job_runner import JOBS, run_job
 from trainer_support import Regressor, flat, loader, quiet
 
 import phalanx
@@ -17,21 +18,6 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class Interrupt(Exception):
-    pass
-
-
-class StopAt:
-    """Interrupts the fit right after optimizer step ``step`` (after the checkpoint of step - 1)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step and not trainer.in_window:
-            raise Interrupt
 
 
 def _fit(tmp: Path, stop_at: int | None = None, ckpt_path: str | None = None) -> tuple[Any, Any]:
@@ -110,25 +96,7 @@ def test_saving_inside_an_accumulation_window_is_refused(tmp_path: Path) -> None
         trainer.fit(Regressor(), loader(16, 4))
 
 
-DDP_JOB = """
-import sys, torch, phalanx
-from mp import report
-from phalanx.callbacks import ModelCheckpoint
-from trainer_support import KillAt, Regressor, flat, loader, quiet
-
-mode = sys.argv[1]
-
-
-phalanx.seed_everything(5)
-ckpt = ModelCheckpoint(dirpath="ckpt", every_n_train_steps=2, save_last=True, save_top_k=0)
-trainer = phalanx.Trainer(devices=2, strategy="ddp", max_epochs=3, accumulate_grad_batches=2,
-                          callbacks=[KillAt(7, active=mode == "kill"), ckpt], deterministic=True,
-                          **quiet(enable_checkpointing=True))
-model = Regressor(optimizer="adam", lr=0.01, dropout=0.3)  # dropout: each rank's RNG stream matters
-trainer.fit(model, loader(48, 3, shuffle=True), ckpt_path="last" if mode == "resume" else None)
-report(trainer.fabric, params=flat(model), step=trainer.global_step,
-       loss=float(trainer.callback_metrics["train_loss_epoch"]))
-"""
+DDP_JOB = JOBS / "trainer_ddp_kill_resume.py"
 
 
 @pytest.mark.slow  # three 2-rank jobs; the single-process test above covers the same path in CI

@@ -8,27 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from mp import JOB_PYTHONPATH, run_job
-
-# Registered before phalanx registers anything, so it runs last (atexit is last in, first out): it sees what
-# the final collection will see. ``gc.freeze`` moves every tracked object to the permanent generation.
-RECORD_AT_EXIT = '''
-import atexit, gc, os
-atexit.register(lambda: open(f"frozen-{os.environ.get('RANK', 'launcher')}", "w").write(str(gc.get_freeze_count())))
-'''
+from job_runner import JOB_PYTHONPATH, JOBS, run_job
 
 
 def test_freeze_at_exit_freezes_once_and_only_at_exit(tmp_path: Path) -> None:
-    code = RECORD_AT_EXIT + '''
-import atexit, gc, torch
-real, calls = gc.freeze, []
-gc.freeze = lambda: (calls.append(1), real())[1]
-atexit.register(lambda: open("calls", "w").write(str(len(calls))))
-from phalanx.utils.exiting import freeze_at_exit
-freeze_at_exit(); freeze_at_exit()
-assert gc.get_freeze_count() == 0, "froze before the exit"
-'''
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, str(JOBS / "freeze_at_exit_called_twice.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": JOB_PYTHONPATH, "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "calls").read_text() == "1"
@@ -37,12 +22,7 @@ assert gc.get_freeze_count() == 0, "froze before the exit"
 
 @pytest.mark.timeout(180)
 def test_launched_ranks_and_their_launcher_skip_the_final_collection(tmp_path: Path) -> None:
-    job = run_job(RECORD_AT_EXIT + '''
-import torch, phalanx
-fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
-fabric.launch()
-fabric.barrier()
-''', tmp_path)
+    job = run_job(JOBS / "freeze_at_exit_launched.py", tmp_path)
     job.check()
     counts = {p.name.removeprefix("frozen-"): int(p.read_text()) for p in tmp_path.glob("frozen-*")}
     assert set(counts) == {"0", "1", "launcher"}, counts

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from host_reads import HostReads
-from mp import run_job
+from job_runner import SUPPORT, run_job
 from run_if import run_if
 
 from phalanx.distributed.preemption import AGREEMENT_LAG, PreemptionSignals
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.utils.late_reads import DEFER_VARIABLE, LateRead, defers_host_reads
 
-JOB = Path(__file__).parents[1] / "support" / "host_reads_job.py"
+JOB = SUPPORT / "host_reads_job.py"
 FIRST, LAST, LOG_EVERY = 12, 52, 10  # as in the job
 
 
@@ -96,7 +96,7 @@ def test_the_preemption_agreement_read_late_answers_at_the_same_call_on_every_ra
 
 def _reads(tmp_path: Path, strategy: str, devices: int, part: str = "both",
            accelerator: str = "cpu") -> dict[int, dict[str, dict[str, int]]]:
-    job = run_job(JOB.read_text(), tmp_path, args=(strategy, str(devices), part, accelerator), timeout=240,
+    job = run_job(JOB, tmp_path, args=(strategy, str(devices), part, accelerator), timeout=240,
                   env={DEFER_VARIABLE: "1", "OMP_NUM_THREADS": "1"}).check()
     return {rank: {k: v for k, v in report.items() if k.startswith(("in_", "syncs_"))}
             for rank, report in job.reports.items()}

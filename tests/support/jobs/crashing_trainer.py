@@ -1,0 +1,23 @@
+"""A 2-rank DDP Trainer fit in which rank 1 (argv[1] ``rank1``), or both ranks (``both``), raise at batch 2.
+
+Run by tests/distributed/test_failure_output.py.
+"""
+
+import sys
+
+from trainer_support import Regressor, loader, quiet
+
+import phalanx
+
+WHO = sys.argv[1]
+
+
+class Crashing(Regressor):
+    def training_step(self, batch, batch_idx):
+        print(f"rank {self.global_rank} batch {batch_idx}", flush=True)
+        if batch_idx == 2 and (WHO == "both" or self.global_rank == 1):
+            raise ValueError(f"bad batch at step {batch_idx}")  # the line the summary names
+        return super().training_step(batch, batch_idx)
+
+
+phalanx.Trainer(devices=2, strategy="ddp", max_epochs=1, **quiet()).fit(Crashing(), loader(32, 4))

@@ -1,0 +1,19 @@
+"""A 2-rank DDP fit with max_restarts=1 whose rank 1 exits at step 2 of its first attempt, with nothing to resume from
+(run by tests/trainer/test_survival.py)."""
+
+import os
+
+from trainer_support import Regressor, loader, quiet
+
+import phalanx
+
+
+class Die:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.global_rank == 1 and not os.path.exists("died"):
+            open("died", "w").close()
+            os._exit(3)
+
+
+trainer = phalanx.Trainer(**quiet(devices=2, strategy="ddp", max_steps=4, max_restarts=1, callbacks=[Die()]))
+trainer.fit(Regressor(), loader(32, 4))

@@ -1,0 +1,26 @@
+"""An FSDP launch on a gloo whose reduce-scatter sums where it should average (patched in here), which phalanx must
+refuse.
+
+Run by tests/fabric/test_bad_input.py: test_fsdp_refuses_a_gloo_whose_reduce_scatter_sums.
+"""
+
+import os
+
+import torch.distributed as dist
+from job_runner import report
+
+import phalanx
+from phalanx.utils.errors import MisconfigurationError
+
+real = dist.reduce_scatter_tensor
+
+def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
+    return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
+
+dist.reduce_scatter_tensor = summing
+fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+try:
+    fabric.launch()
+    report(rank=int(os.environ["RANK"]), error=None)
+except MisconfigurationError as err:
+    report(rank=int(os.environ["RANK"]), error=str(err))
