@@ -1,5 +1,5 @@
 """The MLP and the GPT-2 of the checkpoints that the phalanx ckpt tests write and read, in the test and in its jobs
-(tests/cli/test_checkpoint.py)."""
+(tests/cli/test_ckpt.py)."""
 
 from __future__ import annotations
 

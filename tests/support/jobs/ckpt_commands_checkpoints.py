@@ -1,6 +1,6 @@
 """Writes the checkpoints of every strategy that phalanx ckpt inspects and converts.
 
-Run by tests/cli/test_checkpoint.py: saved.
+Run by tests/cli/test_ckpt.py: saved.
 """
 
 import subprocess

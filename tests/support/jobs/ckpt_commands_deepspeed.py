@@ -1,6 +1,6 @@
 """Writes a DeepSpeed checkpoint directory for phalanx ckpt.
 
-Run by tests/cli/test_checkpoint.py: test_deepspeed_directory_converts_to_every_target.
+Run by tests/cli/test_ckpt.py: test_deepspeed_directory_converts_to_every_target.
 """
 
 import torch
