@@ -138,6 +138,19 @@ def test_summary_of_a_killed_rank_reads_the_same_whichever_way_its_peer_stopped(
     assert "memory" not in failure_summary(Alone(), ranks=2, oom=0)[0]
 
 
+def test_summary_of_a_frozen_rank_is_its_peers_report() -> None:
+    # Rank 1 froze (alive, silent): rank 0's watchdog reported it, and torch's agent SIGKILLed rank 1 only after
+    # SIGTERM's 30 s grace. The report, naming the frozen rank and the operation, comes first.
+    report = ("RankGoneError: backward (DDP gradient all-reduce) (collective #13, called at job.py:39 (<module>) on "
+              "rank 0) is waiting for rank(s) [1]; rank 1 has not sent a heartbeat for 3.0s. "
+              "It was killed or is frozen.")
+
+    class Frozen:
+        failures = {0: _Failure(1, report, 100), 1: _Failure(-signal.SIGKILL, None, 130)}
+
+    assert failure_summary(Frozen()) == (f"rank 0 exited with code 1: {report}; rank 1 was killed by SIGKILL", 1)
+
+
 def test_summary_of_a_corrupt_checkpoint_on_two_ranks_states_the_cause_once() -> None:
     # What a 2-rank fit(ckpt_path=...) of a corrupt file recorded: rank 1's error quotes rank 0's, cut off at 500
     # characters by the error record.

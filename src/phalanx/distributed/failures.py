@@ -124,6 +124,11 @@ def _when(failure: Any) -> int:
         return 0
 
 
+# Seconds: a killed rank's end is seen within the agent's poll (0.1 s) of its peer's report, a frozen one's
+# only after torch's agent gave it SIGTERM's grace (30 s) and sent SIGKILL.
+_STOP_GRACE = 10
+
+
 def _reports(text: str, rank: int) -> bool:
     """Whether an error's words only report rank ``rank``'s failure (phalanx's own phrases for it)."""
     return any(phrase in text for phrase in (
@@ -133,10 +138,14 @@ def _reports(text: str, rank: int) -> bool:
 
 def causes(failures: dict[int, Any]) -> list[tuple[int, Any]]:
     """The ranks that failed on their own, first-failed first: not stopped by the launcher (SIGTERM), and
-    not raising an error that reports another failed rank's."""
+    not raising an error that reports the failure of another rank which ended before it or about when it
+    did (:data:`_STOP_GRACE`). A frozen rank ends only when the launcher, stopping the job after its peer
+    reported it, SIGKILLs it at the end of torch's grace period: there the report, which names the frozen
+    rank and the operation, is the cause."""
     own = {r: f for r, f in failures.items() if getattr(f, "exitcode", 1) != -signal.SIGTERM} or failures
     causes = {r: f for r, f in own.items()
-              if not any(_reports(recorded(f) or "", other) for other in own if other != r)} or own
+              if not any(_reports(recorded(f) or "", other) and _when(g) < _when(f) + _STOP_GRACE
+                         for other, g in own.items() if other != r)} or own
     return sorted(causes.items(), key=lambda item: (recorded(item[1]) is None, _when(item[1]), item[0]))
 
 
