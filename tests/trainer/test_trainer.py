@@ -468,9 +468,10 @@ def test_settings_are_frozen_and_read_through_the_trainer() -> None:
         s.max_epochs = 3  # type: ignore[misc]
     with pytest.raises(AttributeError):
         trainer.max_epochs = 3  # type: ignore[misc]
-    # The one setting a callback may change during a fit (GradientAccumulationScheduler).
-    trainer.accumulate_grad_batches = 4
-    assert trainer.accumulate_grad_batches == 4 and s.accumulate_grad_batches == 2
+    # Accumulation is read from a schedule (constant here), never written.
+    with pytest.raises(AttributeError):
+        trainer.accumulate_grad_batches = 4  # type: ignore[misc]
+    assert trainer.accumulate_grad_batches == 2 and trainer.accumulation.scheduling == {0: 2}
 
 
 def test_loop_state_holds_the_counters_and_round_trips() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from phalanx.core.accumulation import AccumulationSchedule
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module, no_op_hooks, overrides
 from phalanx.core.toggling import Toggleable, untoggle_params
@@ -51,8 +52,7 @@ class TrainerBase(TrainerViews, TrainerHooks):
         self.fabric = fabric
         self.callbacks = callbacks
         self.profiler = profiler
-        # The one mutable training setting: GradientAccumulationScheduler changes it at epoch starts.
-        self.accumulate_grad_batches = settings.accumulate_grad_batches
+        self.accumulation = self._accumulation_schedule()
 
         # Loop state (saved in checkpoints). One object for the Trainer's life: the step path holds it.
         self.loop_state = LoopState()
@@ -158,6 +158,24 @@ class TrainerBase(TrainerViews, TrainerHooks):
         if self.train_sampler is None or self.train_dataloader is None:
             return 0
         return int(self.train_dataloader.batch_size or 1) * int(self.train_sampler.num_replicas)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step in the current epoch (:attr:`accumulation` at ``current_epoch``)."""
+        return self.accumulation.at(self.loop_state.current_epoch)
+
+    def _accumulation_schedule(self) -> AccumulationSchedule:
+        """The schedule a callback supplies (``GradientAccumulationScheduler``), else the constant one of
+        ``Trainer(accumulate_grad_batches=N)``; the two together, or two schedules, are refused."""
+        supplied = [s for cb in self.callbacks if isinstance(s := getattr(cb, "accumulation_schedule", None),
+                                                              AccumulationSchedule)]
+        if len(supplied) > 1:
+            raise MisconfigurationError("Two callbacks supply an accumulation schedule; keep one.")
+        if supplied and self.settings.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "Pass accumulate_grad_batches through GradientAccumulationScheduler only, not also to the Trainer."
+            )
+        return supplied[0] if supplied else AccumulationSchedule(self.settings.accumulate_grad_batches)
 
     @property
     def estimated_stepping_batches(self) -> int:
@@ -311,6 +329,7 @@ class TrainerBase(TrainerViews, TrainerHooks):
         self.stage = stage
         self.interrupted = False
         self._add_module_callbacks(module)
+        self.accumulation = self._accumulation_schedule()
         self.profiler.setup(stage, self.global_rank, None)
         try:
             with deterministic(self.settings.deterministic, self.settings.benchmark):
@@ -422,7 +441,7 @@ class TrainerBase(TrainerViews, TrainerHooks):
                 "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
                 "automatic optimization, strategy='ddp', or a Fabric loop."
             )
-        if self.accumulate_grad_batches != 1:
+        if self.settings.accumulate_grad_batches != 1:
             raise MisconfigurationError(
                 "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
                 "accumulate in training_step (step the optimizer every N batches) and remove the argument."

@@ -247,7 +247,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     t.module.on_train_epoch_start()
     t.call("on_train_epoch_start")
     if resume is not None:
-        say_batch_change(t, resume, start)  # after the hooks: a callback may set this epoch's accumulation
+        say_batch_change(t, resume, start)
     if t.train_sampler is not None:
         t.train_sampler.skip = resume["samples"] if resume else 0
     iterator = start_epoch(t.fabric, t.train_dataloader, state.current_epoch)
@@ -269,7 +269,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     cb_end = bool(t._callback_methods("on_train_batch_end"))
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     seen = False
-    for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
+    for batch_idx, batch, size, boundary in windows(iterator, start, total, plan.accumulate):
         seen = True
         results.batch = batch
         state.in_window = not boundary

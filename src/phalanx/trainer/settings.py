@@ -51,7 +51,7 @@ class Settings:
     enable_progress_bar: bool
     enable_model_summary: bool
     logger: Any  # True/False or the logger object(s) given
-    accumulate_grad_batches: int  # the initial value: trainer.accumulate_grad_batches may change per epoch
+    accumulate_grad_batches: int  # a constant schedule (trainer.accumulation), unless a callback supplies one
     gradient_clip_val: float | None
     gradient_clip_algorithm: str
     gradient_clip_algorithm_given: bool  # given explicitly: clip_gradients(...) may then not contradict it

@@ -238,8 +238,8 @@ class StepPlan:
     epoch on.
     """
 
-    __slots__ = ("automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step", "custom_zero_grad",
-                 "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
+    __slots__ = ("accumulate", "automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step",
+                 "custom_zero_grad", "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
     run_boundary: Callable[..., tuple[Any, torch.Tensor]]  # (training_step's output, its loss)
     run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
 
@@ -248,6 +248,7 @@ class StepPlan:
         self.module = module
         self.state = t.loop_state
         self.automatic = module.automatic_optimization
+        self.accumulate = t.accumulate_grad_batches  # this epoch's, from the Trainer's accumulation schedule
         self.live = frozenset(name for name in STEP_HOOKS if t.hook_does_something(name))
         settings = t.settings
         self.clip_val, self.clip_algorithm = settings.gradient_clip_val, settings.gradient_clip_algorithm
@@ -304,7 +305,7 @@ def train_batch(
     live = plan.live
     state = plan.state
     window = t.window_losses
-    if batch_idx % t.accumulate_grad_batches == 0 or not window:  # a window's first micro-batch (see windows())
+    if batch_idx % plan.accumulate == 0 or not window:  # a window's first micro-batch (see windows())
         window.clear()
         if "on_before_zero_grad" in live:
             t.hook("on_before_zero_grad", optimizer)
