@@ -1,21 +1,27 @@
-"""``TrainerBase``: what a Trainer holds and shows, and how it prepares a run; everything but the
-entry points (``fit``/``validate``/``test``/``predict``, in :mod:`phalanx.trainer.trainer`).
+"""``TrainerBase``: what a Trainer holds and Lightning's public attributes over it, declared once.
 
-The seam is the package's import order: the loops (:mod:`phalanx.trainer.loops`) and the checkpoint
-code (:mod:`phalanx.trainer.checkpointing`) run on this class, and the entry points call them, so
-those modules import this one and the Trainer imports them, with no cycle. The state lives in three
-objects: the frozen ``settings``, the ``loop_state`` (counters, saved in checkpoints) and the run's
-working set below (the set-up model, optimizers, loaders, metrics).
+The Trainer (:class:`phalanx.trainer.trainer.Trainer`) is this class plus its entry points
+(``fit``/``validate``/``test``/``predict``). The seam is the package's import order: the loops
+(:mod:`phalanx.trainer.loops`) and the checkpoint connector run on this class and the entry points call
+them, so those modules import this one and the Trainer imports them, with no cycle.
 
-Code below the Trainer (the Module, callbacks, snapshots) sees this class through
-:class:`phalanx.core.view.TrainerView`; the step machinery of the Module's ``manual_backward``,
-``toggle_optimizer`` and ``clip_gradients`` is reached through the methods of that protocol here.
+What it holds, each with one owner: the frozen ``settings``; the ``loop_state`` (counters, saved in
+checkpoints); the ``accumulation`` schedule the training loop reads per epoch; the logged ``results`` of
+each stage and the ``metric_board`` they publish to; the ``hooks`` dispatcher, which owns the callbacks;
+the ``data`` connector (loaders and datamodule); and the set-up model and optimizers. Every public
+attribute reads one of these: settings and data through :class:`~phalanx.trainer.settings.ReadOnly`,
+counters through the loop state.
+
+Code below the Trainer (the Module, callbacks) sees this class through
+:class:`phalanx.core.view.TrainerView`; the Module's ``manual_backward``, ``toggle_optimizer`` and
+``clip_gradients`` reach :mod:`phalanx.trainer.stepping` through the methods of that protocol here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,44 +29,39 @@ import torch
 
 from phalanx.core.accumulation import AccumulationSchedule
 from phalanx.core.datamodule import DataModule
-from phalanx.core.module import Module, no_op_hooks, overrides
+from phalanx.core.module import Module
 from phalanx.core.toggling import Toggleable, untoggle_params
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import Profiler
 from phalanx.trainer import stepping
-from phalanx.trainer.assembly import deterministic, ordered
 from phalanx.trainer.board import MetricBoard
-from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
-from phalanx.trainer.hooks import TrainerHooks
+from phalanx.trainer.data_connector import DataConnector
+from phalanx.trainer.hooks import HookDispatcher
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.results import Results
-from phalanx.trainer.settings import Settings, sequential
+from phalanx.trainer.settings import ReadOnly, Settings
 from phalanx.trainer.state import LoopState
-from phalanx.trainer.stepping import StepOptimizer, StepPlan
-from phalanx.trainer.views import TrainerViews
+from phalanx.trainer.stepping import StepOptimizer
 from phalanx.utils.errors import MisconfigurationError
 
 STAGES = ("train", "validate", "test")  # the stages that log metrics (each has its Results)
 
 
-class TrainerBase(TrainerViews, TrainerHooks):
+class TrainerBase:
     """The Trainer without its entry points (see the module docstring). Not meant to be built directly."""
 
     def __init__(self, settings: Settings, fabric: Fabric, callbacks: list[Any], profiler: Profiler) -> None:
         self.settings = settings
         self.fabric = fabric
-        self.callbacks = callbacks
         self.profiler = profiler
+        self.loop_state = LoopState()  # one object for the Trainer's life: the step path holds it
+        self.results: dict[str, Results] = {s: Results(s, self.fabric.device) for s in STAGES}
+        self.metric_board = MetricBoard()
+        self.hooks = HookDispatcher(self, callbacks, settings, profiler, self.sync_step_metrics)
         self.accumulation = self._accumulation_schedule()
-
-        # Loop state (saved in checkpoints). One object for the Trainer's life: the step path holds it.
-        self.loop_state = LoopState()
-        self._hook_methods: dict[str, tuple[tuple[Any, ...], list[tuple[Any, Any]]]] = {}
-        self._no_op_hooks = no_op_hooks()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
         self.loss_check = LossCheck(torch.device("cpu"), 1, None)  # one per fit (loops.run_fit)
-        self.step_plan: StepPlan | None = None  # what a training batch calls, decided per epoch (loops.py)
         self._resume: dict[str, Any] | None = None
         self.ckpt_path: str | None = None
 
@@ -74,33 +75,131 @@ class TrainerBase(TrainerViews, TrainerHooks):
         self.optimizers: list[Any] = []  # set-up optimizers (torch.optim.Optimizer instances)
         self.step_optimizers: list[StepOptimizer] = []  # what module.optimizers() returns
         self.lr_scheduler_configs: list[SchedulerConfig] = []
-        self.datamodule: DataModule | None = None
-        self.train_dataloader: Any = None
-        self.train_sampler: Any = None
-        self.val_dataloaders: list[Any] = []
-        self.test_dataloaders: list[Any] = []
-        self.predict_dataloaders: list[Any] = []
-        self._train_source: Any = None  # what fit was given, to rebuild loaders on reload
-        self._val_source: Any = None
-        self.num_training_batches: int | None = None
-        self.val_check_batches: int | None = None
-        self.num_eval_batches: list[int | None] = []  # per loader, of the evaluation running now
-        self.results: dict[str, Results] = {s: Results(s, self.fabric.device) for s in STAGES}
-        self.metric_board = MetricBoard()
+        self.data = DataConnector(fabric, settings)
 
-    # ------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------ the settings (Trainer arguments)
+    max_epochs = ReadOnly[int]("settings")
+    min_epochs = ReadOnly[int | None]("settings")
+    max_steps = ReadOnly[int]("settings")
+    min_steps = ReadOnly[int | None]("settings")
+    limit_train_batches = ReadOnly[int | float]("settings")
+    limit_val_batches = ReadOnly[int | float]("settings")
+    limit_test_batches = ReadOnly[int | float]("settings")
+    limit_predict_batches = ReadOnly[int | float]("settings")
+    overfit_batches = ReadOnly[int | float]("settings")
+    val_check_interval = ReadOnly[int | float]("settings")
+    check_val_every_n_epoch = ReadOnly[int | None]("settings")
+    num_sanity_val_steps = ReadOnly[int | float]("settings")
+    log_every_n_steps = ReadOnly[int]("settings")
+    fast_dev_run = ReadOnly[int]("settings")
+    gradient_clip_val = ReadOnly[float | None]("settings")
+    gradient_clip_algorithm = ReadOnly[str]("settings")
+    deterministic = ReadOnly[bool | str | None]("settings")
+    benchmark = ReadOnly[bool | None]("settings")
+    inference_mode = ReadOnly[bool]("settings")
+    use_distributed_sampler = ReadOnly[bool]("settings")
+    sync_batchnorm = ReadOnly[bool]("settings")
+    reload_dataloaders_every_n_epochs = ReadOnly[int]("settings")
+    enable_autolog_hparams = ReadOnly[bool]("settings")
+    barebones = ReadOnly[bool]("settings")
+    default_root_dir = ReadOnly[Path]("settings")
+
     @property
-    def module(self) -> Module:
-        """The user's Module (``trainer.model`` is the set-up wrapper that runs its steps)."""
-        if self._module is None:
-            raise MisconfigurationError("The Trainer has no model yet: call fit/validate/test/predict with one.")
-        return self._module
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step in the current epoch (:attr:`accumulation` at ``current_epoch``)."""
+        return self.accumulation.at(self.loop_state.current_epoch)
+
+    def _accumulation_schedule(self) -> AccumulationSchedule:
+        """The schedule a callback supplies (``GradientAccumulationScheduler``), else the constant one of
+        ``Trainer(accumulate_grad_batches=N)``; the two together, or two schedules, are refused."""
+        supplied = [s for cb in self.callbacks if isinstance(s := getattr(cb, "accumulation_schedule", None),
+                                                              AccumulationSchedule)]
+        if len(supplied) > 1:
+            raise MisconfigurationError("Two callbacks supply an accumulation schedule; keep one.")
+        if supplied and self.settings.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "Pass accumulate_grad_batches through GradientAccumulationScheduler only, not also to the Trainer."
+            )
+        return supplied[0] if supplied else AccumulationSchedule(self.settings.accumulate_grad_batches)
+
+    # ------------------------------------------------------------------ the loop state
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (each real step counts one, as in Lightning)."""
+        return self.loop_state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.loop_state.global_step = value
 
     @property
-    def lightning_module(self) -> Module:
-        """Alias of ``trainer.module`` (eases porting)."""
-        return self.module
+    def current_epoch(self) -> int:
+        return self.loop_state.current_epoch
 
+    @current_epoch.setter
+    def current_epoch(self, value: int) -> None:
+        self.loop_state.current_epoch = value
+
+    @property
+    def batches_done(self) -> int:
+        """Training batches finished in the current epoch."""
+        return self.loop_state.batches_done
+
+    @batches_done.setter
+    def batches_done(self, value: int) -> None:
+        self.loop_state.batches_done = value
+
+    @property
+    def in_window(self) -> bool:
+        """Inside a gradient-accumulation window (a checkpoint taken now would lose its gradients)."""
+        return self.loop_state.in_window
+
+    @property
+    def epoch_finished(self) -> bool:
+        return self.loop_state.epoch_finished
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True to stop after the current optimizer step. A request made before ``min_epochs``
+        / ``min_steps`` are reached waits until they are."""
+        return self.loop_state.stop_requested and self._minimum_reached()
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self.loop_state.stop_requested = bool(value)
+
+    def _minimum_reached(self) -> bool:
+        """``min_epochs`` and ``min_steps`` are met (a stop request waits for them)."""
+        settings, state = self.settings, self.loop_state
+        epochs_ok = settings.min_epochs is None or state.current_epoch >= settings.min_epochs
+        steps_ok = settings.min_steps is None or state.global_step >= settings.min_steps
+        return epochs_ok and steps_ok
+
+    @property
+    def max_steps_reached(self) -> bool:
+        return 0 <= self.settings.max_steps <= self.loop_state.global_step
+
+    @property
+    def training(self) -> bool:
+        return self.current_stage == "train"
+
+    @property
+    def validating(self) -> bool:
+        return self.current_stage == "validate" and not self.sanity_checking
+
+    @property
+    def testing(self) -> bool:
+        return self.current_stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.current_stage == "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        return self.current_stage in ("validate", "test")
+
+    # ------------------------------------------------------------------ processes and devices
     @property
     def is_global_zero(self) -> bool:
         return self.fabric.is_global_zero
@@ -138,6 +237,63 @@ class TrainerBase(TrainerViews, TrainerHooks):
         return Path(self.fabric.broadcast(local if self.is_global_zero else None))
 
     @property
+    def strategy(self) -> Any:
+        return self.fabric.strategy
+
+    @property
+    def precision(self) -> str:
+        """The precision's name, e.g. ``"32-true"`` or ``"bf16-mixed"``."""
+        return str(self.fabric.strategy.precision.name)
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.fabric.strategy.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.fabric.strategy.num_nodes)
+
+    @property
+    def node_rank(self) -> int:
+        return self.fabric.node_rank
+
+    @property
+    def device_ids(self) -> list[int]:
+        """Device indices this node uses (one per process)."""
+        return list(range(self.num_devices))
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        return self.fabric.strategy.distributed_sampler_kwargs()
+
+    # ------------------------------------------------------------------ model, optimizers, callbacks
+    @property
+    def module(self) -> Module:
+        """The user's Module (``trainer.model`` is the set-up wrapper that runs its steps)."""
+        if self._module is None:
+            raise MisconfigurationError("The Trainer has no model yet: call fit/validate/test/predict with one.")
+        return self._module
+
+    @property
+    def lightning_module(self) -> Module:
+        """Alias of ``trainer.module`` (eases porting)."""
+        return self.module
+
+    @property
+    def optimizer(self) -> Any:
+        """The first set-up optimizer (None before fit)."""
+        return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """The callbacks, in the order their hooks run (held by the hook dispatcher)."""
+        return self.hooks.callbacks
+
+    @callbacks.setter
+    def callbacks(self, value: list[Any]) -> None:
+        self.hooks.callbacks = value
+
+    @property
     def checkpoint_callbacks(self) -> list[Any]:
         from phalanx.callbacks import ModelCheckpoint
 
@@ -149,33 +305,33 @@ class TrainerBase(TrainerViews, TrainerHooks):
         return cbs[0] if cbs else None
 
     @property
-    def max_steps_reached(self) -> bool:
-        return 0 <= self.settings.max_steps <= self.loop_state.global_step
+    def early_stopping_callbacks(self) -> list[Any]:
+        from phalanx.callbacks import EarlyStopping
+
+        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
 
     @property
-    def train_samples_per_batch(self) -> int:
-        """Global samples consumed per training batch (all ranks), for resuming the sampler."""
-        if self.train_sampler is None or self.train_dataloader is None:
-            return 0
-        return int(self.train_dataloader.batch_size or 1) * int(self.train_sampler.num_replicas)
+    def early_stopping_callback(self) -> Any:
+        cbs = self.early_stopping_callbacks
+        return cbs[0] if cbs else None
 
     @property
-    def accumulate_grad_batches(self) -> int:
-        """Batches per optimizer step in the current epoch (:attr:`accumulation` at ``current_epoch``)."""
-        return self.accumulation.at(self.loop_state.current_epoch)
+    def progress_bar_callback(self) -> Any:
+        from phalanx.callbacks import ProgressBar
 
-    def _accumulation_schedule(self) -> AccumulationSchedule:
-        """The schedule a callback supplies (``GradientAccumulationScheduler``), else the constant one of
-        ``Trainer(accumulate_grad_batches=N)``; the two together, or two schedules, are refused."""
-        supplied = [s for cb in self.callbacks if isinstance(s := getattr(cb, "accumulation_schedule", None),
-                                                              AccumulationSchedule)]
-        if len(supplied) > 1:
-            raise MisconfigurationError("Two callbacks supply an accumulation schedule; keep one.")
-        if supplied and self.settings.accumulate_grad_batches != 1:
-            raise MisconfigurationError(
-                "Pass accumulate_grad_batches through GradientAccumulationScheduler only, not also to the Trainer."
-            )
-        return supplied[0] if supplied else AccumulationSchedule(self.settings.accumulate_grad_batches)
+        return next((c for c in self.callbacks if isinstance(c, ProgressBar)), None)
+
+    # ------------------------------------------------------------------ data (held by the data connector)
+    datamodule = ReadOnly[DataModule | None]("data")
+    train_dataloader = ReadOnly[Any]("data")
+    train_sampler = ReadOnly[Any]("data")
+    val_dataloaders = ReadOnly[list[Any]]("data")
+    test_dataloaders = ReadOnly[list[Any]]("data")
+    predict_dataloaders = ReadOnly[list[Any]]("data")
+    num_training_batches = ReadOnly[int | None]("data")
+    val_check_batches = ReadOnly[int | None]("data")
+    num_eval_batches = ReadOnly[list[int | None]]("data")
+    train_samples_per_batch = ReadOnly[int]("data")
 
     @property
     def estimated_stepping_batches(self) -> int:
@@ -187,6 +343,30 @@ class TrainerBase(TrainerViews, TrainerHooks):
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         total = per_epoch * self.max_epochs
         return min(total, self.max_steps) if self.max_steps >= 0 else total
+
+    @property
+    def enable_validation(self) -> bool:
+        return bool(self.val_dataloaders) and self.limit_val_batches != 0
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        return self.data.counts(self.val_dataloaders, self.limit_val_batches)
+
+    @property
+    def num_sanity_val_batches(self) -> list[int | float]:
+        return [min(n, self.num_sanity_val_steps) for n in self.num_val_batches]
+
+    @property
+    def num_test_batches(self) -> list[int | float]:
+        return self.data.counts(self.test_dataloaders, self.limit_test_batches)
+
+    @property
+    def num_predict_batches(self) -> list[int | float]:
+        return self.data.counts(self.predict_dataloaders, self.limit_predict_batches)
+
+    @property
+    def is_last_batch(self) -> bool:
+        return self.num_training_batches is not None and self.batches_done >= self.num_training_batches
 
     # ------------------------------------------------------------------ metrics (used by loops)
     @property
@@ -252,11 +432,11 @@ class TrainerBase(TrainerViews, TrainerHooks):
     # ------------------------------------------------------------------ the Module's step machinery
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``Module.manual_backward``: the backward hooks around ``fabric.backward`` through the set-up model."""
-        stepping.run_backward(self, loss, *args, **kwargs)
+        stepping.run_backward(self.fabric, self.model, self.hooks, loss, *args, **kwargs)
 
     def toggle_optimizer(self, module: Toggleable, optimizer: Any) -> None:
         """``Module.toggle_optimizer``: only ``optimizer``'s parameters require grad until untoggled."""
-        stepping.toggle(self, module, optimizer)
+        stepping.toggle(self.optimizers, module, optimizer)
 
     def untoggle_optimizer(self, module: Toggleable) -> None:
         """``Module.untoggle_optimizer``."""
@@ -264,129 +444,15 @@ class TrainerBase(TrainerViews, TrainerHooks):
 
     def clip_gradients(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         """``Module.clip_gradients`` under the Trainer's clipping settings (see ``stepping.clip``)."""
-        stepping.clip(self, optimizer, value, algorithm)
+        stepping.clip(self.settings, self.fabric, self.model, optimizer, value, algorithm)
 
-    # ------------------------------------------------------------------ running a stage
-    def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
-        if model is None:
-            if self._module is None:
-                raise MisconfigurationError(f"trainer.{stage}() needs a model: pass one (no earlier fit set one).")
-            model = self._module
-        if not isinstance(model, Module):
-            raise MisconfigurationError(
-                f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
-                "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
-            )
-        if self._module is not None and model is not self._module and self.model is not None:
-            self._release_model()
-        self._module = model
-        self.step_plan = None  # (a failed epoch of an earlier run may have left one behind)
-        model._trainer = self
-        if datamodule is not None:
-            if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
-                raise MisconfigurationError(
-                    f"datamodule must be a phalanx.DataModule, got {type(datamodule).__name__}."
-                )
-            self.datamodule = datamodule
-            datamodule.trainer = self
-        owners: list[Any] = [self.datamodule] if self.datamodule is not None else []
-        owners.append(model)
-        for owner in owners:
-            if overrides(owner, "prepare_data"):
-                per_node = getattr(owner, "prepare_data_per_node", True)
-                with self.fabric.rank_zero_first(local=per_node):
-                    if (self.local_rank if per_node else self.global_rank) == 0:
-                        owner.prepare_data()
-        if self.datamodule is not None:
-            self.datamodule.setup(stage)
-        return model
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Create the model directly on the device and in the precision's dtype."""
+        with self.fabric.init_module(empty_init):
+            yield
 
-    def _release_model(self) -> None:
-        """Another model after an earlier stage (Lightning's ``trainer.test(other_model)`` after ``fit``): the
-        strategy frees what it built for the old one (DDP's reducer, DeepSpeed's engine), and the new model is
-        set up in the same processes on the same process group. Optimizers and schedulers belonged to the old
-        model and go with it; the old module keeps its trained weights and can still be used on its own."""
-        self.fabric.release(self.model)
-        if self._module is not None:
-            self._module._trainer = None
-        self.model = None
-        self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
-        self.step_plan = None
-
-    def _launch(self) -> None:
-        """Start or join the processes (see the module docstring), then put per-process state on the
-        device this rank got."""
-        if not self.fabric._launched:
-            self.fabric.launch()
-            self.results = {s: Results(s, self.fabric.device) for s in STAGES}
-
-    def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
-        if self.stage is not None:
-            raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
-        self._launch()
-        module = self._attach(model, datamodule, stage)
-        self._refuse_batch_transfer_hooks(module)
-        self.stage = stage
-        self.interrupted = False
-        self._add_module_callbacks(module)
-        self.accumulation = self._accumulation_schedule()
-        self.profiler.setup(stage, self.global_rank, None)
-        try:
-            with deterministic(self.settings.deterministic, self.settings.benchmark):
-                self.call("setup", stage)
-                module.setup(stage)
-                if overrides(module, "configure_model"):
-                    with self.fabric.init_module():
-                        module.configure_model()
-                return fn(*args)
-        except BaseException as exc:
-            self.interrupted = True
-            self.call("on_exception", exc)
-            if self.datamodule is not None:
-                self.datamodule.on_exception(exc)
-            raise
-        finally:
-            self.call("teardown", stage)
-            module.teardown(stage)
-            if self.datamodule is not None:
-                self.datamodule.teardown(stage)
-            if self.is_global_zero:
-                status = "failed" if self.interrupted else "success"
-                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
-                    if callable(getattr(lg, "finalize", None)):
-                        lg.finalize(status)
-                    elif callable(getattr(lg, "save", None)):
-                        lg.save()
-            self.profiler.describe()
-            self.profiler.teardown(stage)
-            self.stage = None
-            self.current_stage = None
-
-    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
-        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
-        batches to the device inside its data loaders."""
-        for owner in (module, self.datamodule):
-            if owner is None:
-                continue
-            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-                     if overrides(owner, h)]
-            if found:
-                raise MisconfigurationError(
-                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
-                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
-                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
-                )
-
-    def _add_module_callbacks(self, module: Module) -> None:
-        """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
-        extra = module.configure_callbacks()
-        extra = list(extra) if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra])
-        if not extra:
-            return
-        types = {type(c) for c in extra}
-        kept = [c for c in self.callbacks if type(c) not in types]
-        self.callbacks = ordered(kept + extra)
-
+    # ------------------------------------------------------------------ setting the model and data up
     def _wrap(self, optimizers: list[Any] | None = None) -> None:
         """Set up the module once; set up (new) optimizers on every call that passes some."""
         if self.model is None:
@@ -414,7 +480,8 @@ class TrainerBase(TrainerViews, TrainerHooks):
 
     def _set_optimizers(self, optimizers: list[Any]) -> None:
         self.optimizers = optimizers
-        self.step_optimizers = [StepOptimizer(opt, self) for opt in optimizers]
+        self.step_optimizers = [StepOptimizer(opt, self.fabric, self.model, self.module, optimizers, self.loop_state,
+                                              self.hooks) for opt in optimizers]
 
     def setup_optimizers(self) -> None:
         """Call ``configure_optimizers`` again and set up what it returns (e.g. after the LR finder
@@ -430,84 +497,9 @@ class TrainerBase(TrainerViews, TrainerHooks):
         self._wrap(optimizers)
         self.lr_scheduler_configs = configs
 
-    def _check_manual_optimization(self) -> None:
-        if self.module.automatic_optimization:
-            return
-        strategy = self.fabric.strategy
-        if not strategy.supports_calls_outside_forward:
-            raise MisconfigurationError(
-                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
-                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
-                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
-                "automatic optimization, strategy='ddp', or a Fabric loop."
-            )
-        if self.settings.accumulate_grad_batches != 1:
-            raise MisconfigurationError(
-                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
-                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
-            )
-        if self.gradient_clip_val is not None:
-            raise MisconfigurationError(
-                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
-                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
-                "optimizer.step() and remove the Trainer argument."
-            )
-
-    def _data_from(self, given: Any, getter: str) -> Any:
-        """Loaders: those given, else the datamodule's, else the module's own ``getter()``."""
-        if given is not None:
-            return given
-        if self.datamodule is not None and overrides(self.datamodule, getter):
-            return getattr(self.datamodule, getter)()
-        if self._module is not None and overrides(self._module, getter):
-            return getattr(self._module, getter)()
-        if self.datamodule is not None and getter == "train_dataloader":
-            return self.datamodule.train_dataloader()  # raises what is missing
-        return None
-
-    def _eval_loaders(self, dataloaders: Any, getter: str) -> list[Any]:
-        loaders = as_list(self._data_from(dataloaders, getter))
-        return [prepare_eval_loader(loader, self.fabric, self.use_distributed_sampler) for loader in loaders]
-
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
-        self._train_source, self._val_source = train_dataloaders, val_dataloaders
-        self._prepare_train_data()
+        self.data.set_fit_sources(train_dataloaders, val_dataloaders)
+        self.data.prepare_train(self._module)
         self.results = {s: Results(s, self.fabric.device) for s in STAGES}
         self.setup_optimizers()
-
-    def _prepare_train_data(self) -> None:
-        train = self._data_from(self._train_source, "train_dataloader")
-        if train is None:
-            raise MisconfigurationError(
-                "trainer.fit() needs training data: pass train_dataloaders= or datamodule=, or implement the "
-                "module's train_dataloader()."
-            )
-        if self.overfit_batches:
-            train = sequential(train)
-        uds = self.use_distributed_sampler
-        self.train_dataloader, self.train_sampler = prepare_train_loader(train, self.fabric, uds)
-        no_val = self.limit_val_batches == 0
-        self.val_dataloaders = [] if no_val else self._eval_loaders(self._val_source, "val_dataloader")
-        self.num_training_batches = num_batches(self.train_dataloader, self.limit_train_batches)
-        self.val_check_batches = self._val_check_batches()
-
-    def reload_dataloaders_if_due(self) -> None:
-        """``reload_dataloaders_every_n_epochs``: at the start of every n-th epoch, call the loader
-        methods again (the first epoch uses the loaders prepared for fit)."""
-        n = self.reload_dataloaders_every_n_epochs
-        if n and self.current_epoch > 0 and self.current_epoch % n == 0 and self.batches_done == 0:
-            self._prepare_train_data()
-
-    def _val_check_batches(self) -> int | None:
-        interval = self.val_check_interval
-        if isinstance(interval, float):
-            if interval >= 1.0:
-                return None
-            if self.num_training_batches is None:
-                raise MisconfigurationError(
-                    "val_check_interval as a fraction needs training data with a length; pass an int (batches)."
-                )
-            return max(1, int(self.num_training_batches * interval))
-        return interval if interval > 0 else None
-

@@ -140,7 +140,7 @@ def _state(trainer: TrainerBase, weights_only: bool, gather: bool, what: str,
             state["rank_states"] = t.fabric.all_gather_object(own)
         else:
             state["rank_states"] = [own if r == t.global_rank else None for r in range(t.world_size)]
-    for _, hook in t._callback_methods("on_save_checkpoint"):  # those that define it (looked up once)
+    for _, hook in t.hooks.callback_methods("on_save_checkpoint"):  # those that define it (looked up once)
         hook(t, t.module, state)
     t.module.on_save_checkpoint(state)
     return state

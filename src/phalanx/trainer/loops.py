@@ -241,11 +241,11 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     results.reset()
     if mid and resume is not None and resume.get("results") is not None:
         results.load_state_dict(resume["results"], t.module)
-    t.reload_dataloaders_if_due()
+    t.data.reload_if_due(state.current_epoch, state.batches_done, t.module)
     start = resume_start(t, resume) if resume is not None else 0  # before the hooks: they may read batches_done
     t.module.train()
     t.module.on_train_epoch_start()
-    t.call("on_train_epoch_start")
+    t.hooks.call("on_train_epoch_start")
     if resume is not None:
         say_batch_change(t, resume, start)
     if t.train_sampler is not None:
@@ -263,20 +263,23 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
     log_every, max_steps = settings.log_every_n_steps, settings.max_steps
-    plan = t.step_plan = StepPlan(t)
+    plan = StepPlan(module=t.module, model=t.model, fabric=fabric, settings=settings, state=state, hooks=t.hooks,
+                    accumulate=t.accumulate_grad_batches, optimizers=t.step_optimizers, loss_check=t.loss_check,
+                    window=t.window_losses, schedulers=t.lr_scheduler_configs,
+                    metrics=lambda: t.callback_metrics, sync_metrics=t.sync_step_metrics)
     batch_start = "on_train_batch_start" in plan.live
     batch_end = overrides(t.module, "on_train_batch_end")
-    cb_end = bool(t._callback_methods("on_train_batch_end"))
+    cb_end = bool(t.hooks.callback_methods("on_train_batch_end"))
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, plan.accumulate):
         seen = True
         results.batch = batch
         state.in_window = not boundary
-        if batch_start and not t.batch_start(batch, batch_idx):
+        if batch_start and not t.hooks.batch_start(batch, batch_idx):
             break
         steps_before = state.global_step
-        output = train_batch(t, plan, batch, batch_idx, size, boundary)
+        output = train_batch(plan, batch, batch_idx, size, boundary)
         state.batches_done = batch_idx + 1
         step = state.global_step
         log_due = has_loggers and step > steps_before and step % log_every == 0
@@ -293,7 +296,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
             if batch_end:  # the default is a no-op
                 t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
                 t.module.on_train_batch_end(out, batch, batch_idx)
-            t.call("on_train_batch_end", out, batch, batch_idx)
+            t.hooks.call("on_train_batch_end", out, batch, batch_idx)
         state.in_window = False
         if boundary:
             survival.check_preemption(t)  # every rank, same step: one all-reduce of two integers
@@ -301,7 +304,6 @@ def run_train_epoch(trainer: TrainerBase) -> None:
         if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
             break
     del iterator
-    t.step_plan = None
     if not seen and not mid:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
@@ -315,7 +317,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     results.in_epoch_end = False
     board.publish_epoch(results.sync_epoch(fabric), results, fabric, state.current_epoch, state.global_step)
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", state.current_epoch + 1, t.callback_metrics)
-    t.call("on_train_epoch_end")
+    t.hooks.call("on_train_epoch_end")
     state.current_epoch += 1
     state.batches_done = state.samples_offset = 0
     state.epoch_finished = False
@@ -359,12 +361,12 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     t.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
     board, fabric = t.metric_board, t.fabric
     getattr(t.module, f"on_{hook}_model_eval")()
-    t.hook(f"on_{hook}_start")
+    t.hooks.run(f"on_{hook}_start")
     getattr(t.module, f"on_{hook}_epoch_start")()
-    t.call(f"on_{hook}_epoch_start")
+    t.hooks.call(f"on_{hook}_epoch_start")
     step_fn = getattr(t.model, f"{hook}_step")
     takes_idx = _takes_dataloader_idx(getattr(t.module, f"{hook}_step"))
-    t.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
+    t.data.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
     with eval_grad_mode(t):
         for idx, loader in enumerate(loaders):
             results.dataloader_idx = idx
@@ -377,13 +379,13 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
                 seen = True
                 results.batch = batch
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
-                t.hook(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 output = step_fn(batch, batch_idx, **extra)
                 if results.pending:  # step values in evaluation (rare): logged per batch
                     values = board.publish_step(results.sync_step(fabric), results)
                     if not t.sanity_checking:
                         board.log_now(fabric, host_floats(values), t.loop_state.global_step)
-                t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             if not seen:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
     results.in_epoch_end = True
@@ -393,8 +395,8 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     metrics = results.sync_epoch(fabric)
     state = t.loop_state
     board.publish_epoch(metrics, results, fabric, state.current_epoch, state.global_step, log=not t.sanity_checking)
-    t.call(f"on_{hook}_epoch_end")
-    t.hook(f"on_{hook}_end")
+    t.hooks.call(f"on_{hook}_epoch_end")
+    t.hooks.run(f"on_{hook}_end")
     t.current_stage = previous_stage
     if was_training:
         getattr(t.module, f"on_{hook}_model_train")()
@@ -410,8 +412,8 @@ def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) ->
     t = trainer
     was_training = t.module.training
     t.module.on_predict_model_eval()
-    t.hook("on_predict_start")
-    t.hook("on_predict_epoch_start")
+    t.hooks.run("on_predict_start")
+    t.hooks.run("on_predict_epoch_start")
     out: list[list[Any]] = []
     takes_idx = _takes_dataloader_idx(t.module.predict_step)
     with eval_grad_mode(t):
@@ -420,12 +422,12 @@ def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) ->
             n = num_batches(loader, limit)
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
-                t.hook("on_predict_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run("on_predict_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 preds.append(t.model.predict_step(batch, batch_idx, **extra))
-                t.hook("on_predict_batch_end", preds[-1], batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run("on_predict_batch_end", preds[-1], batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             out.append(preds)
-    t.hook("on_predict_epoch_end")
-    t.hook("on_predict_end")
+    t.hooks.run("on_predict_epoch_end")
+    t.hooks.run("on_predict_end")
     t.module.train(was_training)
     return out
 

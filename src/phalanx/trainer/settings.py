@@ -15,7 +15,7 @@ import datetime
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from phalanx.utils import diagnostics
 from phalanx.utils.duration import parse_duration
@@ -24,7 +24,7 @@ from phalanx.utils.errors import MisconfigurationError
 if TYPE_CHECKING:
     from phalanx.core.datamodule import DataModule
 
-__all__ = ["Settings", "check_limit", "check_weights_only", "checkpoint_marks", "off_in_fast_dev_run",
+__all__ = ["ReadOnly", "Settings", "check_limit", "check_weights_only", "checkpoint_marks", "off_in_fast_dev_run",
            "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
 
 
@@ -64,6 +64,31 @@ class Settings:
     enable_autolog_hparams: bool
     barebones: bool
     default_root_dir: Path
+
+
+T = TypeVar("T")
+
+
+class ReadOnly(Generic[T]):
+    """A read-only Trainer attribute that reads the attribute of the same name of one of the Trainer's
+    parts (``max_epochs = ReadOnly[int]("settings")`` on the class reads ``trainer.settings.max_epochs``):
+    declared once, stored once."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> ReadOnly[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: object, value: T) -> None:
+        raise AttributeError(f"trainer.{self.name} is read-only: it is trainer.{self.part}.{self.name}.")
 
 
 def check_limit(name: str, value: Any) -> int | float:

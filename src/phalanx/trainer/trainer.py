@@ -20,12 +20,13 @@ from typing import Any
 
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
-from phalanx.core.module import Module
+from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
 from phalanx.trainer import checkpointing, loops, survival
-from phalanx.trainer.assembly import make_callbacks, make_loggers
-from phalanx.trainer.base import TrainerBase
+from phalanx.trainer.assembly import deterministic, make_callbacks, make_loggers, ordered
+from phalanx.trainer.base import STAGES, TrainerBase
+from phalanx.trainer.results import Results
 from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
@@ -183,23 +184,23 @@ class Trainer(TrainerBase):
                 for lg in self.loggers:
                     if callable(getattr(lg, "log_hyperparams", None)):
                         lg.log_hyperparams(hparams)
-        self.call("on_fit_start")
+        self.hooks.call("on_fit_start")
         module.on_fit_start()
         self._sanity_check()
         self.current_stage = "train"
-        self.hook("on_train_start")
+        self.hooks.run("on_train_start")
         survival.check_preemption(self)  # starts listening; a signal during set-up stops before the first step
         try:
             loops.run_fit(self)
         finally:
             self.fabric.release_signals()  # after fit, SIGTERM ends the process again
         self.current_stage = "train"
-        self.hook("on_train_end")
+        self.hooks.run("on_train_end")
         self.current_stage = None
-        self.call("on_fit_end")
+        self.hooks.call("on_fit_end")
         module.on_fit_end()
         for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
-            self._after_save_checkpoint(cb)
+            self.hooks.after_save_checkpoint(cb)
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, then put everything back: their metrics are
@@ -213,11 +214,11 @@ class Trainer(TrainerBase):
         saved = self.metric_board.snapshot()
         self.sanity_checking = True
         try:
-            self.call("on_sanity_check_start")
+            self.hooks.call("on_sanity_check_start")
             limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
             limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
             loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
-            self.call("on_sanity_check_end")
+            self.hooks.call("on_sanity_check_end")
         finally:
             self.sanity_checking = False
         self.metric_board.restore(saved)
@@ -244,15 +245,15 @@ class Trainer(TrainerBase):
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
         getter = "val_dataloader" if stage == "validate" else "test_dataloader"
-        loaders = self._eval_loaders(dataloaders, getter)
+        loaders = self.data.eval_loaders(dataloaders, getter, self._module)
         if not loaders:
             raise MisconfigurationError(
                 f"trainer.{stage}() needs data: pass dataloaders= or datamodule=, or implement the module's {getter}()."
             )
         if stage == "test":
-            self.test_dataloaders = loaders
+            self.data.test_dataloaders = loaders
         else:
-            self.val_dataloaders = loaders
+            self.data.val_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
@@ -278,13 +279,13 @@ class Trainer(TrainerBase):
         return None if return_predictions is False else out
 
     def _predict(self, dataloaders: Any, ckpt_path: Any) -> list[Any]:
-        loaders = self._eval_loaders(dataloaders, "predict_dataloader")
+        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self._module)
         if not loaders:
             raise MisconfigurationError(
                 "trainer.predict() needs data: pass dataloaders= or datamodule=, or implement the module's "
                 "predict_dataloader()."
             )
-        self.predict_dataloaders = loaders
+        self.data.predict_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
@@ -315,3 +316,145 @@ class Trainer(TrainerBase):
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return checkpointing.resolve(self, ckpt_path)
+
+    # ------------------------------------------------------------------ running a stage
+    def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
+        if model is None:
+            if self._module is None:
+                raise MisconfigurationError(f"trainer.{stage}() needs a model: pass one (no earlier fit set one).")
+            model = self._module
+        if not isinstance(model, Module):
+            raise MisconfigurationError(
+                f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
+                "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
+            )
+        if self._module is not None and model is not self._module and self.model is not None:
+            self._release_model()
+        self._module = model
+        model._trainer = self
+        if datamodule is not None:
+            if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
+                raise MisconfigurationError(
+                    f"datamodule must be a phalanx.DataModule, got {type(datamodule).__name__}."
+                )
+            self.data.datamodule = datamodule
+            datamodule.trainer = self
+        owners: list[Any] = [self.datamodule] if self.datamodule is not None else []
+        owners.append(model)
+        for owner in owners:
+            if overrides(owner, "prepare_data"):
+                per_node = getattr(owner, "prepare_data_per_node", True)
+                with self.fabric.rank_zero_first(local=per_node):
+                    if (self.local_rank if per_node else self.global_rank) == 0:
+                        owner.prepare_data()
+        if self.datamodule is not None:
+            self.datamodule.setup(stage)
+        return model
+
+    def _release_model(self) -> None:
+        """Another model after an earlier stage (Lightning's ``trainer.test(other_model)`` after ``fit``): the
+        strategy frees what it built for the old one (DDP's reducer, DeepSpeed's engine), and the new model is
+        set up in the same processes on the same process group. Optimizers and schedulers belonged to the old
+        model and go with it; the old module keeps its trained weights and can still be used on its own."""
+        self.fabric.release(self.model)
+        if self._module is not None:
+            self._module._trainer = None
+        self.model = None
+        self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
+
+    def _launch(self) -> None:
+        """Start or join the processes (see the module docstring), then put per-process state on the
+        device this rank got."""
+        if not self.fabric._launched:
+            self.fabric.launch()
+            self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+
+    def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+        if self.stage is not None:
+            raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
+        self._launch()
+        module = self._attach(model, datamodule, stage)
+        self._refuse_batch_transfer_hooks(module)
+        self.stage = stage
+        self.interrupted = False
+        self._add_module_callbacks(module)
+        self.accumulation = self._accumulation_schedule()
+        self.profiler.setup(stage, self.global_rank, None)
+        try:
+            with deterministic(self.settings.deterministic, self.settings.benchmark):
+                self.hooks.call("setup", stage)
+                module.setup(stage)
+                if overrides(module, "configure_model"):
+                    with self.fabric.init_module():
+                        module.configure_model()
+                return fn(*args)
+        except BaseException as exc:
+            self.interrupted = True
+            self.hooks.call("on_exception", exc)
+            if self.datamodule is not None:
+                self.datamodule.on_exception(exc)
+            raise
+        finally:
+            self.hooks.call("teardown", stage)
+            module.teardown(stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
+            if self.is_global_zero:
+                status = "failed" if self.interrupted else "success"
+                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
+                    if callable(getattr(lg, "finalize", None)):
+                        lg.finalize(status)
+                    elif callable(getattr(lg, "save", None)):
+                        lg.save()
+            self.profiler.describe()
+            self.profiler.teardown(stage)
+            self.stage = None
+            self.current_stage = None
+
+    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
+        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
+        batches to the device inside its data loaders."""
+        for owner in (module, self.datamodule):
+            if owner is None:
+                continue
+            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+                     if overrides(owner, h)]
+            if found:
+                raise MisconfigurationError(
+                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
+                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
+                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
+                )
+
+    def _add_module_callbacks(self, module: Module) -> None:
+        """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
+        extra = module.configure_callbacks()
+        extra = list(extra) if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra])
+        if not extra:
+            return
+        types = {type(c) for c in extra}
+        kept = [c for c in self.callbacks if type(c) not in types]
+        self.callbacks = ordered(kept + extra)
+
+    def _check_manual_optimization(self) -> None:
+        if self.module.automatic_optimization:
+            return
+        strategy = self.fabric.strategy
+        if not strategy.supports_calls_outside_forward:
+            raise MisconfigurationError(
+                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
+                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
+                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
+                "automatic optimization, strategy='ddp', or a Fabric loop."
+            )
+        if self.settings.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
+                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
+            )
+        if self.gradient_clip_val is not None:
+            raise MisconfigurationError(
+                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
+                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
+                "optimizer.step() and remove the Trainer argument."
+            )

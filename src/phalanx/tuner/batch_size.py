@@ -98,18 +98,18 @@ def _trial(trainer: Trainer, method: str, steps: int) -> None:
                     break
         return
     getter = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[method]
-    loaders = t._eval_loaders(None, getter)
+    loaders = t.data.eval_loaders(None, getter, t._module)
     if not loaders:
         raise MisconfigurationError(f"scale_batch_size(method={method!r}) needs the module's {getter}().")
     t._wrap()
     if method == "predict":
-        t.predict_dataloaders = loaders
+        t.data.predict_dataloaders = loaders
         loops.run_predict(t, loaders, steps)
     else:
         if method == "test":
-            t.test_dataloaders = loaders
+            t.data.test_dataloaders = loaders
         else:
-            t.val_dataloaders = loaders
+            t.data.val_dataloaders = loaders
         loops.run_evaluation(t, "validate" if method == "validate" else "test", loaders, steps)
 
 
@@ -218,12 +218,13 @@ def scale_batch_size(
         try:
             found = search(t, method, mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
         finally:
-            (t.train_dataloader, t.train_sampler, t.num_training_batches, t.val_dataloaders, opts, steps) = sources
+            (t.data.train_dataloader, t.data.train_sampler, t.data.num_training_batches, t.data.val_dataloaders, opts,
+             steps) = sources
             t.optimizers, t.step_optimizers = opts, steps
             snapshot.restore(t)
         set_size(t, batch_arg_name, found)
         if inside_fit:
-            t._prepare_train_data()  # the fit continues with loaders of the size found
+            t.data.prepare_train(t._module)  # the fit continues with loaders of the size found
         return found
 
     if inside_fit:
