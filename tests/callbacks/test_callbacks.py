@@ -22,7 +22,7 @@ from phalanx.callbacks import (
     ModelCheckpoint,
     ProgressBar,
 )
-from phalanx.trainer.checkpointing import callback_keys
+from phalanx.trainer.checkpoint_connector import callback_keys
 from phalanx.utils.errors import MisconfigurationError, PhalanxWarning
 
 

@@ -26,14 +26,13 @@ collective on the device; the host reads the values only at a logger flush and a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import count, repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer import survival
 from phalanx.trainer.board import host_floats
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
@@ -229,7 +228,9 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def run_train_epoch(trainer: TrainerBase) -> None:
+def run_train_epoch(trainer: TrainerBase, check_preemption: Callable[[], None]) -> None:
+    """One training epoch (resumed mid-epoch where a checkpoint left it). ``check_preemption`` runs at every
+    optimizer-step boundary, on every rank (it ends the process with a checkpoint when a rank was signalled)."""
     t = trainer
     state, settings = t.loop_state, t.settings
     resume = t.take_resume_state()
@@ -299,7 +300,7 @@ def run_train_epoch(trainer: TrainerBase) -> None:
             t.hooks.call("on_train_batch_end", out, batch, batch_idx)
         state.in_window = False
         if boundary:
-            survival.check_preemption(t)  # every rank, same step: one all-reduce of two integers
+            check_preemption()  # every rank, same step
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
         if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
             break
@@ -337,13 +338,13 @@ def check_data(trainer: TrainerBase) -> None:
                                      t.world_size)
 
 
-def run_fit(trainer: TrainerBase) -> None:
+def run_fit(trainer: TrainerBase, check_preemption: Callable[[], None]) -> None:
     check_data(trainer)
     t = trainer
     t.loss_check = LossCheck(t.fabric.device, t.settings.log_every_n_steps, t.global_rank if t.world_size > 1 else None)
     state, max_epochs = t.loop_state, t.settings.max_epochs
     while not t.should_stop and not t.max_steps_reached and state.current_epoch < max_epochs:
-        run_train_epoch(t)
+        run_train_epoch(t, check_preemption)
     t.loss_check.flush()
 
 

@@ -23,9 +23,10 @@ from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
-from phalanx.trainer import checkpointing, loops, survival
+from phalanx.trainer import loops
 from phalanx.trainer.assembly import deterministic, make_callbacks, make_loggers, ordered
 from phalanx.trainer.base import STAGES, TrainerBase
+from phalanx.trainer.checkpoint_connector import CheckpointConnector
 from phalanx.trainer.results import Results
 from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
 from phalanx.utils import diagnostics
@@ -72,8 +73,8 @@ class Trainer(TrainerBase):
         model_registry: refused (phalanx uploads nothing).
         max_restarts: with ``devices>1`` under plain ``python``, restart the job's processes up to this many
             times after one fails; a restarted attempt resumes from the newest checkpoint or snapshot
-            (:mod:`phalanx.trainer.survival`). A preemption signal (SIGTERM/SIGUSR1) always ends the fit with
-            a checkpoint at the next optimizer step.
+            (:class:`phalanx.trainer.checkpoint_connector.CheckpointConnector`). A preemption signal
+            (SIGTERM/SIGUSR1) always ends the fit with a checkpoint at the next optimizer step.
         detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
             (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.fabric.anomaly` for the cost). Without it, a
             non-finite training loss still stops the run before the optimizer step (see
@@ -139,6 +140,7 @@ class Trainer(TrainerBase):
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
                              "logging and checkpointing are off.", rank=fabric.global_rank)
         super().__init__(settings, fabric, make_callbacks(callbacks, settings, max_time), resolve_profiler(profiler))
+        self.checkpoint_connector = CheckpointConnector(self)
         self._snapshot_rng = RngCapture()  # per-step snapshots reuse NumPy's state while it is untouched
 
     # ------------------------------------------------------------------ public entry points
@@ -170,11 +172,11 @@ class Trainer(TrainerBase):
         self.loop_state.stop_requested = False
         self._check_manual_optimization()
         self.prepare_fit(train_dataloaders, val_dataloaders)
-        path = self._resolve_ckpt_path(survival.resume_after_restart(self, ckpt_path))
+        path = self._resolve_ckpt_path(self.checkpoint_connector.resume_after_restart(ckpt_path))
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
-            checkpointing.restore(self, path)
-        survival.announce_resume(self, path)
+            self.checkpoint_connector.restore(path)
+        self.checkpoint_connector.announce_resume(path)
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
             hparams = dict(module.hparams)
@@ -189,9 +191,10 @@ class Trainer(TrainerBase):
         self._sanity_check()
         self.current_stage = "train"
         self.hooks.run("on_train_start")
-        survival.check_preemption(self)  # starts listening; a signal during set-up stops before the first step
+        # Starts listening; a signal during set-up stops before the first step.
+        self.checkpoint_connector.check_preemption()
         try:
-            loops.run_fit(self)
+            loops.run_fit(self, self.checkpoint_connector.check_preemption)
         finally:
             self.fabric.release_signals()  # after fit, SIGTERM ends the process again
         self.current_stage = "train"
@@ -257,7 +260,7 @@ class Trainer(TrainerBase):
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
-            checkpointing.load_weights(self, path)
+            self.checkpoint_connector.load_weights(path)
         limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
         out = loops.run_evaluation(self, stage, loaders, limit)
         if verbose:
@@ -289,7 +292,7 @@ class Trainer(TrainerBase):
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
-            checkpointing.load_weights(self, path)
+            self.checkpoint_connector.load_weights(path)
         self.current_stage = "predict"
         out = loops.run_predict(self, loaders, self.limit_predict_batches)
         return out[0] if len(out) == 1 else out
@@ -303,7 +306,7 @@ class Trainer(TrainerBase):
                 "save_checkpoint(storage_options=...) is not supported: checkpoints are written by the strategy "
                 "(atomically, to a local or mounted path). Remove storage_options."
             )
-        checkpointing.save(self, filepath, bool(weights_only))
+        self.checkpoint_connector.save(filepath, bool(weights_only))
 
     def save_snapshot(self, dirpath: str | Path, keep: int = 2, overlap: bool = True,
                       every_n_steps: int | str | Cadence = 1, max_overhead: float = 0.05) -> Path | None:
@@ -312,10 +315,11 @@ class Trainer(TrainerBase):
         ``fabric.save_snapshot``): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
         ``fit(ckpt_path=...)`` accepts, or None when none was written at this step."""
         folder = dirpath if isinstance(dirpath, Path) else Path(dirpath)
-        return checkpointing.snapshot(self, folder, keep, overlap, every_n_steps, max_overhead, self._snapshot_rng)
+        return self.checkpoint_connector.snapshot(folder, keep, overlap, every_n_steps, max_overhead,
+                                                  self._snapshot_rng)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
-        return checkpointing.resolve(self, ckpt_path)
+        return self.checkpoint_connector.resolve(ckpt_path)
 
     # ------------------------------------------------------------------ running a stage
     def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
