@@ -491,7 +491,7 @@ def test_loop_state_holds_the_counters_and_round_trips() -> None:
     assert (back.global_step, back.current_epoch, back.batches_done, back.stop_requested) == (7, 1, 3, True)
     finished = LoopState(global_step=7, current_epoch=1, batches_done=3, epoch_finished=True)
     assert finished.state_dict(1, 4)["epoch"] == 2 and finished.state_dict(1, 4)["batches_done"] == 0
-    copy = mid.snapshot()
+    copy = mid.restore_point()
     mid.global_step = 99
     mid.restore(copy)
     assert mid.global_step == 7 and mid == copy and mid is not copy

@@ -44,7 +44,7 @@ from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, Miscon
 from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
-    from phalanx.trainer.base import TrainerBase
+    from phalanx.trainer.attributes import TrainerAttributes
 
 FORMAT = 1
 
@@ -98,7 +98,7 @@ class CheckpointConnector:
     """Saves, finds and restores a Trainer's checkpoints and snapshots (``trainer.checkpoint_connector``).
     It reads nearly everything the Trainer holds, so it takes the Trainer."""
 
-    def __init__(self, trainer: TrainerBase) -> None:
+    def __init__(self, trainer: TrainerAttributes) -> None:
         self.trainer = trainer
 
     def save(self, path: str | Path, weights_only: bool = False) -> None:
@@ -143,8 +143,8 @@ class CheckpointConnector:
             done = loop.epoch_finished
             per_batch, sampler = t.train_samples_per_batch, t.train_sampler
             replicas = sampler.num_replicas if sampler is not None else 0
-            layout = (replicas, per_batch // replicas if replicas else 0, t.accumulate_grad_batches)
-            state["loops"] = loop.state_dict(t.world_size, per_batch, layout)
+            composition = (replicas, per_batch // replicas if replicas else 0, t.accumulate_grad_batches)
+            state["loops"] = loop.state_dict(t.world_size, per_batch, composition)
             state["callbacks"] = {key: cb.state_dict() for key, cb in callback_keys(t.callbacks)}
             if t.datamodule is not None:
                 state["datamodule"] = t.datamodule.state_dict()
@@ -306,7 +306,7 @@ class CheckpointConnector:
         t.set_resume_state({
             "batches_done": t.loop_state.batches_done, "samples": int(loops["samples_consumed"]),
             "samples_per_batch": replicas * batch_size,  # the saved global batch, for loops.resume_start
-            "layout": (replicas, batch_size, int(loops["accumulate_grad_batches"])) if replicas else None,
+            "composition": (replicas, batch_size, int(loops["accumulate_grad_batches"])) if replicas else None,
             "rng": mine["rng"], "epoch_rng": mine["epoch_rng"],
             "results": mine["results"],
         })

@@ -12,7 +12,7 @@ skipped on the device, so the GPU never waits for the check). A rank that raises
 stopped by the launcher with this rank's error as the cause. ``Trainer(detect_anomaly=True)`` adds the full
 gradient check of :mod:`phalanx.fabric.anomaly`.
 
-The loops run on :class:`~phalanx.trainer.base.TrainerBase` (what a Trainer holds, without its entry
+The loops run on :class:`~phalanx.trainer.attributes.TrainerAttributes` (what a Trainer holds, without its entry
 points, which call these loops); per batch they touch the loop state and the settings through locals
 bound once per epoch, not through the Trainer's properties.
 
@@ -43,7 +43,7 @@ from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
-    from phalanx.trainer.base import TrainerBase
+    from phalanx.trainer.attributes import TrainerAttributes
 
 
 def detached(output: Any) -> Any:
@@ -112,7 +112,7 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
 
 
 def micro_batch(
-    trainer: TrainerBase, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
+    trainer: TrainerAttributes, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
 ) -> tuple[Any, Any]:
     """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
     ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
@@ -132,7 +132,7 @@ def micro_batch(
     return output, loss
 
 
-def optimizer_step(trainer: TrainerBase, optimizer: Any) -> None:
+def optimizer_step(trainer: TrainerAttributes, optimizer: Any) -> None:
     """One real step without hooks (the tuners' steps): clipping, the optimizer's step, zero_grad. The
     Trainer's own steps, with Lightning's hooks, are :func:`phalanx.trainer.stepping.train_batch`."""
     value, algorithm = trainer.settings.gradient_clip_val, trainer.settings.gradient_clip_algorithm
@@ -151,26 +151,26 @@ def _takes_dataloader_idx(method: Any) -> bool:
     return any(p.name == "dataloader_idx" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _val_due_mid_epoch(trainer: TrainerBase, batch_idx: int, total: int | None) -> bool:
+def _val_due_mid_epoch(trainer: TrainerAttributes, batch_idx: int, total: int | None) -> bool:
     interval = trainer.val_check_batches
     if interval is None or not trainer.val_dataloaders or (total is not None and batch_idx + 1 >= total):
         return False
     return (batch_idx + 1) % interval == 0
 
 
-def _val_due_at_epoch_end(trainer: TrainerBase) -> bool:
+def _val_due_at_epoch_end(trainer: TrainerAttributes) -> bool:
     every = trainer.settings.check_val_every_n_epoch
     return bool(trainer.val_dataloaders) and every is not None and (trainer.loop_state.current_epoch + 1) % every == 0
 
 
-def _bar_refresh_rate(trainer: TrainerBase) -> int:
+def _bar_refresh_rate(trainer: TrainerAttributes) -> int:
     from phalanx.callbacks import ProgressBar
 
     rates = [cb.refresh_rate for cb in trainer.callbacks if isinstance(cb, ProgressBar) and cb.refresh_rate > 0]
     return min(rates) if rates else 0
 
 
-def resume_start(trainer: TrainerBase, resume: dict[str, Any]) -> int:
+def resume_start(trainer: TrainerAttributes, resume: dict[str, Any]) -> int:
     """The batch a resumed epoch continues at, in batches of this run's size (``batches_done`` is set to it).
 
     The saved position is global: ``samples`` of the epoch's order (the same for every world size). With
@@ -197,15 +197,16 @@ def resume_start(trainer: TrainerBase, resume: dict[str, Any]) -> int:
     return start
 
 
-def say_batch_change(trainer: TrainerBase, resume: dict[str, Any], start: int) -> None:
+def say_batch_change(trainer: TrainerAttributes, resume: dict[str, Any], start: int) -> None:
     """Rank 0's one message when the checkpoint's samples per optimizer step differ from this run's."""
     t, state, sampler = trainer, trainer.loop_state, trainer.train_sampler
     samples, saved, ours = int(resume["samples"]), int(resume.get("samples_per_batch") or 0), t.train_samples_per_batch
-    layout, n, total = resume.get("layout"), t.accumulate_grad_batches, t.num_training_batches
-    if sampler is None or not saved or not (samples or start) or (saved == ours and (layout is None or layout[2] == n)):
+    composition, n, total = resume.get("composition"), t.accumulate_grad_batches, t.num_training_batches
+    if sampler is None or not saved or not (samples or start) or (
+            saved == ours and (composition is None or composition[2] == n)):
         return
-    if layout:
-        replicas_then, batch_then, n_then = layout
+    if composition:
+        replicas_then, batch_then, n_then = composition
         how = (f"{saved * n_then} samples per optimizer step ({_ranks(replicas_then)} x batch {batch_then} x "
                f"accumulation {n_then})")
     else:
@@ -228,7 +229,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def run_train_epoch(trainer: TrainerBase, check_preemption: Callable[[], None]) -> None:
+def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], None]) -> None:
     """One training epoch (resumed mid-epoch where a checkpoint left it). ``check_preemption`` runs at every
     optimizer-step boundary, on every rank (it ends the process with a checkpoint when a rank was signalled)."""
     t = trainer
@@ -324,7 +325,7 @@ def run_train_epoch(trainer: TrainerBase, check_preemption: Callable[[], None]) 
     state.epoch_finished = False
 
 
-def check_data(trainer: TrainerBase) -> None:
+def check_data(trainer: TrainerAttributes) -> None:
     """Refuse loaders with no batches before the first epoch: an empty training loader would run
     ``max_epochs`` empty epochs (and write checkpoints of an untrained model); an empty validation
     loader would leave every monitored ``val_*`` metric missing."""
@@ -338,7 +339,7 @@ def check_data(trainer: TrainerBase) -> None:
                                      t.world_size)
 
 
-def run_fit(trainer: TrainerBase, check_preemption: Callable[[], None]) -> None:
+def run_fit(trainer: TrainerAttributes, check_preemption: Callable[[], None]) -> None:
     check_data(trainer)
     t = trainer
     t.loss_check = LossCheck(t.fabric.device, t.settings.log_every_n_steps, t.global_rank if t.world_size > 1 else None)
@@ -348,7 +349,9 @@ def run_fit(trainer: TrainerBase, check_preemption: Callable[[], None]) -> None:
     t.loss_check.flush()
 
 
-def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+def run_evaluation(
+    trainer: TrainerAttributes, stage: str, loaders: list[Any], limit: int | float
+) -> list[dict[str, float]]:
     """Validation or test over every loader; returns one dict of epoch metrics per loader."""
     t = trainer
     hook = "validation" if stage == "validate" else "test"
@@ -409,7 +412,7 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     return per_loader
 
 
-def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+def run_predict(trainer: TrainerAttributes, loaders: list[Any], limit: int | float) -> list[list[Any]]:
     t = trainer
     was_training = t.module.training
     t.module.on_predict_model_eval()
@@ -433,7 +436,7 @@ def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) ->
     return out
 
 
-def eval_grad_mode(trainer: TrainerBase) -> Any:
+def eval_grad_mode(trainer: TrainerAttributes) -> Any:
     """``Trainer(inference_mode=True)``: torch.inference_mode where the strategy allows it (see
     ``Strategy.supports_inference_mode``), else torch.no_grad."""
     allowed = trainer.settings.inference_mode and trainer.fabric.strategy.supports_inference_mode

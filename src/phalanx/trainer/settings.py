@@ -11,11 +11,16 @@ cannot be changed behind the loops' back in the middle of a run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import torch
 
 from phalanx.utils import diagnostics
 from phalanx.utils.duration import parse_duration
@@ -24,8 +29,8 @@ from phalanx.utils.errors import MisconfigurationError
 if TYPE_CHECKING:
     from phalanx.core.datamodule import DataModule
 
-__all__ = ["ReadOnly", "Settings", "check_limit", "check_weights_only", "checkpoint_marks", "off_in_fast_dev_run",
-           "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
+__all__ = ["ReadOnly", "Settings", "check_limit", "check_weights_only", "checkpoint_marks", "deterministic",
+           "off_in_fast_dev_run", "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
 
 
 @dataclass(frozen=True)
@@ -272,3 +277,26 @@ def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
         return None
     return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
             tuple(getattr(callback, "_kept", ())))
+
+
+@contextlib.contextmanager
+def deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[None]:
+    """torch's deterministic mode (``mode`` True or "warn") and cudnn's ``benchmark`` for one run, then the
+    process's previous settings: they are global, and another Trainer or later code must not inherit them."""
+    if not mode and benchmark is None:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn_benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if mode:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
+        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.backends.cudnn.benchmark = bool(benchmark) if benchmark is not None else (
+        False if mode else cudnn_benchmark)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

@@ -3,7 +3,7 @@
 Everything backend-specific (DDP, FSDP, DeepSpeed, precision) is Fabric's business; this file
 never asks which strategy it runs on. It holds the Trainer's constructor and its entry points
 (``fit``/``validate``/``test``/``predict``/``save_checkpoint``); what a Trainer holds and how a run is
-prepared is :class:`phalanx.trainer.base.TrainerBase`, the loops are :mod:`phalanx.trainer.loops`.
+prepared is :class:`phalanx.trainer.attributes.TrainerAttributes`, the loops are :mod:`phalanx.trainer.loops`.
 
 When processes start (as in Lightning): constructing a Trainer starts nothing. Under torchrun or
 ``phalanx run`` the ranks are known from the environment right away (``trainer.global_rank``); the
@@ -24,17 +24,17 @@ from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
 from phalanx.trainer import loops
-from phalanx.trainer.assembly import deterministic, make_callbacks, make_loggers, ordered
-from phalanx.trainer.base import STAGES, TrainerBase
+from phalanx.trainer.attributes import STAGES, TrainerAttributes
 from phalanx.trainer.checkpoint_connector import CheckpointConnector
+from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
 from phalanx.trainer.results import Results
-from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
+from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
 
 
-class Trainer(TrainerBase):
+class Trainer(TrainerAttributes):
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
     The arguments are Lightning's, with its defaults and meaning (docs/trainer.md; deliberate
@@ -214,7 +214,7 @@ class Trainer(TrainerBase):
             return
         rng = capture_rng_state()
         self.sync_step_metrics()
-        saved = self.metric_board.snapshot()
+        saved = self.metric_board.restore_point()
         self.sanity_checking = True
         try:
             self.hooks.call("on_sanity_check_start")

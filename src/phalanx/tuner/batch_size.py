@@ -7,7 +7,7 @@ last success and the first failure. The data must come from the module's or data
 ``*_dataloader()`` methods, which read the attribute each time they are called.
 
 Afterwards everything is as before, like the LR finder: weights and gradients, optimizer and
-scheduler state, loss scaler, RNG states, counters and metrics (the LR finder's snapshot); only the
+scheduler state, loss scaler, RNG states, counters and metrics (the LR finder's restore point); only the
 batch-size attribute changes to the size found. Every rank agrees on each trial's outcome (a failure
 on any rank fails the trial everywhere). Limitation: an out-of-memory error inside a collective (e.g.
 DDP's gradient all-reduce) on one rank leaves the others waiting until the guard's timeout ends them.
@@ -195,7 +195,7 @@ def scale_batch_size(
     margin: float = 0.05, max_val: int = 8192,
 ) -> int:
     """``Tuner(trainer).scale_batch_size``: see the module docstring."""
-    from phalanx.core.module_state import TrainerSnapshot
+    from phalanx.core.module_state import TrainerRestorePoint
     from phalanx.tuner.support import refuse_without_separate_optimizers
 
     if train_dataloaders is not None or val_dataloaders is not None or dataloaders is not None:
@@ -212,7 +212,7 @@ def scale_batch_size(
             t.prepare_fit(None, None)
         elif t.model is None:
             t._wrap()
-        snapshot = TrainerSnapshot(t)
+        point = TrainerRestorePoint(t)
         sources = (t.train_dataloader, t.train_sampler, t.num_training_batches, list(t.val_dataloaders),
                    t.optimizers, t.step_optimizers)
         try:
@@ -221,7 +221,7 @@ def scale_batch_size(
             (t.data.train_dataloader, t.data.train_sampler, t.data.num_training_batches, t.data.val_dataloaders, opts,
              steps) = sources
             t.optimizers, t.step_optimizers = opts, steps
-            snapshot.restore(t)
+            point.restore(t)
         set_size(t, batch_arg_name, found)
         if inside_fit:
             t.data.prepare_train(t._module)  # the fit continues with loaders of the size found

@@ -1,4 +1,4 @@
-"""``TrainerBase``: what a Trainer holds and Lightning's public attributes over it, declared once.
+"""``TrainerAttributes``: what a Trainer holds and Lightning's public attributes over it, declared once.
 
 The Trainer (:class:`phalanx.trainer.trainer.Trainer`) is this class plus its entry points
 (``fit``/``validate``/``test``/``predict``). The seam is the package's import order: the loops
@@ -48,7 +48,7 @@ from phalanx.utils.errors import MisconfigurationError
 STAGES = ("train", "validate", "test")  # the stages that log metrics (each has its Results)
 
 
-class TrainerBase:
+class TrainerAttributes:
     """The Trainer without its entry points (see the module docstring). Not meant to be built directly."""
 
     def __init__(self, settings: Settings, fabric: Fabric, callbacks: list[Any], profiler: Profiler) -> None:
@@ -410,12 +410,12 @@ class TrainerBase:
     def set_resume_state(self, state: dict[str, Any]) -> None:
         self._resume = state
 
-    # ------------------------------------------------------------------ snapshots (tuning phases)
+    # ------------------------------------------------------------------ restore points (tuning phases)
     def capture_loop(self) -> Callable[[], None]:
         """The loops' own state now: counters, the running stage, published metrics and accumulators, the
-        sampler position. Calling the result puts it back (``core.module_state.TrainerSnapshot``)."""
-        loop, stage = self.loop_state.snapshot(), self.current_stage
-        board, results = self.metric_board.snapshot(), self.results
+        sampler position. Calling the result puts it back (``core.module_state.TrainerRestorePoint``)."""
+        loop, stage = self.loop_state.restore_point(), self.current_stage
+        board, results = self.metric_board.restore_point(), self.results
         sampler = self.train_sampler
         position = (sampler.epoch, sampler.skip) if sampler is not None else None
 
