@@ -260,8 +260,8 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
     board, fabric = t.metric_board, t.fabric
-    # Per-epoch decisions, so a step does only the work that applies (the step's own cost is the
-    # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
+    # Per-epoch decisions, so a step does only the work that applies (a step's own cost is the
+    # Trainer's overhead over a hand-written loop).
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
     log_every, max_steps = settings.log_every_n_steps, settings.max_steps
