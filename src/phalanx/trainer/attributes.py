@@ -496,10 +496,3 @@ class TrainerAttributes:
             )
         self._wrap(optimizers)
         self.lr_scheduler_configs = configs
-
-    def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
-        """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
-        self.data.set_fit_sources(train_dataloaders, val_dataloaders)
-        self.data.prepare_train(self._module)
-        self.results = {s: Results(s, self.fabric.device) for s in STAGES}
-        self.setup_optimizers()

@@ -1,9 +1,10 @@
 """``phalanx.Trainer``: the managed loop, built only on ``phalanx.Fabric``'s public API.
 
 Everything backend-specific (DDP, FSDP, DeepSpeed, precision) is Fabric's business; this file
-never asks which strategy it runs on. It holds the Trainer's constructor and its entry points
-(``fit``/``validate``/``test``/``predict``/``save_checkpoint``); what a Trainer holds and how a run is
-prepared is :class:`phalanx.trainer.attributes.TrainerAttributes`, the loops are :mod:`phalanx.trainer.loops`.
+never asks which strategy it runs on. It holds the Trainer's constructor, its entry points
+(``fit``/``validate``/``test``/``predict``/``save_checkpoint``) and how a stage runs (launch, attach the
+model, the hooks around it); what a Trainer holds and Lightning's public attributes over it are
+:class:`phalanx.trainer.attributes.TrainerAttributes`, the loops are :mod:`phalanx.trainer.loops`.
 
 When processes start (as in Lightning): constructing a Trainer starts nothing. Under torchrun or
 ``phalanx run`` the ranks are known from the environment right away (``trainer.global_rank``); the
@@ -204,6 +205,13 @@ class Trainer(TrainerAttributes):
         module.on_fit_end()
         for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
             self.hooks.after_save_checkpoint(cb)
+
+    def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
+        """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
+        self.data.set_fit_sources(train_dataloaders, val_dataloaders)
+        self.data.prepare_train(self._module)
+        self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+        self.setup_optimizers()
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, then put everything back: their metrics are
