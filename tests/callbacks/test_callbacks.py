@@ -23,7 +23,7 @@ from phalanx.callbacks import (
     ModelCheckpoint,
     ProgressBar,
 )
-from phalanx.trainer.checkpointing import callback_keys
+from phalanx.trainer.checkpoint_connector import callback_keys
 from phalanx.utils.errors import MisconfigurationError, PhalanxWarning
 
 
@@ -206,3 +206,26 @@ def test_callbacks_that_checkpoint_stop_or_tune_sit_out_fast_dev_run(tmp_path: P
                               enable_progress_bar=False, enable_model_summary=False, callbacks=[skipped, called])
     trainer.fit(Regressor(scheduler=False), loader(8, 4))
     assert (skipped.calls, called.calls) == (0, 1)
+
+
+def test_gradient_accumulation_scheduler_supplies_the_schedule_the_loop_reads() -> None:
+    """Epoch 0 steps every batch, epoch 1 every 2 (8 batches per epoch): 8 + 4 optimizer steps."""
+    from trainer_support import quiet
+
+    from phalanx.callbacks import GradientAccumulationScheduler, LambdaCallback
+
+    seen: list[tuple[int, int]] = []
+    record = LambdaCallback(on_train_epoch_start=lambda t, m: seen.append((t.current_epoch, t.accumulate_grad_batches)))
+    scheduler = GradientAccumulationScheduler({1: 2})
+    assert scheduler.scheduling == {0: 1, 1: 2} and scheduler.going_to_accumulate_grad_batches(5) == 2
+    trainer = phalanx.Trainer(max_epochs=2, callbacks=[scheduler, record], **quiet())
+    trainer.fit(Regressor(scheduler=False), loader(16, 2))
+    assert seen == [(0, 1), (1, 2)] and trainer.global_step == 12
+    assert trainer.settings.accumulate_grad_batches == 1  # the frozen settings are untouched
+    with pytest.raises(MisconfigurationError, match="not also to the Trainer"):
+        phalanx.Trainer(accumulate_grad_batches=2, callbacks=[GradientAccumulationScheduler({0: 2})], **quiet())
+    with pytest.raises(MisconfigurationError, match="Two callbacks supply"):
+        phalanx.Trainer(callbacks=[GradientAccumulationScheduler({0: 2}), GradientAccumulationScheduler({1: 2})],
+                        **quiet())
+    with pytest.raises(MisconfigurationError, match="keys are epochs >= 0"):
+        GradientAccumulationScheduler({-1: 2})

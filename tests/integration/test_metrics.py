@@ -52,7 +52,7 @@ def test_lr_find_leaves_metric_state_and_attributes_untouched(style: str) -> Non
 
 
 def test_snapshot_restores_every_kind_of_module_state() -> None:
-    from phalanx.core.module_state import ModuleSnapshot
+    from phalanx.core.module_state import ModuleRestorePoint
 
     model = Classifier()
     model.generator = torch.Generator().manual_seed(5)  # type: ignore[assignment]
@@ -61,7 +61,7 @@ def test_snapshot_restores_every_kind_of_module_state() -> None:
     before = (model.generator.get_state().clone(), torch.randn(3, generator=model.generator))
     model.generator.set_state(before[0])
     buffer = model.scratch
-    snapshot = ModuleSnapshot(model)
+    snapshot = ModuleRestorePoint(model)
     model.train_acc(torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0]))
     model.val_metrics(torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0]))
     model.scratch.add_(7)

@@ -468,9 +468,10 @@ def test_settings_are_frozen_and_read_through_the_trainer() -> None:
         s.max_epochs = 3  # type: ignore[misc]
     with pytest.raises(AttributeError):
         trainer.max_epochs = 3  # type: ignore[misc]
-    # The one setting a callback may change during a fit (GradientAccumulationScheduler).
-    trainer.accumulate_grad_batches = 4
-    assert trainer.accumulate_grad_batches == 4 and s.accumulate_grad_batches == 2
+    # Accumulation is read from a schedule (constant here), never written.
+    with pytest.raises(AttributeError):
+        trainer.accumulate_grad_batches = 4  # type: ignore[misc]
+    assert trainer.accumulate_grad_batches == 2 and trainer.accumulation.scheduling == {0: 2}
 
 
 def test_loop_state_holds_the_counters_and_round_trips() -> None:
@@ -490,7 +491,7 @@ def test_loop_state_holds_the_counters_and_round_trips() -> None:
     assert (back.global_step, back.current_epoch, back.batches_done, back.stop_requested) == (7, 1, 3, True)
     finished = LoopState(global_step=7, current_epoch=1, batches_done=3, epoch_finished=True)
     assert finished.state_dict(1, 4)["epoch"] == 2 and finished.state_dict(1, 4)["batches_done"] == 0
-    copy = mid.snapshot()
+    copy = mid.restore_point()
     mid.global_step = 99
     mid.restore(copy)
     assert mid.global_step == 7 and mid == copy and mid is not copy

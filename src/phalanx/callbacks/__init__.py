@@ -11,17 +11,13 @@ from typing import Any
 
 from phalanx.callbacks.base import Callback
 from phalanx.callbacks.early_stopping import EarlyStopping
-from phalanx.callbacks.extras import (
-    BasePredictionWriter,
-    GradientAccumulationScheduler,
-    LambdaCallback,
-    RichProgressBar,
-    TQDMProgressBar,
-)
+from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
+from phalanx.callbacks.lambda_function import LambdaCallback
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
-from phalanx.callbacks.progress import ProgressBar
+from phalanx.callbacks.prediction_writer import BasePredictionWriter
+from phalanx.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from phalanx.callbacks.snapshot import Snapshot
 from phalanx.callbacks.throughput import ThroughputMonitor
 from phalanx.callbacks.timer import Timer

@@ -1,4 +1,7 @@
-"""Progress bars on global rank 0: tqdm (a phalanx dependency) or rich (when installed and asked for)."""
+"""Progress bars on global rank 0: tqdm (a phalanx dependency) or rich (when installed and asked for).
+
+``ProgressBar`` picks the backend; ``TQDMProgressBar`` and ``RichProgressBar`` are Lightning's names for
+each, with the arguments phalanx cannot honour refused."""
 
 from __future__ import annotations
 
@@ -154,3 +157,28 @@ class ProgressBar(Callback):
     def teardown(self, trainer: TrainerView, module: Module, stage: str) -> None:
         for key in list(self._bars):
             self._close(key)
+
+
+class TQDMProgressBar(ProgressBar):
+    """The tqdm progress bar (rank 0). ``process_position`` must be 0 and ``leave`` False: one bar per
+    stage, replaced at each epoch, is what phalanx draws."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        if process_position != 0 or leave:
+            raise MisconfigurationError(
+                "TQDMProgressBar(process_position=..., leave=True) is not supported; phalanx draws one bar per stage "
+                "on rank 0. Remove those arguments."
+            )
+        super().__init__(refresh_rate=refresh_rate, backend="tqdm")
+
+
+class RichProgressBar(ProgressBar):
+    """The rich progress bar (rank 0; rich must be installed). Themes and console options are refused."""
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False, theme: Any = None,
+                 console_kwargs: dict[str, Any] | None = None) -> None:
+        if leave or theme is not None or console_kwargs:
+            raise MisconfigurationError(
+                "RichProgressBar(leave=/theme=/console_kwargs=) is not supported; remove those arguments."
+            )
+        super().__init__(refresh_rate=refresh_rate, backend="rich")

@@ -12,7 +12,7 @@ account.)
 
 A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
 resumes from the newest complete state among snapshots and checkpoints, the same one on every rank
-(:func:`phalanx.trainer.checkpointing.newest_resumable`, decided on rank 0).
+(:meth:`phalanx.trainer.checkpoint_connector.CheckpointConnector.newest_resumable`, decided on rank 0).
 
 The folder is named after the run's ``default_root_dir``, so a restart or a rerun of the same command
 finds it, and it is removed when the fit ends normally. A node whose shared memory is gone (rebooted,

@@ -6,7 +6,7 @@ torchmetrics ``Metric`` keeps its state in plain attributes registered with ``ad
 or lists of tensors for "cat" states) plus counters and caches (``_update_count``, ``_computed``,
 ``_forward_cache``); a user's step may bump a counter or stash a tensor on ``self``. Restoring only
 parameters and buffers lets all of that leak into the fit (its first epoch's metrics then count the
-search's batches too). :class:`ModuleSnapshot` captures every submodule's parameters (and
+search's batches too). :class:`ModuleRestorePoint` captures every submodule's parameters (and
 gradients), buffers (persistent or not), train/eval flag, submodule table and plain attributes, and
 restores them *into the same tensor objects*, so nothing changes identity or device (metric state
 stays on the device the backend reduces on; DDP/FSDP keep pointing at the same parameters).
@@ -26,7 +26,7 @@ on the module, a user class instance, a dict subclass, framework state such as F
 phase stay registered. A torchmetrics Metric is fully restored (its state, update count and caches are
 tensors, lists and numbers); metric state that cannot be restored would be a bug to report.
 
-:class:`TrainerSnapshot` adds what a Trainer owns (optimizer, schedulers, loss scaler, RNG of this
+:class:`TrainerRestorePoint` adds what a Trainer owns (optimizer, schedulers, loss scaler, RNG of this
 rank, and, through ``trainer.capture_loop()``, its loop state: counters, published metrics and
 accumulators, the sampler position): any tuning phase wraps its work in ``with preserved(trainer): ...``.
 """
@@ -183,7 +183,7 @@ class _SubmoduleState:
             attrs[k] = restore()
 
 
-class ModuleSnapshot:
+class ModuleRestorePoint:
     """Everything ``module`` (and each submodule) holds, copied so :meth:`restore` puts it back."""
 
     def __init__(self, module: nn.Module) -> None:
@@ -196,12 +196,12 @@ class ModuleSnapshot:
             state.restore()
 
 
-class TrainerSnapshot:
-    """A :class:`ModuleSnapshot` of the Trainer's module plus everything the Trainer itself owns."""
+class TrainerRestorePoint:
+    """A :class:`ModuleRestorePoint` of the Trainer's module plus everything the Trainer itself owns."""
 
     def __init__(self, trainer: TrainerView) -> None:
         t = trainer
-        self.module = ModuleSnapshot(t.module)
+        self.module = ModuleRestorePoint(t.module)
         self.optimizer = copy.deepcopy(t.optimizer.state_dict()) if t.optimizer is not None else None
         self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in t.lr_scheduler_configs]
         self.precision = copy.deepcopy(t.fabric.strategy.precision.state_dict())
@@ -223,11 +223,11 @@ class TrainerSnapshot:
 @contextlib.contextmanager
 def preserved(trainer: TrainerView) -> Iterator[None]:
     """Run a tuning phase; afterwards (also on error) the Trainer and its module are exactly as before."""
-    snapshot = TrainerSnapshot(trainer)
+    point = TrainerRestorePoint(trainer)
     try:
         yield
     finally:
-        snapshot.restore(trainer)
+        point.restore(trainer)
 
 
 # ---------------------------------------------------------------------- metric state in checkpoints

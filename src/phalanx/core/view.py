@@ -1,11 +1,11 @@
 """``TrainerView``: what the code below the Trainer may use of a Trainer.
 
-The Module, the DataModule, the snapshots of :mod:`phalanx.core.module_state` and the callbacks run
-inside a Trainer but sit below it in the layers (docs/architecture.md): importing
-``phalanx.trainer`` from them would make every change of the loop a change of the user-facing
-classes, and an import cycle. They annotate with this protocol instead, so the Trainer's surface
-that they rely on is written down in one place and checked by mypy wherever a Trainer is passed
-down (``module._trainer = trainer``, ``TrainerSnapshot(trainer)``, ``callback.hook(trainer, ...)``).
+The Trainer declares its public attributes once, on its own class (:mod:`phalanx.trainer.attributes`).
+This protocol exists only because ``core`` sits below ``trainer`` and still has to type
+``Module.trainer``: the Module, the DataModule, the restore points of :mod:`phalanx.core.module_state`
+and the callbacks run inside a Trainer but may not import it (docs/architecture.md). It lists the
+subset they use, and mypy checks the Trainer against it wherever a Trainer is passed down
+(``module._trainer = trainer``, ``TrainerRestorePoint(trainer)``, ``callback.hook(trainer, ...)``).
 
 Members are read-only properties unless code below the Trainer writes them (``should_stop``), so
 the Trainer may hold each as a plain attribute, a property or a delegate to its loop state.
@@ -40,7 +40,7 @@ class SchedulerView(Protocol):
 
 
 class TrainerView(Protocol):
-    """The Trainer as the Module, its snapshots and the callbacks see it (see the module docstring)."""
+    """The Trainer as the Module, its restore points and the callbacks see it (see the module docstring)."""
 
     # ------------------------------------------------------------------ processes and devices
     @property
@@ -125,7 +125,7 @@ class TrainerView(Protocol):
     def untoggle_optimizer(self, module: Toggleable) -> None: ...
     def clip_gradients(self, optimizer: Any, value: float | None, algorithm: str | None) -> None: ...
 
-    # ------------------------------------------------------------------ snapshots (tuning phases)
+    # ------------------------------------------------------------------ restore points (tuning phases)
     def capture_loop(self) -> Callable[[], None]:
         """The loops' own state now (counters, published metrics and accumulators, sampler position);
         calling the result puts it back."""

@@ -96,7 +96,8 @@ class MetricBoard:
             self.logged.update(to_log)
             fabric.log_dict(to_log, step=step)
 
-    def snapshot(self) -> tuple[dict[str, Any], ...]:
+    def restore_point(self) -> tuple[dict[str, Any], ...]:
+        """Copies of the published metrics, for :meth:`restore` after a tuning phase or the sanity check."""
         return dict(self.callback), dict(self.progress_bar), dict(self.logged), dict(self.unlogged)
 
     def restore(self, saved: tuple[dict[str, Any], ...]) -> None:

@@ -12,7 +12,7 @@ skipped on the device, so the GPU never waits for the check). A rank that raises
 stopped by the launcher with this rank's error as the cause. ``Trainer(detect_anomaly=True)`` adds the full
 gradient check of :mod:`phalanx.fabric.anomaly`.
 
-The loops run on :class:`~phalanx.trainer.base.TrainerBase` (what a Trainer holds, without its entry
+The loops run on :class:`~phalanx.trainer.attributes.TrainerAttributes` (what a Trainer holds, without its entry
 points, which call these loops); per batch they touch the loop state and the settings through locals
 bound once per epoch, not through the Trainer's properties.
 
@@ -26,14 +26,13 @@ collective on the device; the host reads the values only at a logger flush and a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import count, repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer import survival
 from phalanx.trainer.board import host_floats
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
@@ -44,7 +43,7 @@ from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
-    from phalanx.trainer.base import TrainerBase
+    from phalanx.trainer.attributes import TrainerAttributes
 
 
 def detached(output: Any) -> Any:
@@ -113,7 +112,7 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
 
 
 def micro_batch(
-    trainer: TrainerBase, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
+    trainer: TrainerAttributes, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
 ) -> tuple[Any, Any]:
     """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
     ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
@@ -133,7 +132,7 @@ def micro_batch(
     return output, loss
 
 
-def optimizer_step(trainer: TrainerBase, optimizer: Any) -> None:
+def optimizer_step(trainer: TrainerAttributes, optimizer: Any) -> None:
     """One real step without hooks (the tuners' steps): clipping, the optimizer's step, zero_grad. The
     Trainer's own steps, with Lightning's hooks, are :func:`phalanx.trainer.stepping.train_batch`."""
     value, algorithm = trainer.settings.gradient_clip_val, trainer.settings.gradient_clip_algorithm
@@ -152,26 +151,26 @@ def _takes_dataloader_idx(method: Any) -> bool:
     return any(p.name == "dataloader_idx" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _val_due_mid_epoch(trainer: TrainerBase, batch_idx: int, total: int | None) -> bool:
+def _val_due_mid_epoch(trainer: TrainerAttributes, batch_idx: int, total: int | None) -> bool:
     interval = trainer.val_check_batches
     if interval is None or not trainer.val_dataloaders or (total is not None and batch_idx + 1 >= total):
         return False
     return (batch_idx + 1) % interval == 0
 
 
-def _val_due_at_epoch_end(trainer: TrainerBase) -> bool:
+def _val_due_at_epoch_end(trainer: TrainerAttributes) -> bool:
     every = trainer.settings.check_val_every_n_epoch
     return bool(trainer.val_dataloaders) and every is not None and (trainer.loop_state.current_epoch + 1) % every == 0
 
 
-def _bar_refresh_rate(trainer: TrainerBase) -> int:
+def _bar_refresh_rate(trainer: TrainerAttributes) -> int:
     from phalanx.callbacks import ProgressBar
 
     rates = [cb.refresh_rate for cb in trainer.callbacks if isinstance(cb, ProgressBar) and cb.refresh_rate > 0]
     return min(rates) if rates else 0
 
 
-def resume_start(trainer: TrainerBase, resume: dict[str, Any]) -> int:
+def resume_start(trainer: TrainerAttributes, resume: dict[str, Any]) -> int:
     """The batch a resumed epoch continues at, in batches of this run's size (``batches_done`` is set to it).
 
     The saved position is global: ``samples`` of the epoch's order (the same for every world size). With
@@ -198,15 +197,16 @@ def resume_start(trainer: TrainerBase, resume: dict[str, Any]) -> int:
     return start
 
 
-def say_batch_change(trainer: TrainerBase, resume: dict[str, Any], start: int) -> None:
+def say_batch_change(trainer: TrainerAttributes, resume: dict[str, Any], start: int) -> None:
     """Rank 0's one message when the checkpoint's samples per optimizer step differ from this run's."""
     t, state, sampler = trainer, trainer.loop_state, trainer.train_sampler
     samples, saved, ours = int(resume["samples"]), int(resume.get("samples_per_batch") or 0), t.train_samples_per_batch
-    layout, n, total = resume.get("layout"), t.accumulate_grad_batches, t.num_training_batches
-    if sampler is None or not saved or not (samples or start) or (saved == ours and (layout is None or layout[2] == n)):
+    composition, n, total = resume.get("composition"), t.accumulate_grad_batches, t.num_training_batches
+    if sampler is None or not saved or not (samples or start) or (
+            saved == ours and (composition is None or composition[2] == n)):
         return
-    if layout:
-        replicas_then, batch_then, n_then = layout
+    if composition:
+        replicas_then, batch_then, n_then = composition
         how = (f"{saved * n_then} samples per optimizer step ({_ranks(replicas_then)} x batch {batch_then} x "
                f"accumulation {n_then})")
     else:
@@ -229,7 +229,9 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def run_train_epoch(trainer: TrainerBase) -> None:
+def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], None]) -> None:
+    """One training epoch (resumed mid-epoch where a checkpoint left it). ``check_preemption`` runs at every
+    optimizer-step boundary, on every rank (it ends the process with a checkpoint when a rank was signalled)."""
     t = trainer
     state, settings = t.loop_state, t.settings
     resume = t.take_resume_state()
@@ -241,13 +243,13 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     results.reset()
     if mid and resume is not None and resume.get("results") is not None:
         results.load_state_dict(resume["results"], t.module)
-    t.reload_dataloaders_if_due()
+    t.data.reload_if_due(state.current_epoch, state.batches_done, t.module)
     start = resume_start(t, resume) if resume is not None else 0  # before the hooks: they may read batches_done
     t.module.train()
     t.module.on_train_epoch_start()
-    t.call("on_train_epoch_start")
+    t.hooks.call("on_train_epoch_start")
     if resume is not None:
-        say_batch_change(t, resume, start)  # after the hooks: a callback may set this epoch's accumulation
+        say_batch_change(t, resume, start)
     if t.train_sampler is not None:
         t.train_sampler.skip = resume["samples"] if resume else 0
     iterator = start_epoch(t.fabric, t.train_dataloader, state.current_epoch)
@@ -258,25 +260,28 @@ def run_train_epoch(trainer: TrainerBase) -> None:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
     board, fabric = t.metric_board, t.fabric
-    # Per-epoch decisions, so a step does only the work that applies (the step's own cost is the
-    # Trainer's overhead over a hand-written loop; bench/overhead.py measures it).
+    # Per-epoch decisions, so a step does only the work that applies (a step's own cost is the
+    # Trainer's overhead over a hand-written loop).
     bar_rate = _bar_refresh_rate(t)
     has_loggers = bool(t.loggers)
     log_every, max_steps = settings.log_every_n_steps, settings.max_steps
-    plan = t.step_plan = StepPlan(t)
+    plan = StepPlan(module=t.module, model=t.model, fabric=fabric, settings=settings, state=state, hooks=t.hooks,
+                    accumulate=t.accumulate_grad_batches, optimizers=t.step_optimizers, loss_check=t.loss_check,
+                    window=t.window_losses, schedulers=t.lr_scheduler_configs,
+                    metrics=lambda: t.callback_metrics, sync_metrics=t.sync_step_metrics)
     batch_start = "on_train_batch_start" in plan.live
     batch_end = overrides(t.module, "on_train_batch_end")
-    cb_end = bool(t._callback_methods("on_train_batch_end"))
+    cb_end = bool(t.hooks.callback_methods("on_train_batch_end"))
     val_due = t.val_check_batches is not None and bool(t.val_dataloaders)
     seen = False
-    for batch_idx, batch, size, boundary in windows(iterator, start, total, t.accumulate_grad_batches):
+    for batch_idx, batch, size, boundary in windows(iterator, start, total, plan.accumulate):
         seen = True
         results.batch = batch
         state.in_window = not boundary
-        if batch_start and not t.batch_start(batch, batch_idx):
+        if batch_start and not t.hooks.batch_start(batch, batch_idx):
             break
         steps_before = state.global_step
-        output = train_batch(t, plan, batch, batch_idx, size, boundary)
+        output = train_batch(plan, batch, batch_idx, size, boundary)
         state.batches_done = batch_idx + 1
         step = state.global_step
         log_due = has_loggers and step > steps_before and step % log_every == 0
@@ -293,15 +298,14 @@ def run_train_epoch(trainer: TrainerBase) -> None:
             if batch_end:  # the default is a no-op
                 t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
                 t.module.on_train_batch_end(out, batch, batch_idx)
-            t.call("on_train_batch_end", out, batch, batch_idx)
+            t.hooks.call("on_train_batch_end", out, batch, batch_idx)
         state.in_window = False
         if boundary:
-            survival.check_preemption(t)  # every rank, same step: one all-reduce of two integers
+            check_preemption()  # every rank, same step
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
         if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
             break
     del iterator
-    t.step_plan = None
     if not seen and not mid:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)
@@ -315,13 +319,13 @@ def run_train_epoch(trainer: TrainerBase) -> None:
     results.in_epoch_end = False
     board.publish_epoch(results.sync_epoch(fabric), results, fabric, state.current_epoch, state.global_step)
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", state.current_epoch + 1, t.callback_metrics)
-    t.call("on_train_epoch_end")
+    t.hooks.call("on_train_epoch_end")
     state.current_epoch += 1
     state.batches_done = state.samples_offset = 0
     state.epoch_finished = False
 
 
-def check_data(trainer: TrainerBase) -> None:
+def check_data(trainer: TrainerAttributes) -> None:
     """Refuse loaders with no batches before the first epoch: an empty training loader would run
     ``max_epochs`` empty epochs (and write checkpoints of an untrained model); an empty validation
     loader would leave every monitored ``val_*`` metric missing."""
@@ -335,17 +339,19 @@ def check_data(trainer: TrainerBase) -> None:
                                      t.world_size)
 
 
-def run_fit(trainer: TrainerBase) -> None:
+def run_fit(trainer: TrainerAttributes, check_preemption: Callable[[], None]) -> None:
     check_data(trainer)
     t = trainer
     t.loss_check = LossCheck(t.fabric.device, t.settings.log_every_n_steps, t.global_rank if t.world_size > 1 else None)
     state, max_epochs = t.loop_state, t.settings.max_epochs
     while not t.should_stop and not t.max_steps_reached and state.current_epoch < max_epochs:
-        run_train_epoch(t)
+        run_train_epoch(t, check_preemption)
     t.loss_check.flush()
 
 
-def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+def run_evaluation(
+    trainer: TrainerAttributes, stage: str, loaders: list[Any], limit: int | float
+) -> list[dict[str, float]]:
     """Validation or test over every loader; returns one dict of epoch metrics per loader."""
     t = trainer
     hook = "validation" if stage == "validate" else "test"
@@ -359,12 +365,12 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     t.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
     board, fabric = t.metric_board, t.fabric
     getattr(t.module, f"on_{hook}_model_eval")()
-    t.hook(f"on_{hook}_start")
+    t.hooks.run(f"on_{hook}_start")
     getattr(t.module, f"on_{hook}_epoch_start")()
-    t.call(f"on_{hook}_epoch_start")
+    t.hooks.call(f"on_{hook}_epoch_start")
     step_fn = getattr(t.model, f"{hook}_step")
     takes_idx = _takes_dataloader_idx(getattr(t.module, f"{hook}_step"))
-    t.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
+    t.data.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
     with eval_grad_mode(t):
         for idx, loader in enumerate(loaders):
             results.dataloader_idx = idx
@@ -377,13 +383,13 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
                 seen = True
                 results.batch = batch
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
-                t.hook(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 output = step_fn(batch, batch_idx, **extra)
                 if results.pending:  # step values in evaluation (rare): logged per batch
                     values = board.publish_step(results.sync_step(fabric), results)
                     if not t.sanity_checking:
                         board.log_now(fabric, host_floats(values), t.loop_state.global_step)
-                t.hook(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             if not seen:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
     results.in_epoch_end = True
@@ -393,8 +399,8 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     metrics = results.sync_epoch(fabric)
     state = t.loop_state
     board.publish_epoch(metrics, results, fabric, state.current_epoch, state.global_step, log=not t.sanity_checking)
-    t.call(f"on_{hook}_epoch_end")
-    t.hook(f"on_{hook}_end")
+    t.hooks.call(f"on_{hook}_epoch_end")
+    t.hooks.run(f"on_{hook}_end")
     t.current_stage = previous_stage
     if was_training:
         getattr(t.module, f"on_{hook}_model_train")()
@@ -406,12 +412,12 @@ def run_evaluation(trainer: TrainerBase, stage: str, loaders: list[Any], limit: 
     return per_loader
 
 
-def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+def run_predict(trainer: TrainerAttributes, loaders: list[Any], limit: int | float) -> list[list[Any]]:
     t = trainer
     was_training = t.module.training
     t.module.on_predict_model_eval()
-    t.hook("on_predict_start")
-    t.hook("on_predict_epoch_start")
+    t.hooks.run("on_predict_start")
+    t.hooks.run("on_predict_epoch_start")
     out: list[list[Any]] = []
     takes_idx = _takes_dataloader_idx(t.module.predict_step)
     with eval_grad_mode(t):
@@ -420,17 +426,17 @@ def run_predict(trainer: TrainerBase, loaders: list[Any], limit: int | float) ->
             n = num_batches(loader, limit)
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
-                t.hook("on_predict_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run("on_predict_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 preds.append(t.model.predict_step(batch, batch_idx, **extra))
-                t.hook("on_predict_batch_end", preds[-1], batch, batch_idx, *([idx] if len(loaders) > 1 else []))
+                t.hooks.run("on_predict_batch_end", preds[-1], batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             out.append(preds)
-    t.hook("on_predict_epoch_end")
-    t.hook("on_predict_end")
+    t.hooks.run("on_predict_epoch_end")
+    t.hooks.run("on_predict_end")
     t.module.train(was_training)
     return out
 
 
-def eval_grad_mode(trainer: TrainerBase) -> Any:
+def eval_grad_mode(trainer: TrainerAttributes) -> Any:
     """``Trainer(inference_mode=True)``: torch.inference_mode where the strategy allows it (see
     ``Strategy.supports_inference_mode``), else torch.no_grad."""
     allowed = trainer.settings.inference_mode and trainer.fabric.strategy.supports_inference_mode

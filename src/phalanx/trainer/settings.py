@@ -11,11 +11,16 @@ cannot be changed behind the loops' back in the middle of a run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import torch
 
 from phalanx.utils import diagnostics
 from phalanx.utils.duration import parse_duration
@@ -24,8 +29,8 @@ from phalanx.utils.errors import MisconfigurationError
 if TYPE_CHECKING:
     from phalanx.core.datamodule import DataModule
 
-__all__ = ["Settings", "check_limit", "check_weights_only", "checkpoint_marks", "off_in_fast_dev_run",
-           "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
+__all__ = ["ReadOnly", "Settings", "check_limit", "check_weights_only", "checkpoint_marks", "deterministic",
+           "off_in_fast_dev_run", "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Settings:
     enable_progress_bar: bool
     enable_model_summary: bool
     logger: Any  # True/False or the logger object(s) given
-    accumulate_grad_batches: int  # the initial value: trainer.accumulate_grad_batches may change per epoch
+    accumulate_grad_batches: int  # a constant schedule (trainer.accumulation), unless a callback supplies one
     gradient_clip_val: float | None
     gradient_clip_algorithm: str
     gradient_clip_algorithm_given: bool  # given explicitly: clip_gradients(...) may then not contradict it
@@ -64,6 +69,31 @@ class Settings:
     enable_autolog_hparams: bool
     barebones: bool
     default_root_dir: Path
+
+
+T = TypeVar("T")
+
+
+class ReadOnly(Generic[T]):
+    """A read-only Trainer attribute that reads the attribute of the same name of one of the Trainer's
+    parts (``max_epochs = ReadOnly[int]("settings")`` on the class reads ``trainer.settings.max_epochs``):
+    declared once, stored once."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> ReadOnly[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: object, value: T) -> None:
+        raise AttributeError(f"trainer.{self.name} is read-only: it is trainer.{self.part}.{self.name}.")
 
 
 def check_limit(name: str, value: Any) -> int | float:
@@ -247,3 +277,26 @@ def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
         return None
     return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
             tuple(getattr(callback, "_kept", ())))
+
+
+@contextlib.contextmanager
+def deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[None]:
+    """torch's deterministic mode (``mode`` True or "warn") and cudnn's ``benchmark`` for one run, then the
+    process's previous settings: they are global, and another Trainer or later code must not inherit them."""
+    if not mode and benchmark is None:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn_benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if mode:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
+        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.backends.cudnn.benchmark = bool(benchmark) if benchmark is not None else (
+        False if mode else cudnn_benchmark)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

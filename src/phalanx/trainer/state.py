@@ -1,13 +1,12 @@
 """``LoopState``: where the training loop is, in one object the Trainer owns.
 
-The counters used to be loose attributes of the Trainer, written from the loops, the step, the
-checkpoint code and the tuners' snapshots; a counter added in one place and forgotten in another
-is how a resumed run drifts from one that never stopped. Here they are one object with one
-``state_dict``/``load_state_dict`` (what a checkpoint stores) and one ``snapshot``/``restore``
-(everything, for a tuning phase that must leave no trace).
+Every counter lives here, so a checkpoint, a resume and a tuning phase cannot miss one (a counter
+missed is how a resumed run drifts from one that never stopped): ``state_dict``/``load_state_dict`` is
+what a checkpoint stores, ``restore_point``/``restore`` is everything, for a tuning phase that must
+leave no trace.
 
 The step path reads and bumps these counters at every batch, so the class has slots and the loops
-hold it in a local: ``state.global_step += 1`` costs what the loose attribute did.
+hold it in a local.
 """
 
 from __future__ import annotations
@@ -32,14 +31,14 @@ class LoopState:
     samples_offset: int = 0
 
     def state_dict(
-        self, world_size: int, samples_per_batch: int, layout: tuple[int, int, int] = (0, 0, 1)
+        self, world_size: int, samples_per_batch: int, composition: tuple[int, int, int] = (0, 0, 1)
     ) -> dict[str, Any]:
         """The counters a checkpoint stores (its ``"loops"`` entry). A checkpoint taken while an epoch's
-        end hooks run counts that epoch as done, so resuming starts the next one. ``layout``: the data
+        end hooks run counts that epoch as done, so resuming starts the next one. ``composition``: the data
         ranks, the batch size and the accumulation that made ``samples_per_batch`` (0 where unknown), so
         a run with another global batch size can say how its steps relate to these."""
         done = self.epoch_finished
-        replicas, batch_size, accumulate = layout
+        replicas, batch_size, accumulate = composition
         return {
             "epoch": self.current_epoch + 1 if done else self.current_epoch,
             "batches_done": 0 if done else self.batches_done,
@@ -59,7 +58,7 @@ class LoopState:
         self.stop_requested = bool(state["should_stop"])
         self.epoch_finished = self.in_window = False
 
-    def snapshot(self) -> LoopState:
+    def restore_point(self) -> LoopState:
         """A copy of every field (the RNG states are never mutated in place, so sharing them is safe)."""
         return dataclasses.replace(self)
 

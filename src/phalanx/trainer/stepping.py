@@ -19,10 +19,9 @@ Lightning), and schedulers are stepped by the user. Every ``manual_backward`` le
 averaged across ranks (see ``train_batch``); validated on the single-device and DDP strategies.
 
 This module sits below the Trainer class in its package (the Trainer creates StepOptimizers and
-forwards the Module's ``manual_backward``/``clip_gradients`` here), so it names what it needs of a
-Trainer in the :class:`StepHost` protocol instead of importing it. The counters it bumps are the
-Trainer's :class:`~phalanx.trainer.state.LoopState`, reached through the plan or the optimizer (one
-attribute hop, as the Trainer's own attribute was).
+forwards the Module's ``manual_backward``/``clip_gradients`` here), so every function and class takes
+the parts of the Trainer it uses, never the Trainer. The counters it bumps are the Trainer's
+:class:`~phalanx.trainer.state.LoopState`, held by the plan and by each optimizer.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,61 +45,22 @@ if TYPE_CHECKING:
     from phalanx.core.module import Module
     from phalanx.fabric.fabric import Fabric
     from phalanx.profilers import Profiler
+    from phalanx.trainer.hooks import HookDispatcher
     from phalanx.trainer.optim import SchedulerConfig
     from phalanx.trainer.settings import Settings
     from phalanx.trainer.state import LoopState
-
-
-class StepHost(Protocol):
-    """What a training step uses of its Trainer (:class:`phalanx.Trainer` is one)."""
-
-    @property
-    def fabric(self) -> Fabric: ...
-    @property
-    def settings(self) -> Settings: ...
-    @property
-    def loop_state(self) -> LoopState: ...
-    @property
-    def profiler(self) -> Profiler: ...
-    @property
-    def module(self) -> Module: ...
-    @property
-    def model(self) -> Any: ...
-    @property
-    def optimizers(self) -> list[Any]: ...
-    @property
-    def step_optimizers(self) -> list[StepOptimizer]: ...
-    @property
-    def step_plan(self) -> StepPlan | None: ...
-    @property
-    def lr_scheduler_configs(self) -> list[SchedulerConfig]: ...
-    @property
-    def accumulate_grad_batches(self) -> int: ...
-    @property
-    def window_losses(self) -> list[tuple[int, torch.Tensor]]: ...
-    @property
-    def loss_check(self) -> LossCheck: ...
-    @property
-    def callback_metrics(self) -> dict[str, torch.Tensor]: ...
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    def hook(self, name: str, *args: Any) -> Any: ...
-    def hook_does_something(self, name: str) -> bool: ...
-    def profile(self, action: str) -> contextlib.AbstractContextManager[Any]: ...
-    def sync_step_metrics(self) -> None: ...
 
 
 class StepOptimizer:
     """What ``self.optimizers()`` returns (Lightning's LightningOptimizer): the set-up optimizer whose
     ``step(closure=None)`` runs ``closure`` first, then the strategy's step, and counts a global step."""
 
-    def __init__(self, optimizer: FabricOptimizer, trainer: StepHost) -> None:
-        object.__setattr__(self, "_fabric_optimizer", optimizer)
-        object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "_state", trainer.loop_state)  # (the same object for the Trainer's life)
-        object.__setattr__(self, "_profiled", profiling(trainer))
+    def __init__(self, optimizer: FabricOptimizer, fabric: Fabric, model: Any, module: Module,
+                 all_optimizers: list[Any], state: LoopState, hooks: HookDispatcher) -> None:
+        for name, value in (("_fabric_optimizer", optimizer), ("_fabric", fabric), ("_model", model),
+                            ("_module", module), ("_all", all_optimizers), ("_state", state), ("_hooks", hooks),
+                            ("_profiler", hooks.profiler), ("_profiled", profiling(hooks.profiler))):
+            object.__setattr__(self, name, value)
         raw = optimizer.optimizer
         # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
         object.__setattr__(self, "__class__", type("Step" + type(raw).__name__, (StepOptimizer, type(raw)), {}))
@@ -112,21 +72,18 @@ class StepOptimizer:
         return raw
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        trainer = self._trainer
         result = closure() if closure is not None else None
-        plan = trainer.step_plan
-        if not (plan.automatic if plan is not None else trainer.module.automatic_optimization):
+        if not self._module.automatic_optimization:
             # In automatic optimization the closure already ran this hook (before clipping).
-            trainer.hook("on_before_optimizer_step", self)
+            self._hooks.run("on_before_optimizer_step", self)
         self.step_and_count(**kwargs)
         return result
 
     def step_and_count(self, **kwargs: Any) -> None:
         """The strategy's step (profiled as ``optimizer_step``), counted as one ``global_step``."""
-        trainer = self._trainer
         # Looked up at each call: a scheduler created on the set-up optimizer wraps its step.
         if self._profiled:
-            timed(trainer, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
+            timed(self._profiler, "optimizer_step", self._fabric_optimizer.step)(**kwargs)
         else:
             self._fabric_optimizer.step(**kwargs)
         self._state.global_step += 1
@@ -144,16 +101,16 @@ class StepOptimizer:
     def toggle_model(self, sync_grad: bool = True) -> Any:
         """Within the block only this optimizer's parameters require grad; ``sync_grad=False`` also skips
         gradient sync (accumulating in manual optimization)."""
-        trainer = self._trainer
+        module = self._module
 
         @contextlib.contextmanager
         def block() -> Iterator[None]:
-            toggle(trainer, trainer.module, self)
+            toggle(self._all, module, self)
             try:
-                with trainer.fabric.no_backward_sync(trainer.model, enabled=not sync_grad):
+                with self._fabric.no_backward_sync(self._model, enabled=not sync_grad):
                     yield
             finally:
-                untoggle_params(trainer.module)
+                untoggle_params(module)
 
         return block()
 
@@ -174,24 +131,25 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return raw
 
 
-def toggle(trainer: StepHost, module: Toggleable, optimizer: Any) -> None:
-    """``toggle_optimizer``: freeze every parameter of the Trainer's other optimizers (remembering
+def toggle(optimizers: list[Any], module: Toggleable, optimizer: Any) -> None:
+    """``toggle_optimizer``: freeze every parameter of the other ``optimizers`` (remembering
     requires_grad) so only ``optimizer``'s parameters get gradients."""
-    toggle_params(module, _raw(optimizer), [_raw(opt) for opt in trainer.optimizers])
+    toggle_params(module, _raw(optimizer), [_raw(opt) for opt in optimizers])
 
 
-def run_backward(trainer: StepHost, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+def run_backward(fabric: Fabric, model: Any, hooks: HookDispatcher, loss: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> None:
     """``manual_backward``: the backward hooks around ``fabric.backward`` through the set-up model."""
-    trainer.hook("on_before_backward", loss)
-    with trainer.profile("backward"):
-        trainer.fabric.backward(loss, *args, model=trainer.model, **kwargs)
-    trainer.hook("on_after_backward")
+    hooks.run("on_before_backward", loss)
+    with hooks.profile("backward"):
+        fabric.backward(loss, *args, model=model, **kwargs)
+    hooks.run("on_after_backward")
 
 
-def clip(trainer: StepHost, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+def clip(settings: Settings, fabric: Fabric, model: Any, optimizer: Any, value: float | None,
+         algorithm: str | None) -> None:
     """``self.clip_gradients``: Lightning's rules (the Trainer's settings fill what is not given and
     may not be contradicted; 0 means no clipping)."""
-    settings = trainer.settings
     if value is None:
         value = settings.gradient_clip_val or 0.0
     elif settings.gradient_clip_val is not None and settings.gradient_clip_val != value:
@@ -212,9 +170,9 @@ def clip(trainer: StepHost, optimizer: Any, value: float | None, algorithm: str 
         return
     fabric_opt = getattr(optimizer, "_fabric_optimizer", optimizer)
     if algorithm == "norm":
-        trainer.fabric.clip_gradients(trainer.model, fabric_opt, max_norm=value, error_if_nonfinite=False)
+        fabric.clip_gradients(model, fabric_opt, max_norm=value, error_if_nonfinite=False)
     else:
-        trainer.fabric.clip_gradients(trainer.model, fabric_opt, clip_val=value)
+        fabric.clip_gradients(model, fabric_opt, clip_val=value)
 
 
 # The hooks of one training batch (Lightning's order), each dispatched to the callbacks and the Module.
@@ -223,60 +181,69 @@ STEP_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward
 
 
 class StepPlan:
-    """What one training batch has to call, decided once per epoch.
+    """What one training batch has to call, decided once per epoch, and the parts of the Trainer it calls.
 
     The step protocol is Lightning's (above): six hooks, each for every callback and the Module, a
     closure through ``optimizer_step``, clipping through ``configure_gradient_clipping``, a profiler
-    bracket around each part. Asking at every batch which of these does anything cost more than the
-    rest of the Trainer's step together (``bench/overhead.py --marginal``: +40 us on a 0.65 ms step),
-    so the questions are answered here, at the start of each epoch, and the step calls only what
-    does something: a hook some callback defines or the Module overrides (or whose Module default
-    has a body); clipping where a value is set or the Module customises it; where the Module keeps
-    a default whose whole body is one call (``backward``, ``optimizer_zero_grad``, ``optimizer_step``),
-    that call; profiler brackets with a profiler. Consequence, documented in docs/trainer.md:
-    callbacks added, or Module methods replaced, in the middle of an epoch take part from the next
-    epoch on.
+    bracket around each part. Asking at every batch which of these does anything would cost more than
+    the rest of the Trainer's step together, so the questions are answered here, at the start of each
+    epoch, and the step calls only what does something: a hook some callback defines or the Module
+    overrides (or whose Module default has a body); clipping where a value is set or the Module
+    customises it; where the Module keeps a default whose whole body is one call (``backward``,
+    ``optimizer_zero_grad``, ``optimizer_step``), that call; profiler brackets with a profiler.
+    Consequence, documented in docs/trainer.md: callbacks added, or Module methods replaced, in the
+    middle of an epoch take part from the next epoch on.
+
+    ``accumulate``: this epoch's entry of the Trainer's accumulation schedule. ``window``: the current
+    window's losses, checked by ``loss_check`` before its step. ``metrics``/``sync_metrics``: the
+    Trainer's ``callback_metrics`` and its step-value sync (for a monitored scheduler, a custom
+    ``optimizer_step``).
     """
 
-    __slots__ = ("automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step", "custom_zero_grad",
-                 "live", "module", "run_accumulating", "run_boundary", "state", "training_step")
+    __slots__ = ("accumulate", "automatic", "backward", "clip", "clip_algorithm", "clip_val", "custom_step",
+                 "custom_zero_grad", "fabric", "hooks", "live", "loss_check", "metrics", "model", "module",
+                 "optimizer", "run_accumulating", "run_boundary", "schedulers", "state", "sync_metrics",
+                 "training_step", "window")
     run_boundary: Callable[..., tuple[Any, torch.Tensor]]  # (training_step's output, its loss)
     run_accumulating: Callable[..., tuple[Any, torch.Tensor]]
 
-    def __init__(self, trainer: StepHost) -> None:
-        t, module = trainer, trainer.module
-        self.module = module
-        self.state = t.loop_state
+    def __init__(self, *, module: Module, model: Any, fabric: Fabric, settings: Settings, state: LoopState,
+                 hooks: HookDispatcher, accumulate: int, optimizers: list[StepOptimizer], loss_check: LossCheck,
+                 window: list[tuple[int, torch.Tensor]], schedulers: list[SchedulerConfig],
+                 metrics: Callable[[], dict[str, torch.Tensor]], sync_metrics: Callable[[], None]) -> None:
+        self.module, self.model, self.fabric, self.state, self.hooks = module, model, fabric, state, hooks
         self.automatic = module.automatic_optimization
-        self.live = frozenset(name for name in STEP_HOOKS if t.hook_does_something(name))
-        settings = t.settings
+        self.optimizer = optimizers[0] if self.automatic else None
+        self.accumulate = accumulate
+        self.loss_check, self.window, self.schedulers = loss_check, window, schedulers
+        self.metrics, self.sync_metrics = metrics, sync_metrics
+        self.live = frozenset(name for name in STEP_HOOKS if hooks.does_something(name))
         self.clip_val, self.clip_algorithm = settings.gradient_clip_val, settings.gradient_clip_algorithm
         self.clip = bool(self.clip_val) or overrides(module, "configure_gradient_clipping") \
             or overrides(module, "clip_gradients")
         self.custom_zero_grad = overrides(module, "optimizer_zero_grad")
         self.custom_step = overrides(module, "optimizer_step")
+        profiler = hooks.profiler
         # The set-up model's redirect runs the method as the strategy's forward (DDP arms its reducer);
         # it finds the method at each call, so only the attribute lookup is saved.
-        self.training_step = timed(t, f"[LightningModule]{type(module).__name__}.training_step",
-                                   t.model.training_step)
-        fabric, model = t.fabric, t.model
-        self.backward = timed(t, "backward", module.backward if overrides(module, "backward")
+        self.training_step = timed(profiler, f"[LightningModule]{type(module).__name__}.training_step",
+                                   model.training_step)
+        self.backward = timed(profiler, "backward", module.backward if overrides(module, "backward")
                               else functools.partial(fabric.backward, model=model))
-        self.run_boundary = timed(t, "run_training_batch", _forward_backward)
-        self.run_accumulating = timed(t, "run_training_batch", _forward_backward_no_sync)
+        self.run_boundary = timed(profiler, "run_training_batch", _forward_backward)
+        self.run_accumulating = timed(profiler, "run_training_batch", _forward_backward_no_sync)
 
 
-def profiling(trainer: StepHost) -> bool:
-    """Whether the Trainer has a profiler that records anything."""
-    return type(trainer.profiler) is not PassThroughProfiler
+def profiling(profiler: Profiler) -> bool:
+    """Whether ``profiler`` records anything."""
+    return type(profiler) is not PassThroughProfiler
 
 
-def timed(trainer: StepHost, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` measured as ``action`` by the Trainer's profiler; without one, ``fn`` itself (no bracket
+def timed(profiler: Profiler, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` measured as ``action`` by ``profiler``; without one that records, ``fn`` itself (no bracket
     to enter and leave, several times per step)."""
-    if not profiling(trainer):
+    if not profiling(profiler):
         return fn
-    profiler = trainer.profiler
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with profiler.profile(action):
@@ -285,52 +252,49 @@ def timed(trainer: StepHost, action: str, fn: Callable[..., Any]) -> Callable[..
     return run
 
 
-def train_batch(
-    trainer: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool
-) -> Any:
+def train_batch(plan: StepPlan, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> Any:
     """Run one training batch (and the optimizer step it completes); returns training_step's output
     (``as_outputs`` makes it what ``on_train_batch_end`` receives, where some hook does)."""
-    t = trainer
     module = plan.module
-    if not plan.automatic:
+    optimizer = plan.optimizer
+    if optimizer is None:
         # Not through the set-up model's forward: manual_backward runs INSIDE training_step, i.e. inside
         # that forward, before DDP's reducer is prepared for it, so DDP would not reduce those gradients
         # (and would then wait for a backward that never comes). Called directly, every manual_backward
         # takes the strategy's other path: the gradients it produced are averaged across ranks right
         # after it, however many backward passes and toggled optimizers the step has.
-        with t.profile("run_training_batch"), t.fabric.autocast():
+        with plan.hooks.profile("run_training_batch"), plan.fabric.autocast():
             return module.training_step(batch, batch_idx)
-    optimizer = t.step_optimizers[0]
     live = plan.live
     state = plan.state
-    window = t.window_losses
-    if batch_idx % t.accumulate_grad_batches == 0 or not window:  # a window's first micro-batch (see windows())
+    window = plan.window
+    if batch_idx % plan.accumulate == 0 or not window:  # a window's first micro-batch (see windows())
         window.clear()
         if "on_before_zero_grad" in live:
-            t.hook("on_before_zero_grad", optimizer)
+            plan.hooks.run("on_before_zero_grad", optimizer)
         if plan.custom_zero_grad:
             module.optimizer_zero_grad(state.current_epoch, batch_idx, optimizer)
         else:
             optimizer._fabric_optimizer.zero_grad()
     if not boundary:
-        output, loss = plan.run_accumulating(t, plan, batch, batch_idx, window_size)
+        output, loss = plan.run_accumulating(plan, batch, batch_idx, window_size)
         window.append((batch_idx, loss.detach()))
         return output
     steps_before = state.global_step
     if not plan.custom_step:
         # The default optimizer_step is optimizer.step(closure=closure): run the closure's body, then step.
-        output = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)[0]
+        output = _last_micro_batch(plan, optimizer, batch, batch_idx, window_size)[0]
         optimizer.step_and_count()
         LossCheck.stepped(optimizer.optimizer)
     else:
         ran: list[Any] = []
 
         def closure() -> torch.Tensor:
-            output, loss = _last_micro_batch(t, plan, optimizer, batch, batch_idx, window_size)
+            output, loss = _last_micro_batch(plan, optimizer, batch, batch_idx, window_size)
             ran.append(output)
             return loss
 
-        t.sync_step_metrics()  # the user's override may read callback_metrics (on one rank only)
+        plan.sync_metrics()  # the user's override may read callback_metrics (on one rank only)
         module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
         LossCheck.stepped(optimizer.optimizer)
         if not ran:
@@ -340,27 +304,27 @@ def train_batch(
                 "optimizer_closure() before stepping."
             )
         output = ran[0]
-    configs = t.lr_scheduler_configs
+    configs = plan.schedulers
     if configs and state.global_step > steps_before:
         # Reading callback_metrics syncs pending step values across ranks: only for a monitored scheduler.
         monitored = any(c.interval == "step" and c.monitor is not None for c in configs)
-        step_schedulers(module, configs, "step", state.global_step, t.callback_metrics if monitored else {})
+        step_schedulers(module, configs, "step", state.global_step, plan.metrics() if monitored else {})
     return output
 
 
 def _last_micro_batch(
-    t: StepHost, plan: StepPlan, optimizer: StepOptimizer, batch: Any, batch_idx: int, window_size: int
+    plan: StepPlan, optimizer: StepOptimizer, batch: Any, batch_idx: int, window_size: int
 ) -> tuple[Any, torch.Tensor]:
     """The optimizer closure's body: the window's last forward and backward (gradients synced), then
     the checks and hooks before the step. Returns training_step's output and its loss."""
-    output, loss = plan.run_boundary(t, plan, batch, batch_idx, window_size)
-    window = t.window_losses
+    output, loss = plan.run_boundary(plan, batch, batch_idx, window_size)
+    window = plan.window
     window.append((batch_idx, loss))
     # Before any step on these gradients: read now (a CPU), or late with the step skipped on the device.
-    t.loss_check.window(window, plan.state.current_epoch, plan.state.global_step, optimizer.optimizer)
+    plan.loss_check.window(window, plan.state.current_epoch, plan.state.global_step, optimizer.optimizer)
     window.clear()
     if "on_before_optimizer_step" in plan.live:
-        t.hook("on_before_optimizer_step", optimizer)
+        plan.hooks.run("on_before_optimizer_step", optimizer)
     if plan.clip:
         plan.module.configure_gradient_clipping(optimizer, plan.clip_val, plan.clip_algorithm)
     return output, loss
@@ -395,9 +359,7 @@ def as_outputs(output: Any) -> Any:
     return output
 
 
-def _forward_backward(
-    t: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
-) -> tuple[Any, torch.Tensor]:
+def _forward_backward(plan: StepPlan, batch: Any, batch_idx: int, window_size: int) -> tuple[Any, torch.Tensor]:
     """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
     ``backward``; returns training_step's output and its loss. (The LR finder uses
     ``loops.micro_batch``, which calls no hooks.)"""
@@ -407,16 +369,14 @@ def _forward_backward(
     scaled = loss / window_size if window_size > 1 else loss
     live = plan.live
     if "on_before_backward" in live:
-        t.hook("on_before_backward", scaled)
+        plan.hooks.run("on_before_backward", scaled)
     plan.backward(scaled)
     if "on_after_backward" in live:
-        t.hook("on_after_backward")
+        plan.hooks.run("on_after_backward")
     return output, loss
 
 
-def _forward_backward_no_sync(
-    t: StepHost, plan: StepPlan, batch: Any, batch_idx: int, window_size: int
-) -> tuple[Any, torch.Tensor]:
+def _forward_backward_no_sync(plan: StepPlan, batch: Any, batch_idx: int, window_size: int) -> tuple[Any, torch.Tensor]:
     """A micro-batch before the window's last: its gradients stay local (synced with the last one's)."""
-    with t.fabric.no_backward_sync(t.model, enabled=True):
-        return _forward_backward(t, plan, batch, batch_idx, window_size)
+    with plan.fabric.no_backward_sync(plan.model, enabled=True):
+        return _forward_backward(plan, batch, batch_idx, window_size)

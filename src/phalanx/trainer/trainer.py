@@ -1,9 +1,10 @@
 """``phalanx.Trainer``: the managed loop, built only on ``phalanx.Fabric``'s public API.
 
 Everything backend-specific (DDP, FSDP, DeepSpeed, precision) is Fabric's business; this file
-never asks which strategy it runs on. It holds the Trainer's constructor and its entry points
-(``fit``/``validate``/``test``/``predict``/``save_checkpoint``); what a Trainer holds and how a run is
-prepared is :class:`phalanx.trainer.base.TrainerBase`, the loops are :mod:`phalanx.trainer.loops`.
+never asks which strategy it runs on. It holds the Trainer's constructor, its entry points
+(``fit``/``validate``/``test``/``predict``/``save_checkpoint``) and how a stage runs (launch, attach the
+model, the hooks around it); what a Trainer holds and Lightning's public attributes over it are
+:class:`phalanx.trainer.attributes.TrainerAttributes`, the loops are :mod:`phalanx.trainer.loops`.
 
 When processes start (as in Lightning): constructing a Trainer starts nothing. Under torchrun or
 ``phalanx run`` the ranks are known from the environment right away (``trainer.global_rank``); the
@@ -20,19 +21,21 @@ from typing import Any
 
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
-from phalanx.core.module import Module
+from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
-from phalanx.trainer import checkpointing, loops, survival
-from phalanx.trainer.assembly import make_callbacks, make_loggers
-from phalanx.trainer.base import TrainerBase
-from phalanx.trainer.settings import check_weights_only, resolve, split_datamodule
+from phalanx.trainer import loops
+from phalanx.trainer.attributes import STAGES, TrainerAttributes
+from phalanx.trainer.checkpoint_connector import CheckpointConnector
+from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
+from phalanx.trainer.results import Results
+from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
 
 
-class Trainer(TrainerBase):
+class Trainer(TrainerAttributes):
     """Runs a :class:`phalanx.Module`'s steps on any strategy, with logging, checkpoints and callbacks.
 
     The arguments are Lightning's, with its defaults and meaning (docs/trainer.md; deliberate
@@ -71,8 +74,8 @@ class Trainer(TrainerBase):
         model_registry: refused (phalanx uploads nothing).
         max_restarts: with ``devices>1`` under plain ``python``, restart the job's processes up to this many
             times after one fails; a restarted attempt resumes from the newest checkpoint or snapshot
-            (:mod:`phalanx.trainer.survival`). A preemption signal (SIGTERM/SIGUSR1) always ends the fit with
-            a checkpoint at the next optimizer step.
+            (:class:`phalanx.trainer.checkpoint_connector.CheckpointConnector`). A preemption signal
+            (SIGTERM/SIGUSR1) always ends the fit with a checkpoint at the next optimizer step.
         detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
             (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.fabric.anomaly` for the cost). Without it, a
             non-finite training loss still stops the run before the optimizer step (see
@@ -138,6 +141,7 @@ class Trainer(TrainerBase):
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
                              "logging and checkpointing are off.", rank=fabric.global_rank)
         super().__init__(settings, fabric, make_callbacks(callbacks, settings, max_time), resolve_profiler(profiler))
+        self.checkpoint_connector = CheckpointConnector(self)
         self._snapshot_rng = RngCapture()  # per-step snapshots reuse NumPy's state while it is untouched
 
     # ------------------------------------------------------------------ public entry points
@@ -169,11 +173,11 @@ class Trainer(TrainerBase):
         self.loop_state.stop_requested = False
         self._check_manual_optimization()
         self.prepare_fit(train_dataloaders, val_dataloaders)
-        path = self._resolve_ckpt_path(survival.resume_after_restart(self, ckpt_path))
+        path = self._resolve_ckpt_path(self.checkpoint_connector.resume_after_restart(ckpt_path))
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
-            checkpointing.restore(self, path)
-        survival.announce_resume(self, path)
+            self.checkpoint_connector.restore(path)
+        self.checkpoint_connector.announce_resume(path)
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
             hparams = dict(module.hparams)
@@ -183,23 +187,31 @@ class Trainer(TrainerBase):
                 for lg in self.loggers:
                     if callable(getattr(lg, "log_hyperparams", None)):
                         lg.log_hyperparams(hparams)
-        self.call("on_fit_start")
+        self.hooks.call("on_fit_start")
         module.on_fit_start()
         self._sanity_check()
         self.current_stage = "train"
-        self.hook("on_train_start")
-        survival.check_preemption(self)  # starts listening; a signal during set-up stops before the first step
+        self.hooks.run("on_train_start")
+        # Starts listening; a signal during set-up stops before the first step.
+        self.checkpoint_connector.check_preemption()
         try:
-            loops.run_fit(self)
+            loops.run_fit(self, self.checkpoint_connector.check_preemption)
         finally:
             self.fabric.release_signals()  # after fit, SIGTERM ends the process again
         self.current_stage = "train"
-        self.hook("on_train_end")
+        self.hooks.run("on_train_end")
         self.current_stage = None
-        self.call("on_fit_end")
+        self.hooks.call("on_fit_end")
         module.on_fit_end()
         for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
-            self._after_save_checkpoint(cb)
+            self.hooks.after_save_checkpoint(cb)
+
+    def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
+        """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
+        self.data.set_fit_sources(train_dataloaders, val_dataloaders)
+        self.data.prepare_train(self._module)
+        self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+        self.setup_optimizers()
 
     def _sanity_check(self) -> None:
         """Run a few validation batches before training, then put everything back: their metrics are
@@ -210,14 +222,14 @@ class Trainer(TrainerBase):
             return
         rng = capture_rng_state()
         self.sync_step_metrics()
-        saved = self.metric_board.snapshot()
+        saved = self.metric_board.restore_point()
         self.sanity_checking = True
         try:
-            self.call("on_sanity_check_start")
+            self.hooks.call("on_sanity_check_start")
             limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
             limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
             loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
-            self.call("on_sanity_check_end")
+            self.hooks.call("on_sanity_check_end")
         finally:
             self.sanity_checking = False
         self.metric_board.restore(saved)
@@ -244,19 +256,19 @@ class Trainer(TrainerBase):
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
         getter = "val_dataloader" if stage == "validate" else "test_dataloader"
-        loaders = self._eval_loaders(dataloaders, getter)
+        loaders = self.data.eval_loaders(dataloaders, getter, self._module)
         if not loaders:
             raise MisconfigurationError(
                 f"trainer.{stage}() needs data: pass dataloaders= or datamodule=, or implement the module's {getter}()."
             )
         if stage == "test":
-            self.test_dataloaders = loaders
+            self.data.test_dataloaders = loaders
         else:
-            self.val_dataloaders = loaders
+            self.data.val_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
-            checkpointing.load_weights(self, path)
+            self.checkpoint_connector.load_weights(path)
         limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
         out = loops.run_evaluation(self, stage, loaders, limit)
         if verbose:
@@ -278,17 +290,17 @@ class Trainer(TrainerBase):
         return None if return_predictions is False else out
 
     def _predict(self, dataloaders: Any, ckpt_path: Any) -> list[Any]:
-        loaders = self._eval_loaders(dataloaders, "predict_dataloader")
+        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self._module)
         if not loaders:
             raise MisconfigurationError(
                 "trainer.predict() needs data: pass dataloaders= or datamodule=, or implement the module's "
                 "predict_dataloader()."
             )
-        self.predict_dataloaders = loaders
+        self.data.predict_dataloaders = loaders
         self._wrap()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
-            checkpointing.load_weights(self, path)
+            self.checkpoint_connector.load_weights(path)
         self.current_stage = "predict"
         out = loops.run_predict(self, loaders, self.limit_predict_batches)
         return out[0] if len(out) == 1 else out
@@ -302,7 +314,7 @@ class Trainer(TrainerBase):
                 "save_checkpoint(storage_options=...) is not supported: checkpoints are written by the strategy "
                 "(atomically, to a local or mounted path). Remove storage_options."
             )
-        checkpointing.save(self, filepath, bool(weights_only))
+        self.checkpoint_connector.save(filepath, bool(weights_only))
 
     def save_snapshot(self, dirpath: str | Path, keep: int = 2, overlap: bool = True,
                       every_n_steps: int | str | Cadence = 1, max_overhead: float = 0.05) -> Path | None:
@@ -311,7 +323,150 @@ class Trainer(TrainerBase):
         ``fabric.save_snapshot``): what ``callbacks.Snapshot`` calls. Returns the snapshot's reference, which
         ``fit(ckpt_path=...)`` accepts, or None when none was written at this step."""
         folder = dirpath if isinstance(dirpath, Path) else Path(dirpath)
-        return checkpointing.snapshot(self, folder, keep, overlap, every_n_steps, max_overhead, self._snapshot_rng)
+        return self.checkpoint_connector.snapshot(folder, keep, overlap, every_n_steps, max_overhead,
+                                                  self._snapshot_rng)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
-        return checkpointing.resolve(self, ckpt_path)
+        return self.checkpoint_connector.resolve(ckpt_path)
+
+    # ------------------------------------------------------------------ running a stage
+    def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
+        if model is None:
+            if self._module is None:
+                raise MisconfigurationError(f"trainer.{stage}() needs a model: pass one (no earlier fit set one).")
+            model = self._module
+        if not isinstance(model, Module):
+            raise MisconfigurationError(
+                f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
+                "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
+            )
+        if self._module is not None and model is not self._module and self.model is not None:
+            self._release_model()
+        self._module = model
+        model._trainer = self
+        if datamodule is not None:
+            if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
+                raise MisconfigurationError(
+                    f"datamodule must be a phalanx.DataModule, got {type(datamodule).__name__}."
+                )
+            self.data.datamodule = datamodule
+            datamodule.trainer = self
+        owners: list[Any] = [self.datamodule] if self.datamodule is not None else []
+        owners.append(model)
+        for owner in owners:
+            if overrides(owner, "prepare_data"):
+                per_node = getattr(owner, "prepare_data_per_node", True)
+                with self.fabric.rank_zero_first(local=per_node):
+                    if (self.local_rank if per_node else self.global_rank) == 0:
+                        owner.prepare_data()
+        if self.datamodule is not None:
+            self.datamodule.setup(stage)
+        return model
+
+    def _release_model(self) -> None:
+        """Another model after an earlier stage (Lightning's ``trainer.test(other_model)`` after ``fit``): the
+        strategy frees what it built for the old one (DDP's reducer, DeepSpeed's engine), and the new model is
+        set up in the same processes on the same process group. Optimizers and schedulers belonged to the old
+        model and go with it; the old module keeps its trained weights and can still be used on its own."""
+        self.fabric.release(self.model)
+        if self._module is not None:
+            self._module._trainer = None
+        self.model = None
+        self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
+
+    def _launch(self) -> None:
+        """Start or join the processes (see the module docstring), then put per-process state on the
+        device this rank got."""
+        if not self.fabric._launched:
+            self.fabric.launch()
+            self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+
+    def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+        if self.stage is not None:
+            raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
+        self._launch()
+        module = self._attach(model, datamodule, stage)
+        self._refuse_batch_transfer_hooks(module)
+        self.stage = stage
+        self.interrupted = False
+        self._add_module_callbacks(module)
+        self.accumulation = self._accumulation_schedule()
+        self.profiler.setup(stage, self.global_rank, None)
+        try:
+            with deterministic(self.settings.deterministic, self.settings.benchmark):
+                self.hooks.call("setup", stage)
+                module.setup(stage)
+                if overrides(module, "configure_model"):
+                    with self.fabric.init_module():
+                        module.configure_model()
+                return fn(*args)
+        except BaseException as exc:
+            self.interrupted = True
+            self.hooks.call("on_exception", exc)
+            if self.datamodule is not None:
+                self.datamodule.on_exception(exc)
+            raise
+        finally:
+            self.hooks.call("teardown", stage)
+            module.teardown(stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
+            if self.is_global_zero:
+                status = "failed" if self.interrupted else "success"
+                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
+                    if callable(getattr(lg, "finalize", None)):
+                        lg.finalize(status)
+                    elif callable(getattr(lg, "save", None)):
+                        lg.save()
+            self.profiler.describe()
+            self.profiler.teardown(stage)
+            self.stage = None
+            self.current_stage = None
+
+    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
+        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
+        batches to the device inside its data loaders."""
+        for owner in (module, self.datamodule):
+            if owner is None:
+                continue
+            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+                     if overrides(owner, h)]
+            if found:
+                raise MisconfigurationError(
+                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
+                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
+                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
+                )
+
+    def _add_module_callbacks(self, module: Module) -> None:
+        """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
+        extra = module.configure_callbacks()
+        extra = list(extra) if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra])
+        if not extra:
+            return
+        types = {type(c) for c in extra}
+        kept = [c for c in self.callbacks if type(c) not in types]
+        self.callbacks = ordered(kept + extra)
+
+    def _check_manual_optimization(self) -> None:
+        if self.module.automatic_optimization:
+            return
+        strategy = self.fabric.strategy
+        if not strategy.supports_calls_outside_forward:
+            raise MisconfigurationError(
+                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
+                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
+                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
+                "automatic optimization, strategy='ddp', or a Fabric loop."
+            )
+        if self.settings.accumulate_grad_batches != 1:
+            raise MisconfigurationError(
+                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
+                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
+            )
+        if self.gradient_clip_val is not None:
+            raise MisconfigurationError(
+                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
+                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
+                "optimizer.step() and remove the Trainer argument."
+            )

@@ -7,7 +7,7 @@ last success and the first failure. The data must come from the module's or data
 ``*_dataloader()`` methods, which read the attribute each time they are called.
 
 Afterwards everything is as before, like the LR finder: weights and gradients, optimizer and
-scheduler state, loss scaler, RNG states, counters and metrics (the LR finder's snapshot); only the
+scheduler state, loss scaler, RNG states, counters and metrics (the LR finder's restore point); only the
 batch-size attribute changes to the size found. Every rank agrees on each trial's outcome (a failure
 on any rank fails the trial everywhere). Limitation: an out-of-memory error inside a collective (e.g.
 DDP's gradient all-reduce) on one rank leaves the others waiting until the guard's timeout ends them.
@@ -98,18 +98,18 @@ def _trial(trainer: Trainer, method: str, steps: int) -> None:
                     break
         return
     getter = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[method]
-    loaders = t._eval_loaders(None, getter)
+    loaders = t.data.eval_loaders(None, getter, t._module)
     if not loaders:
         raise MisconfigurationError(f"scale_batch_size(method={method!r}) needs the module's {getter}().")
     t._wrap()
     if method == "predict":
-        t.predict_dataloaders = loaders
+        t.data.predict_dataloaders = loaders
         loops.run_predict(t, loaders, steps)
     else:
         if method == "test":
-            t.test_dataloaders = loaders
+            t.data.test_dataloaders = loaders
         else:
-            t.val_dataloaders = loaders
+            t.data.val_dataloaders = loaders
         loops.run_evaluation(t, "validate" if method == "validate" else "test", loaders, steps)
 
 
@@ -195,7 +195,7 @@ def scale_batch_size(
     margin: float = 0.05, max_val: int = 8192,
 ) -> int:
     """``Tuner(trainer).scale_batch_size``: see the module docstring."""
-    from phalanx.core.module_state import TrainerSnapshot
+    from phalanx.core.module_state import TrainerRestorePoint
     from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 
     if train_dataloaders is not None or val_dataloaders is not None or dataloaders is not None:
@@ -212,18 +212,19 @@ def scale_batch_size(
             t.prepare_fit(None, None)
         elif t.model is None:
             t._wrap()
-        snapshot = TrainerSnapshot(t)
+        point = TrainerRestorePoint(t)
         sources = (t.train_dataloader, t.train_sampler, t.num_training_batches, list(t.val_dataloaders),
                    t.optimizers, t.step_optimizers)
         try:
             found = search(t, method, mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
         finally:
-            (t.train_dataloader, t.train_sampler, t.num_training_batches, t.val_dataloaders, opts, steps) = sources
+            (t.data.train_dataloader, t.data.train_sampler, t.data.num_training_batches, t.data.val_dataloaders, opts,
+             steps) = sources
             t.optimizers, t.step_optimizers = opts, steps
-            snapshot.restore(t)
+            point.restore(t)
         set_size(t, batch_arg_name, found)
         if inside_fit:
-            t._prepare_train_data()  # the fit continues with loaders of the size found
+            t.data.prepare_train(t._module)  # the fit continues with loaders of the size found
         return found
 
     if inside_fit:

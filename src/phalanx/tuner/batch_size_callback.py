@@ -28,7 +28,7 @@ class BatchSizeFinder(Callback):
 
         if self.optimal_batch_size is not None and method == "fit" and trainer.ckpt_path is not None:
             set_size(trainer, self.batch_arg_name, self.optimal_batch_size)
-            trainer._prepare_train_data()
+            trainer.data.prepare_train(trainer.module)
             return
         self.optimal_batch_size = scale_batch_size(
             trainer, module, method=method, mode=self.mode, steps_per_trial=self.steps_per_trial,

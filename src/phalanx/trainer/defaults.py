@@ -1,20 +1,10 @@
-"""What a Trainer is assembled from: its default loggers and callbacks, in their order, and the
-global torch flags one run applies (``deterministic``/``benchmark``).
-
-Kept apart from the Trainer's class because these are decisions about the *arguments* (which
-callbacks ``enable_progress_bar``/``enable_checkpointing``/``max_time`` add, where the CSV logger
-writes), made once at construction or once per run, never inside a loop.
-"""
+"""The loggers and callbacks a Trainer's arguments add (``logger=True``, ``enable_progress_bar``,
+``enable_model_summary``, ``enable_checkpointing``, ``max_time``), and the order callbacks run in."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from phalanx.trainer.settings import Settings
 from phalanx.utils.errors import MisconfigurationError
@@ -62,26 +52,3 @@ def ordered(callbacks: list[Any]) -> list[Any]:
 
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     return [c for c in callbacks if not isinstance(c, ModelCheckpoint)] + checkpoints
-
-
-@contextlib.contextmanager
-def deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[None]:
-    """torch's deterministic mode (``mode`` True or "warn") and cudnn's ``benchmark`` for one run, then the
-    process's previous settings: they are global, and another Trainer or later code must not inherit them."""
-    if not mode and benchmark is None:
-        yield
-        return
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    cudnn_benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if mode:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it
-        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
-    torch.backends.cudnn.benchmark = bool(benchmark) if benchmark is not None else (
-        False if mode else cudnn_benchmark)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-        torch.backends.cudnn.benchmark = cudnn_benchmark
-        if cublas is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
