@@ -240,11 +240,13 @@ def test_the_run_logs_go_under_the_runs_root(monkeypatch: pytest.MonkeyPatch, tm
     from phalanx.loggers import CSVLogger
 
     monkeypatch.delenv("PHALANX_LOG_DIR", raising=False)
-    assert phalanx.Trainer(accelerator="cpu", default_root_dir=tmp_path / "t").fabric._run_root == tmp_path / "t"
+    assert phalanx.Trainer(accelerator="cpu", default_root_dir=tmp_path / "t").fabric.root_dir == tmp_path / "t"
     fabric = phalanx.Fabric(accelerator="cpu", loggers=CSVLogger(root_dir=tmp_path / "f"))
-    assert fabric._run_root == tmp_path / "f"
-    assert log_root(fabric._run_root) == str(tmp_path / "f" / "phalanx_logs")
-    assert phalanx.Fabric(accelerator="cpu")._run_root is None and log_root(None) == os.path.join(".", "phalanx_logs")
+    assert fabric.root_dir == tmp_path / "f"
+    assert log_root(fabric.root_dir) == str(tmp_path / "f" / "phalanx_logs")
+    assert phalanx.Fabric(accelerator="cpu").root_dir is None and log_root(None) == os.path.join(".", "phalanx_logs")
+    given = phalanx.Fabric(accelerator="cpu", root_dir=tmp_path / "g", loggers=CSVLogger(root_dir=tmp_path / "f"))
+    assert given.root_dir == tmp_path / "g"  # an explicit root_dir wins over the loggers'
     monkeypatch.setenv("PHALANX_LOG_DIR", str(tmp_path / "elsewhere"))  # the user's choice wins
     assert log_root(tmp_path / "f") == str(tmp_path / "elsewhere")
 

@@ -130,7 +130,7 @@ def test_refused_arguments_say_what_to_do() -> None:
 def test_constructing_a_multiprocess_trainer_starts_nothing() -> None:
     # Under plain python, Trainer(devices=2) used to re-run the script from inside the constructor.
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    assert trainer.world_size == 2 and trainer.global_rank == 0 and not trainer.fabric._launched
+    assert trainer.world_size == 2 and trainer.global_rank == 0 and not trainer.fabric.launched
 
 
 def test_ranks_known_from_the_environment_before_launch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,6 +77,8 @@ class Fabric:
             restarts the job's processes after one fails (torch's elastic agent; 0: a failure ends the job).
         preemption_signals: the signals :meth:`stop_requested` reports (default SIGTERM and SIGUSR1, or
             ``PHALANX_PREEMPTION_SIGNALS``); ``[]`` turns preemption handling off.
+        root_dir: the folder the launcher's run logs go under (``<root_dir>/phalanx_logs/<run id>``); None: the
+            first logger's ``root_dir``, else the working directory.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Fabric:
         warn_nonfinite_loss: bool = True,
         max_restarts: int = 0,
         preemption_signals: Any = None,
+        root_dir: str | Path | None = None,
     ) -> None:
         refuse_plugins(plugins)
         if precision is None:
@@ -104,11 +107,11 @@ class Fabric:
             "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
             "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
+            "root_dir": root_dir,
         }
         self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
-        # The run's logs go under it (phalanx.distributed.runlogs): the first logger's root_dir, else the working
-        # directory; the Trainer sets its default_root_dir.
-        self._run_root: Path | None = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
+        loggers_root = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
+        self._run_root = Path(root_dir) if root_dir is not None else loggers_root
         self._strategy = strategy_ = configured_strategy(self._init_kwargs)
         self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
         self._snapshots = Snapshots(strategy_, self.save, self.remove_checkpoint)
@@ -134,8 +137,14 @@ class Fabric:
                                 self._run_root)
 
     @property
-    def _launched(self) -> bool:  # the Trainer launches its Fabric once, on its first stage
+    def launched(self) -> bool:
+        """Whether :meth:`launch` ran in this process (the Trainer launches its Fabric on its first stage)."""
         return self._job.launched
+
+    @property
+    def root_dir(self) -> Path | None:
+        """The folder the run logs go under (see the ``root_dir`` argument); None: the working directory."""
+        return self._run_root
 
     # ------------------------------------------------------------------ properties
     @property

@@ -134,9 +134,8 @@ class Trainer(TrainerAttributes):
             precision=precision if precision is not None else "32-true",
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
-            warn_nonfinite_loss=False, max_restarts=max_restarts,
+            warn_nonfinite_loss=False, max_restarts=max_restarts, root_dir=settings.default_root_dir,
         )
-        fabric._run_root = settings.default_root_dir  # the run's logs go under it (<root>/phalanx_logs/<run id>)
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
                              "logging and checkpointing are off.", rank=fabric.global_rank)
@@ -377,7 +376,7 @@ class Trainer(TrainerAttributes):
     def _launch(self) -> None:
         """Start or join the processes (see the module docstring), then put per-process state on the
         device this rank got."""
-        if not self.fabric._launched:
+        if not self.fabric.launched:
             self.fabric.launch()
             self.results = {s: Results(s, self.fabric.device) for s in STAGES}
 
