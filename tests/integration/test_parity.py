@@ -141,7 +141,7 @@ def run_example(python: str, script: Path, args: list[str], cwd: Path, devices: 
     return line
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2 processes include rank 0's path
 @pytest.mark.parametrize("name", sorted(EXAMPLE_ARGS))
 def test_lightning_style_examples_run_one_epoch(name: str, devices: int, tmp_path: Path) -> None:
     line = run_example(sys.executable, EXAMPLES / name, EXAMPLE_ARGS[name], tmp_path, devices)

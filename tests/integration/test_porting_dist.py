@@ -59,6 +59,7 @@ def test_trainer_launches_at_fit_and_manual_optimization_under_ddp_equals_one_pr
 FSDP_EVAL_JOB = JOBS / "porting_fsdp_eval.py"
 
 
+@pytest.mark.slow  # the same inference-mode evaluation under FSDP: test_combinations[fsdp-bf16-mixed]
 @run_if(fsdp=True)
 def test_fsdp_evaluates_between_training_steps_with_the_default_inference_mode(tmp_path: Path) -> None:
     # torch.inference_mode would leave FSDP's reused all-gather buffers as inference tensors, and the

@@ -31,7 +31,8 @@ def train_single(steps: int = 3) -> nn.ModuleDict:
 
 JOB = JOBS / "transformers_fit.py"
 
-STRATEGIES = ["ddp", pytest.param("fsdp", marks=run_if(fsdp=True))]
+# DDP distillation on direct submodule calls is CI's in tests/strategies/test_ddp.py; GPT-2 under DDP runs in slow.
+STRATEGIES = [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp", marks=run_if(fsdp=True))]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -82,7 +82,8 @@ def check_mlflow_run(tracking_uri: str, logger: Any, trainer: L.Trainer) -> None
 
 
 @run_if(module="mlflow")
-@pytest.mark.parametrize("store", ["sqlite", "file", "default"])
+# "default" is a SQLite store too (under save_dir); an explicit sqlite URI runs in slow.
+@pytest.mark.parametrize("store", [pytest.param("sqlite", marks=pytest.mark.slow), "file", "default"])
 def test_mlflow_records_metrics_hparams_and_checkpoints(
     store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,7 +34,8 @@ def ddp_result(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return run_job(TRAIN_JOB, tmp_path_factory.mktemp("ddp"), args=("ddp",), timeout=TIMEOUT).check()
 
 
-@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # stage 3: see the save test
+# Stage 3: see the save test; stage 1 takes stage 2's path without partitioned gradients (both run in slow).
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_accumulated_training_equals_ddp_and_single_process(tmp_path: Path, stage: int, ddp_result: Any) -> None:
     job = run_job(TRAIN_JOB, tmp_path, args=(f"deepspeed_{stage}",), timeout=TIMEOUT).check()
     for rank in (0, 1):
@@ -133,7 +134,7 @@ def test_trainer_accumulation_matches_ddp(tmp_path: Path) -> None:
         torch.testing.assert_close(_params(ds, rank), _params(ddp, rank), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # the same merge of partitions
 def test_validate_with_a_sharded_checkpoint_loads_the_fitted_weights(tmp_path: Path, stage: int) -> None:
     """trainer.validate(ckpt_path=<sharded DeepSpeed checkpoint>) sets the module up without its optimizer,
     so there is no engine: the ZeRO partitions are merged into full weights, and the new module validates

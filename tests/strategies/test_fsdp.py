@@ -173,7 +173,8 @@ def test_direct_call_of_unsharded_child_raises(tmp_path: Path, models: dict[str,
 PRECISION_JOB = JOBS / "fsdp_precision.py"
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+# 16-mixed under FSDP in CI: the scaler tests (test_sixteen_mixed_*); with empty init it runs in slow.
+@pytest.mark.parametrize("precision", [pytest.param("16-mixed", marks=pytest.mark.slow), "bf16-mixed"])
 def test_empty_init_and_mixed_precision(tmp_path: Path, models: dict[str, Any], precision: str) -> None:
     job = run_job(PRECISION_JOB, tmp_path, args=(precision,)).check()
     half = "torch.float16" if precision == "16-mixed" else "torch.bfloat16"

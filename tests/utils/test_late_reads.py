@@ -122,7 +122,7 @@ def test_no_host_read_in_the_steady_state_step(tmp_path: Path, strategy: str, de
 
 @pytest.mark.timeout(600)
 @run_if(deepspeed=True)
-@pytest.mark.parametrize("part", ["trainer", "fabric"])
+@pytest.mark.parametrize("part", ["trainer", pytest.param("fabric", marks=pytest.mark.slow)])  # Fabric: ddp/fsdp above
 def test_no_host_read_in_the_steady_state_step_under_deepspeed(tmp_path: Path, part: str) -> None:
     _assert_steady(_reads(tmp_path, "deepspeed", 2, part), 2)
 
