@@ -2,8 +2,10 @@
 these ship with phalanx, under Lightning's names.
 
 ``LearningRateFinder`` and ``BatchSizeFinder`` live with the tuner they run (:mod:`phalanx.tuner`, a
-layer above the Trainer); this package names them too, as Lightning does, resolved on first use so no
-code below the tuner depends on it."""
+layer above the Trainer: the search drives the Trainer's loops). This package names them too, as
+Lightning does, and imports them on first use, so importing it loads nothing above it. These two are
+the only upward edges in the layers; pyproject.toml's layers contract lists them, so any other fails
+``lint-imports``."""
 
 from __future__ import annotations
 
@@ -42,12 +44,14 @@ __all__ = [
     "Timer",
 ]
 
-_TUNER_CALLBACKS = {"LearningRateFinder": "lr_finder_callback", "BatchSizeFinder": "batch_size_callback"}
-
 
 def __getattr__(name: str) -> Any:
-    if name in _TUNER_CALLBACKS:
-        import importlib
+    if name == "LearningRateFinder":
+        from phalanx.tuner.lr_finder_callback import LearningRateFinder
 
-        return getattr(importlib.import_module(f"phalanx.tuner.{_TUNER_CALLBACKS[name]}"), name)
+        return LearningRateFinder
+    if name == "BatchSizeFinder":
+        from phalanx.tuner.batch_size_callback import BatchSizeFinder
+
+        return BatchSizeFinder
     raise AttributeError(f"module 'phalanx.callbacks' has no attribute {name!r}")
