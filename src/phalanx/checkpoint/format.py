@@ -84,16 +84,16 @@ def check_plain(obj: Any, root: str = "state") -> None:
     )
 
 
-def make_meta(host: Any, layout: str, entries: dict[str, str], **extra: Any) -> dict[str, Any]:
+def make_meta(owner: Any, layout: str, entries: dict[str, str], **extra: Any) -> dict[str, Any]:
     """phalanx's own record in every checkpoint: who wrote it and how (plain values only)."""
     return {
         "format_version": FORMAT_VERSION,
         "layout": layout,
         "entries": dict(entries),
-        "strategy": str(host.name),
-        "world_size": int(host.world_size),
-        "precision": str(host.precision.name),
-        "precision_state": host.precision.state_dict(),
+        "strategy": str(owner.name),
+        "world_size": int(owner.world_size),
+        "precision": str(owner.precision.name),
+        "precision_state": owner.precision.state_dict(),
         "torch_version": str(torch.__version__),
         **extra,
     }

@@ -1,4 +1,5 @@
-"""Metric loggers. Any object with ``log_metrics(metrics, step)`` works; these two ship with phalanx."""
+"""Metric loggers. Any object with ``log_metrics(metrics, step)`` works; these ship with phalanx under
+Lightning's names."""
 
 from phalanx.loggers.base import Logger
 from phalanx.loggers.csv import CSVLogger

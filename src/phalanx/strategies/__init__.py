@@ -12,9 +12,6 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import available_strategies, resolve_strategy, strategy_class
 from phalanx.strategies.single import SingleDeviceStrategy
 
-# Every accepted name, "auto" first (kept for code that imported it; available_strategies() is the same list).
-STRATEGY_NAMES = tuple(available_strategies())
-
 
 def __getattr__(name: str) -> Any:
     # FSDPStrategy/ModelParallelStrategy import torch.distributed.fsdp/checkpoint: only when someone asks.
