@@ -169,7 +169,7 @@ class ModelCheckpoint(Callback):
 
     def _remove(self, trainer: Any, path: str) -> None:
         if path != self.last_model_path:
-            trainer.fabric.strategy.remove_checkpoint(path)  # every rank calls; rank 0 deletes file or directory
+            trainer.fabric.remove_checkpoint(path)  # every rank calls; rank 0 deletes file or directory
 
     def format_filename(self, trainer: Any, metrics: dict[str, Any] | None = None) -> str:
         values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
