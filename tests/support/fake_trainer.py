@@ -29,6 +29,9 @@ class FakeFabric:
     def log_dict(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.logged.append((dict(metrics), step))
 
+    def remove_checkpoint(self, path: Any) -> None:
+        self.strategy.remove_checkpoint(path)
+
 
 class FakeTrainer:
     def __init__(self, tmp: Path, rank: int = 0) -> None:
