@@ -1,7 +1,6 @@
 """Profilers for ``Trainer(profiler="simple" | "advanced" | "pytorch" | Profiler)``.
 
-The failure this prevents: a ported ``Trainer(profiler="simple")`` that runs without measuring
-anything. The Trainer brackets each hook, step and backward with ``profiler.profile(name)``; the
+Every profiler measures: the Trainer brackets each hook, step and backward with ``profiler.profile(name)``; the
 report goes to ``dirpath/filename`` (one file per rank) or, without a dirpath, to the ``phalanx``
 logger on rank 0 when the stage ends.
 

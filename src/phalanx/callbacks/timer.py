@@ -1,9 +1,8 @@
 """``Timer`` (and ``Trainer(max_time=...)``): stop training once a time budget is spent.
 
-The failure this prevents: ranks that read their own clocks stop at different batches and leave the
-others waiting in a collective. Rank 0's clock decides and the decision is broadcast, so every rank
-stops after the same optimizer step. Elapsed time is saved in checkpoints, so a resumed run keeps
-counting from where it stopped.
+Every rank stops after the same optimizer step: rank 0's clock decides and the decision is broadcast
+(ranks reading their own clocks would stop at different batches and leave the others in a collective).
+Elapsed time is saved in checkpoints, so a resumed run keeps counting from where it stopped.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``LightningCLI`` and ``phalanx fit|validate|test|predict``: training configured from YAML and flags.
 
-The failure this prevents: a config that names an argument the code does not have (a typo, or an
-option of another version) and is silently dropped. The parser is jsonargparse (as in Lightning): it
+A config key the code does not have (a typo, an option of another version) is an error, never
+dropped. The parser is jsonargparse (as in Lightning): it
 is built from the signatures of the Trainer, the Module and the DataModule, so every key of the YAML
 and every ``--trainer.max_epochs=3`` flag is checked against a real parameter and its type, and
 ``class_path``/``init_args`` entries build callbacks, loggers, models and datamodules.

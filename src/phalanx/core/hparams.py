@@ -1,8 +1,7 @@
 """``self.save_hyperparameters()`` and ``self.hparams``, with Lightning's meaning.
 
-The failure this prevents: a ported module whose ``self.hparams.lr`` raises (a plain dict has no
-attributes), or whose ``save_hyperparameters(ignore=[...])`` records ``{"ignore": [...]}`` instead of
-the ``__init__`` arguments, so the checkpoint cannot rebuild the model (``load_from_checkpoint``).
+``self.hparams`` reads by attribute and by key (``self.hparams.lr``), and what is recorded is the
+``__init__`` arguments, so a checkpoint can rebuild the model (``load_from_checkpoint``).
 
 What is recorded: the arguments of every ``__init__`` of the object that is running when
 ``save_hyperparameters`` is called (a subclass's arguments override its base class's; ``**kwargs``

@@ -1,8 +1,7 @@
 """``Module.load_from_checkpoint`` / ``DataModule.load_from_checkpoint`` / ``DataModule.from_datasets``.
 
-The failure this prevents: rebuilding a model from a checkpoint with the wrong constructor arguments
-(the hyperparameters the checkpoint recorded are the ones used, overridable by keyword), or loading
-its weights partially without saying which keys did not match.
+A model is rebuilt with the constructor arguments its checkpoint recorded (overridable by keyword),
+and a partial load names the keys that did not match.
 """
 
 from __future__ import annotations

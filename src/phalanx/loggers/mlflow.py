@@ -1,7 +1,7 @@
 """``MLFlowLogger``: metrics, hyperparameters and checkpoints to an MLflow tracking store.
 
-The failure this prevents: a ported ``MLFlowLogger(log_model=True)`` run whose checkpoints never
-reach the tracking store, or metric names MLflow rejects halfway through a fit. mlflow is imported
+With ``log_model=True`` the checkpoints reach the tracking store as artifacts, and metric names are
+made acceptable to MLflow before the first one is sent, not rejected halfway through a fit. mlflow is imported
 only when the logger first talks to the store (``pip install 'phalanx[mlflow]'``). Like every
 phalanx logger it is called on global rank 0 only.
 

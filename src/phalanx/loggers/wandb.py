@@ -1,7 +1,7 @@
 """``WandbLogger``: metrics, hyperparameters and checkpoints to Weights & Biases.
 
-The failure this prevents: a ported ``WandbLogger(log_model=True)`` whose checkpoints are never
-logged, or a step axis that differs from ``trainer.global_step``. wandb is imported only when the
+With ``log_model=True`` the checkpoints are logged as artifacts, and the step axis is
+``trainer.global_step``. wandb is imported only when the
 run starts (``pip install 'phalanx[wandb]'``); ``offline=True`` writes the run under ``save_dir``
 without any network (``wandb sync`` uploads it later). Called on global rank 0 only.
 """

@@ -1,8 +1,8 @@
 """Resolving ``Trainer(...)`` arguments into one consistent set of settings, with Lightning's meaning.
 
-The failure this prevents: a Lightning argument that is accepted and silently ignored (a port then
-trains differently without a word). Every argument here is either implemented (its effect is set
-below or where the setting is read) or refused with a reason and what to do instead.
+No Lightning argument is accepted and ignored: every one is either implemented (its effect is set
+below or where the setting is read) or refused with a reason and what to do instead, since a port that
+silently trains differently is worse than one that fails.
 
 The result is a frozen :class:`Settings`: the Trainer holds it (``trainer.settings``) and its public
 attributes of the same names (``trainer.max_epochs``, ...) read it, so a setting is resolved once and

@@ -3,9 +3,9 @@
 submodules ``load`` (``_lazy_load``), ``throughput``, ``init`` (``_materialize_meta_tensors``) and ``testing``
 (``_runif_reasons``). A facade for users: the code lives in phalanx's layers and no phalanx module imports this.
 
-The failure this prevents: a ported ``@rank_zero_only`` logging helper that runs on every rank (N
-copies of each file or line). The rank is this process's global rank from the launcher's environment
-(``RANK``; 0 in a single process), which every phalanx launch path sets.
+A ported ``@rank_zero_only`` helper runs on global rank 0 only, never once per rank. The rank is this
+process's global rank from the launcher's environment (``RANK``; 0 in a single process), which every
+phalanx launch path sets.
 """
 
 from __future__ import annotations
