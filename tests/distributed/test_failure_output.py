@@ -267,10 +267,11 @@ def _crash(tmp_path: Path, how: str, who: str, env: dict[str, str] | None = None
 
 
 def _cases() -> list[Any]:
-    # CI: every launch path with rank 1 failing, and both ranks failing under `python train.py`; the other
-    # both-ranks cases go through the same summary code and run with PHALANX_TEST_ALL=1.
+    # CI: rank 1 failing under every launch path but `phalanx run` (the launcher `python train.py` runs), and both
+    # ranks failing under `python train.py`; the rest go through the same summary code (PHALANX_TEST_ALL=1).
     return [pytest.param(who, how, id=f"{who}-{how}",
-                         marks=[pytest.mark.slow] if who == "both ranks" and how != "python train.py" else [])
+                         marks=[pytest.mark.slow] if (who == "both ranks" and how != "python train.py")
+                         or (who, how) == ("rank 1", "phalanx run") else [])
             for who in WHO for how in PATHS]
 
 

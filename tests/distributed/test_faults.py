@@ -57,6 +57,7 @@ def test_sigkill_mid_step_under_launch(tmp_path: Path, fault_log: Log, where: st
               f"exit {job.returncode}: 'rank 1 was killed by SIGKILL'", seconds)
 
 
+@pytest.mark.slow  # CI: the same kill under `python script.py` (test_sigkill_mid_step_under_launch)
 def test_sigkill_mid_step_under_phalanx_run(tmp_path: Path, fault_log: Log) -> None:
     job = run_job(TRAIN, tmp_path, timeout=120, env=ENV, command=[PHALANX_CLI, "run", "--devices", "2"],
                   args=("1", "5", "backward"))

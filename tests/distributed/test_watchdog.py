@@ -157,7 +157,7 @@ def test_ordinary_exception_on_rank_zero_inside_save_names_it_on_rank_one(tmp_pa
 CRASH = JOBS / "watchdog_crash.py"
 
 
-@pytest.mark.parametrize("how", ["phalanx run", "torchrun"])
+@pytest.mark.parametrize("how", ["phalanx run", pytest.param("torchrun", marks=pytest.mark.slow)])  # same summary
 def test_launchers_print_the_failed_ranks_cause(tmp_path: Path, how: str) -> None:
     command = (
         [sys.executable, "-m", "phalanx.cli", "run", "--devices", "2"] if how == "phalanx run"

@@ -109,6 +109,7 @@ def test_ddp_checkpoint_round_trip(tmp_path: Path, models: dict[str, object]) ->
         assert rep["files"] == ["a.ckpt"]
 
 
+@pytest.mark.slow  # CI: test_launch_matrix's launch_fn cells run fabric.launch(fn) and read its result
 def test_launch_function_returns_rank_zero_result(tmp_path: Path) -> None:
     job = run_job(
         JOBS / "ddp_launch_function_returns_rank_zero_result.py",

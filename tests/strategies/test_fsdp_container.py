@@ -25,6 +25,7 @@ pytestmark = [
 JOB = JOBS / "fsdp_container.py"
 
 
+@pytest.mark.slow  # CI: test_distillation_example_runs_under_fsdp_and_matches_ddp (the same container path)
 def test_module_dict_distillation_under_fsdp_equals_one_process(tmp_path: Path) -> None:
     job = run_job(JOB, tmp_path).check()
     model = make_model()

@@ -273,6 +273,7 @@ def test_precisions_train_with_tensor_parallel(tmp_path: Path, models: dict[str,
 SNAPSHOT_JOB = JOBS / "model_parallel_snapshot.py"
 
 
+@pytest.mark.slow  # CI: the snapshot tier under ddp and fsdp (tests/trainer/test_survival.py, test_snapshot_*)
 def test_tensor_parallel_shards_round_trip_through_a_per_rank_snapshot(tmp_path: Path) -> None:
     # Each rank snapshots its own tensor-parallel shards (parameters and Adam state as DTensor shards), and
     # loading puts them back as DTensors with the live parameters' placements: training continues identically.
