@@ -126,6 +126,12 @@ def report(fabric: Any = None, rank: int | None = None, **values: Any) -> None:
     out.write_text(json.dumps(current))
 
 
+def tagged(key: str, value: Any) -> dict[str, Any]:
+    """`{key: value}` for `report(fabric, **tagged(key, value))` under a computed key: typed so that mypy does not
+    read the dict as possibly filling report's `rank`."""
+    return {key: value}
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().double().tolist()

@@ -7,7 +7,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from job_runner import report
+from job_runner import report, tagged
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -250,7 +250,7 @@ def trainer_cell(cell, index):
 def trainer_cells(cells):
     for index, cell in enumerate(cells):
         out = guarded(trainer_cell, cell, index)
-        report(rank=int(os.environ.get("RANK", "0")), **{cell: out})  # set in the launched processes
+        report(rank=int(os.environ.get("RANK", "0")), **tagged(cell, out))  # set in the launched processes
 
 
 if __name__ == "__main__":
