@@ -6,6 +6,7 @@ Run by tests/checkpoint/test_async_sharded.py: test_async_save_round_trip_and_fa
 import errno
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from job_runner import report
@@ -46,7 +47,7 @@ report(fabric, loaded=full_params(fresh), at_save2=at_save2, step=state["step"])
 # A background write that fails (here: rank 1's storage) is raised on every rank at the next save,
 # and the checkpoint in place stays the previous one.
 original = FileSystemWriter.write_data
-def broken(self, plan, planner):
+def broken(self, plan: Any, planner: Any) -> None:
     raise OSError(28, "No space left on device")
 if fabric.global_rank == 1:
     FileSystemWriter.write_data = broken
@@ -68,7 +69,7 @@ report(fabric, step_after_failure=state["step"])
 
 # Rank 0 cannot publish (a read-only mount): the other rank, whose shards were written, hears of it too.
 original = storage._move_into_place
-def read_only(tmp, path, exchange):
+def read_only(tmp: Any, path: Any, exchange: Any) -> None:
     raise OSError(errno.EROFS, "Read-only file system", str(path))
 if fabric.global_rank == 0:
     storage._move_into_place = read_only
@@ -90,7 +91,7 @@ report(fabric, step_after_publish_failure=state["step"], leftovers=leftovers)
 
 # Copying the shards fails on rank 1 (out of memory): every rank raises before any write starts.
 stage = async_sharded._ReusedStaging.stage
-def no_memory(self, tensors):
+def no_memory(self, tensors: Any) -> None:
     raise MemoryError("cannot allocate the staging copy")
 if fabric.global_rank == 1:
     async_sharded._ReusedStaging.stage = no_memory

@@ -2,6 +2,7 @@
 shapes, call sites), each caught; the ranks stay in step (run by tests/fabric/test_bad_input.py)."""
 
 import time
+from typing import Any
 
 import torch
 from job_runner import report
@@ -18,7 +19,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = fabric.setup(model, opt)
 out = {}
 
-def case(name, fn):
+def case(name: str, fn: Any) -> None:
     start = time.monotonic()
     try:
         fn()
@@ -43,7 +44,7 @@ else:
 # alone (no collectives inside) is not mistaken for a desync.
 own = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4) + r, torch.randn(8, 1)),
                                           batch_size=4), use_distributed_sampler=False)
-def train():
+def train() -> None:
     for _ in range(2):
         for x, y in own:
             fabric.backward((model(x) - y).pow(2).mean())

@@ -4,6 +4,7 @@ Run by tests/checkpoint/test_checkpoint_layer.py: test_a_failure_on_one_rank_rea
 """
 
 import math
+from typing import Any
 
 import torch
 from job_runner import report
@@ -17,11 +18,11 @@ r = fabric.global_rank
 model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
 
 class FailsOnRankZero:
-    def state_dict(self):
+    def state_dict(self) -> Any:
         if r == 0:
             raise ValueError("cannot serialize the sampler")
         return {}
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Any) -> None:
         pass
 
 out = {}

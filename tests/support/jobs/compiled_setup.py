@@ -3,6 +3,8 @@
 Run by tests/fabric/test_compiled.py: test_compiled_module_under_ddp.
 """
 
+from typing import Any
+
 import torch
 from job_runner import report
 from torch import nn
@@ -11,16 +13,16 @@ import phalanx
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 2)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> Any:
         return self.lin(x).relu()
 
 calls = []
 
-def backend(gm, inputs):
+def backend(gm: Any, inputs: Any) -> Any:
     calls.append(1)
     return gm.forward
 

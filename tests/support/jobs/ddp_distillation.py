@@ -3,6 +3,8 @@
 Run by tests/strategies/test_ddp.py: test_distillation_call_paths_sync_gradients.
 """
 
+from typing import Any
+
 import torch
 from ddp_models import Distill, make_data
 from job_runner import report
@@ -19,7 +21,7 @@ model, opt = fabric.setup(model, opt)
 x, _ = make_data()
 xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
 
-def mse(a, b):
+def mse(a: Any, b: Any) -> Any:
     return ((a - b) ** 2).mean()
 
 paths = {

@@ -3,6 +3,8 @@
 Run by tests/strategies/test_deepspeed.py: test_misuse_raises_like_ddp_and_clipping_maps_to_deepspeed.
 """
 
+from typing import Any
+
 import torch
 from deepspeed_mlp import CountingSGD, W, batches, make_model
 from job_runner import report
@@ -18,7 +20,7 @@ model = make_model()
 model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1))
 X, Y = batches(1)
 errors = {}
-def attempt(name, fn):
+def attempt(name: str, fn: Any) -> None:
     try:
         fn()
     except (GradientSyncError, MisconfigurationError) as err:

@@ -4,6 +4,7 @@ Run by tests/strategies/test_fsdp_checkpoint.py: saved, test_sixteen_mixed_scale
 """
 
 import sys
+from typing import Any
 
 import torch
 from fsdp_models import full, full_params, make_data, make_model
@@ -20,21 +21,21 @@ r = fabric.global_rank
 ce = torch.nn.functional.cross_entropy
 
 class Counter:  # a user object with state_dict/load_state_dict
-    def __init__(self):
+    def __init__(self) -> None:
         self.n = 0
-    def state_dict(self):
+    def state_dict(self) -> Any:
         return {"n": self.n}
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd: Any) -> None:
         self.n = sd["n"]
 
-def build():
+def build() -> Any:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt = fabric.setup(model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     return model, opt, sched
 
-def train(model, opt, sched, counter, steps):
+def train(model: Any, opt: Any, sched: Any, counter: Any, steps: int) -> None:
     for i in range(0, 8 * steps, 8):
         opt.zero_grad()
         fabric.backward(ce(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4]))
@@ -42,7 +43,7 @@ def train(model, opt, sched, counter, steps):
         sched.step()
         counter.n += 1
 
-def opt_state(model, opt):
+def opt_state(model: Any, opt: Any) -> Any:
     # Every tensor of the optimizer state, unsharded, in parameter order.
     st = opt.state
     return torch.cat([full(st[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])

@@ -8,6 +8,7 @@ tests/strategies/test_fsdp_hybrid.py.
 import glob
 import json
 import sys
+from typing import Any
 
 import torch
 from fsdp_models import Block, Net, full, full_params, make_data, make_model
@@ -18,7 +19,7 @@ import phalanx
 from phalanx.strategies import FSDPStrategy
 
 
-def decode(key, value):
+def decode(key: Any, value: Any) -> Any:
     """JSON's lists back into what FSDPStrategy takes: a mesh shape is a tuple, a policy a set of classes."""
     if key.endswith("_policy"):
         return {Block} if value == ["Block"] else value
@@ -32,10 +33,10 @@ x, y = make_data()
 ce = torch.nn.functional.cross_entropy
 NORM_TYPES = (2.0, float("inf"), 1.0, 2.0)
 
-def opt_state(model, opt):
+def opt_state(model: Any, opt: Any) -> Any:
     return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
 
-def build(fabric):
+def build(fabric: phalanx.Fabric) -> Any:
     model = make_model()
     return fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
 

@@ -4,6 +4,7 @@ Run by tests/strategies/test_fsdp.py: test_sixteen_mixed_overflow_in_one_shard_s
 """
 
 import sys
+from typing import Any
 
 import torch
 from fsdp_models import full_params, make_data, make_model
@@ -22,7 +23,7 @@ model = fabric.setup_module(make_model())
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
 scaler = fabric.strategy.precision.scaler
 
-def step(poison, clip):
+def step(poison: Any, clip: Any) -> Any:
     before, scale = full_params(model), scaler.get_scale()
     opt.zero_grad()
     fabric.backward(torch.nn.functional.cross_entropy(model(x[:4]), y[:4]))

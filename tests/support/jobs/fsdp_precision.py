@@ -4,6 +4,7 @@ Run by tests/strategies/test_fsdp.py: test_empty_init_and_mixed_precision.
 """
 
 import sys
+from typing import Any
 
 import torch
 from fsdp_models import Net, full_params, make_data
@@ -32,7 +33,7 @@ report(fabric, meta_after=any(p.is_meta or p.to_local().is_meta for p in model.p
        param_dtype=str(w.dtype), init_std=float(w.full_tensor().std()))
 dtypes = []
 model.blocks[0].l1.register_forward_hook(lambda m, a, out: dtypes.append(str(a[0].dtype)))
-def full_data_loss():
+def full_data_loss() -> Any:
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(x), y))
 
@@ -47,7 +48,7 @@ for _ in range(3):  # three epochs over the 32 samples, 8 per step (4 per rank)
 report(fabric, losses=losses, compute_dtype=dtypes[0], grad_dtype=str(w.grad.dtype))
 
 class NoReset(nn.Module):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
 

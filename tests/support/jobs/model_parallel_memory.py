@@ -5,6 +5,7 @@ Run by tests/strategies/test_model_parallel.py: test_meta_init_materializes_only
 
 import resource
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -18,17 +19,17 @@ torch.set_num_threads(1)
 
 
 class Big(nn.Module):
-    def __init__(self, d=1024, layers=12):
+    def __init__(self, d: int = 1024, layers: int = 12) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(FeedForward(d) for _ in range(layers))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> Any:
         for block in self.blocks:
             x = block(x)
         return x
 
 
-def peak_mib():
+def peak_mib() -> Any:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 

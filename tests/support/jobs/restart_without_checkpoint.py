@@ -2,6 +2,7 @@
 (run by tests/trainer/test_survival.py)."""
 
 import os
+from typing import Any
 
 from trainer_support import Regressor, loader, quiet
 
@@ -9,7 +10,8 @@ import phalanx
 
 
 class Die:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: phalanx.Trainer, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if trainer.global_step == 2 and trainer.global_rank == 1 and not os.path.exists("died"):
             open("died", "w").close()
             os._exit(3)

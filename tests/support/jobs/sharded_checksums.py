@@ -4,6 +4,7 @@ Run by tests/checkpoint/test_checksums.py: test_flipped_bytes_in_a_shard_file_ar
 """
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from job_runner import report
@@ -16,13 +17,13 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
 fabric.launch()
 r = fabric.global_rank
 
-def build(seed):
+def build(seed: int) -> Any:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     return fabric.setup(model, opt)
 
-def full(model):
+def full(model: Any) -> Any:
     return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
 
 model, opt = build(0)

@@ -4,6 +4,7 @@ Run by tests/trainer/test_trainer_guards.py: test_step_metrics_sync_only_where_c
 """
 
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -22,7 +23,7 @@ class Logs(Regressor):
     on_before_optimizer_step = phalanx.Module.on_before_optimizer_step
     optimizer_step = phalanx.Module.optimizer_step
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self(x), y)
         if self.current_epoch == 0:  # epoch 1 logs nothing: the baseline of collectives per epoch
@@ -32,22 +33,23 @@ class Logs(Regressor):
 
 
 class Count:
-    def __init__(self):
+    def __init__(self) -> None:
         self.per_epoch = []
 
-    def on_train_epoch_start(self, trainer, module):
+    def on_train_epoch_start(self, trainer: phalanx.Trainer, module: Any) -> None:
         self.start = trainer.fabric.strategy.collectives_issued()
 
-    def on_train_epoch_end(self, trainer, module):
+    def on_train_epoch_end(self, trainer: phalanx.Trainer, module: Any) -> None:
         self.per_epoch.append(trainer.fabric.strategy.collectives_issued() - self.start)
 
 
 class Reader:
     '''Reads callback_metrics every batch: on every rank, and on rank 0 alone (which must not hang).'''
-    def __init__(self):
+    def __init__(self) -> None:
         self.seen = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: phalanx.Trainer, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if trainer.is_global_zero:
             float(trainer.callback_metrics.get("local", float("nan")))
         self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
