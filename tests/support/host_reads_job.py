@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from host_reads import DeviceSyncs, HostReads
-from job_runner import report, tagged
+from job_runner import report
 from torch import nn
 from trainer_support import Regressor, loader
 
@@ -123,11 +123,11 @@ def main() -> None:
         trainer = fit(strategy, devices, trainer_reads, trainer_syncs)
         fabric = trainer.fabric
         report(fabric, in_trainer=dict(trainer_reads.reads), steps=trainer.global_step,
-               **(tagged("syncs_trainer", dict(trainer_syncs.syncs)) if trainer_syncs is not None else {}))
+               **({"syncs_trainer": dict(trainer_syncs.syncs)} if trainer_syncs is not None else {}))
     if part != "trainer":
         fabric_loop(fabric, fabric_reads, fabric_syncs)
         report(fabric, in_fabric=dict(fabric_reads.reads),
-               **(tagged("syncs_fabric", dict(fabric_syncs.syncs)) if fabric_syncs is not None else {}))
+               **({"syncs_fabric": dict(fabric_syncs.syncs)} if fabric_syncs is not None else {}))
 
 
 if __name__ == "__main__":

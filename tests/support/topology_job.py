@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from job_runner import report, tagged
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -142,16 +142,16 @@ def fit(topology: str, directory: str, max_steps: int | None, resume: bool, tag:
     try:
         trainer.fit(module, data, ckpt_path="last" if resume else None)
     except Exception as err:  # reported: the other pairs of this job still run
-        report(trainer.fabric, **tagged(tag, {"error": f"{type(err).__name__}: {err}"}))
+        report(trainer.fabric, **{tag: {"error": f"{type(err).__name__}: {err}"}})
         return
     parts = trainer.fabric.all_gather_object(module.seen)
     peers = ranks // data_parallel_ranks(topology)  # rank r is at (r // peers, r % peers) on the mesh
     if any(part != parts[r - r % peers] for r, part in enumerate(parts)):
-        report(trainer.fabric, **tagged(tag, {"error": "tensor-parallel peers trained on different samples"}))
+        report(trainer.fabric, **{tag: {"error": "tensor-parallel peers trained on different samples"}})
         return
     seen = [pair for part in parts[::peers] for pair in part]
-    report(trainer.fabric, **tagged(tag, {"seen": seen, "step": trainer.global_step, "folder": directory,
-                                    "weights": full_weights(trainer.fabric, module)}))
+    report(trainer.fabric, **{tag: {"seen": seen, "step": trainer.global_step, "folder": directory,
+                                    "weights": full_weights(trainer.fabric, module)}})
 
 
 def _fabric(topology: str) -> tuple[Any, nn.Module, Any]:
@@ -180,7 +180,7 @@ def fabric_save(topology: str, path: str, tag: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": FABRIC_STEPS})
-    report(fabric, **tagged(tag, _full_state(fabric, model, optimizer)))
+    report(fabric, **{tag: _full_state(fabric, model, optimizer)})
 
 
 def fabric_load(topology: str, path: str, tag: str) -> None:
@@ -189,9 +189,9 @@ def fabric_load(topology: str, path: str, tag: str) -> None:
     try:
         fabric.load(path, state)
     except Exception as err:  # reported: a pair that cannot convert must say so clearly
-        report(fabric, **tagged(tag, {"error": f"{type(err).__name__}: {err}"}))
+        report(fabric, **{tag: {"error": f"{type(err).__name__}: {err}"}})
         return
-    report(fabric, **tagged(tag, {**_full_state(fabric, model, optimizer), "step": state["step"]}))
+    report(fabric, **{tag: {**_full_state(fabric, model, optimizer), "step": state["step"]}})
 
 
 def main() -> None:

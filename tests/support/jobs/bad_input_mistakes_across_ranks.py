@@ -17,7 +17,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = fabric.setup(model, opt)
-out = {}
+out: dict[str, Any] = {}
 
 def case(name: str, fn: Any) -> None:
     start = time.monotonic()

@@ -25,7 +25,7 @@ class FailsOnRankZero:
     def load_state_dict(self, state: Any) -> None:
         pass
 
-out = {}
+out: dict[str, Any] = {}
 for form in ("sharded", "full"):
     fabric.strategy.state_dict_type = form
     path = "good" if form == "sharded" else "good.pt"

@@ -20,7 +20,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         return self.lin(x).relu()
 
-calls = []
+calls: list[Any] = []
 
 def backend(gm: Any, inputs: Any) -> Any:
     calls.append(1)

@@ -19,7 +19,7 @@ fabric.launch()
 model = make_model()
 model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1))
 X, Y = batches(1)
-errors = {}
+errors: dict[str, Any] = {}
 def attempt(name: str, fn: Any) -> None:
     try:
         fn()

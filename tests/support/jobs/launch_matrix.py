@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from job_runner import report, tagged
+from job_runner import report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -172,7 +172,7 @@ class Regressor(phalanx.Module):
         super().__init__()
         self.net = mlp()
         self.parallelize_here = parallelize_here
-        self.losses = []
+        self.losses: list[Any] = []
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
@@ -251,7 +251,7 @@ def trainer_cell(cell: str, index: int) -> Any:
 def trainer_cells(cells: Any) -> None:
     for index, cell in enumerate(cells):
         out = guarded(trainer_cell, cell, index)
-        report(rank=int(os.environ.get("RANK", "0")), **tagged(cell, out))  # set in the launched processes
+        report(rank=int(os.environ.get("RANK", "0")), **{cell: out})  # set in the launched processes
 
 
 if __name__ == "__main__":

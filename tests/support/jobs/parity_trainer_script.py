@@ -10,20 +10,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-L = importlib.import_module(sys.argv[2])  # phalanx, or lightning for the numbers to match
+L: Any = importlib.import_module(sys.argv[2])  # phalanx, or lightning for the numbers to match
 
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64, 8, generator=g)
 data = TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1))
 
 
-class Model(L.LightningModule):
+class Model(L.LightningModule):  # type: ignore[misc]  # Lightning's or phalanx's, chosen at run time
     def __init__(self, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(42)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.losses = []
+        self.losses: list[Any] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch

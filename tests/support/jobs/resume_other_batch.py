@@ -14,11 +14,12 @@ from trainer_support import Regressor, quiet
 
 import phalanx
 
-messages, mode = [], "first"
+messages: list[str] = []
+mode = "first"
 
 
 class Keep(logging.Handler):
-    def emit(self, record: Any) -> None:
+    def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("The checkpoint was written with"):
             messages.append(record.getMessage())
 

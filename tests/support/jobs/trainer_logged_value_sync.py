@@ -34,7 +34,7 @@ class Logs(Regressor):
 
 class Count:
     def __init__(self) -> None:
-        self.per_epoch = []
+        self.per_epoch: list[Any] = []
 
     def on_train_epoch_start(self, trainer: phalanx.Trainer, module: Any) -> None:
         self.start = trainer.fabric.strategy.collectives_issued()
@@ -46,7 +46,7 @@ class Count:
 class Reader:
     '''Reads callback_metrics every batch: on every rank, and on rank 0 alone (which must not hang).'''
     def __init__(self) -> None:
-        self.seen = []
+        self.seen: list[Any] = []
 
     def on_train_batch_end(self, trainer: phalanx.Trainer, module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
