@@ -4,12 +4,13 @@ Run by tests/checkpoint/test_checkpoint_layer.py: test_a_failure_on_one_rank_rea
 """
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from job_runner import report
 
 import phalanx
+from phalanx.strategies import FSDPStrategy
 from phalanx.utils.errors import CheckpointError
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
@@ -27,7 +28,7 @@ class FailsOnRankZero:
 
 out: dict[str, Any] = {}
 for form in ("sharded", "full"):
-    fabric.strategy.state_dict_type = form
+    cast(FSDPStrategy, fabric.strategy).state_dict_type = form
     path = "good" if form == "sharded" else "good.pt"
     fabric.save(path, {"model": model, "step": 1})
     try:

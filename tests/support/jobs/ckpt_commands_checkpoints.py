@@ -5,13 +5,14 @@ Run by tests/cli/test_ckpt.py: saved.
 
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from ckpt_command_models import Holder, mlp, tokens
 from job_runner import report
 
 import phalanx
+from phalanx.strategies import FSDPStrategy
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()
@@ -38,9 +39,9 @@ for _step in range(2):
     opt.step()
 state = {"model": model, "optimizer": opt, "step": 2, "note": "hi"}
 fabric.save("ckpt", state)  # sharded (the default under fsdp)
-fabric.strategy.state_dict_type = "full"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "full"
 fabric.save("ckpt.pt", state)
-fabric.strategy.state_dict_type = "sharded"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "sharded"
 report(fabric, params=flat_params(model), opt=opt_state(model, opt))
 
 gpt = Holder()

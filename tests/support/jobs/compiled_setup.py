@@ -3,7 +3,7 @@
 Run by tests/fabric/test_compiled.py: test_compiled_module_under_ddp.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from job_runner import report
@@ -30,7 +30,8 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="ddp")
 fabric.launch()
 torch.manual_seed(0)
 net = Net()
-model, optimizer = fabric.setup(torch.compile(net, backend=backend), torch.optim.SGD(net.parameters(), lr=0.1))
+model, optimizer = fabric.setup(cast(nn.Module, torch.compile(net, backend=backend)),
+                                torch.optim.SGD(net.parameters(), lr=0.1))
 x = torch.randn(4, 3) + fabric.global_rank
 fabric.backward(model(x).sum())
 optimizer.step()

@@ -3,7 +3,7 @@
 Run by tests/strategies/test_deepspeed.py: test_misuse_raises_like_ddp_and_clipping_maps_to_deepspeed.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from deepspeed_mlp import CountingSGD, W, batches, make_model
@@ -41,5 +41,5 @@ assert fabric.clip_gradients(model, opt, max_norm=1e-3) is None
 opt.step()
 opt.zero_grad()
 moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.module.parameters(), before)])
-norm = fabric.strategy.engine.get_global_grad_norm()
+norm = cast(DeepSpeedStrategy, fabric.strategy).engine.get_global_grad_norm()
 report(fabric, errors=errors, calls=CountingSGD.calls, update_norm=float(moved.norm()), grad_norm=float(norm))

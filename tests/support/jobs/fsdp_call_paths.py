@@ -22,7 +22,7 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto
 fabric.launch()
 x, _ = make_data()
 xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-model = make_model(Distill)
+model: Any = make_model(Distill)
 model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 def errors(fn: Any) -> Any:

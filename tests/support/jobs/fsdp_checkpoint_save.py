@@ -4,13 +4,14 @@ Run by tests/strategies/test_fsdp_checkpoint.py: saved, test_sixteen_mixed_scale
 """
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from fsdp_models import full, full_params, make_data, make_model
 from job_runner import report
 
 import phalanx
+from phalanx.precision import MixedPrecision
 from phalanx.strategies import FSDPStrategy
 
 PRECISION = sys.argv[1]
@@ -52,9 +53,9 @@ model, opt, sched = build()
 counter = Counter()
 train(model, opt, sched, counter, 2)
 state = {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2, "note": "hi"}
-fabric.strategy.state_dict_type = "sharded"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "sharded"
 fabric.save("ckpt", state)
-fabric.strategy.state_dict_type = "full"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "full"
 fabric.save("ckpt.pt", state)
 report(fabric, params=full_params(model), opt=opt_state(model, opt), lr=sched.get_last_lr())
 train(model, opt, sched, counter, 1)
@@ -73,4 +74,6 @@ for name in ("ckpt", "ckpt.pt"):
     train(model, opt, sched, counter, 1)  # continuing must match the run that never stopped
     report(fabric, **{name + ":after": full_params(model)})
 if PRECISION == "16-mixed":
-    report(fabric, scale=fabric.strategy.precision.scaler.get_scale())
+    scaler = cast(MixedPrecision, fabric.strategy.precision).scaler
+    assert scaler is not None
+    report(fabric, scale=scaler.get_scale())

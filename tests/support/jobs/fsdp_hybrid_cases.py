@@ -8,7 +8,7 @@ tests/strategies/test_fsdp_hybrid.py.
 import glob
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from fsdp_models import Block, Net, full, full_params, make_data, make_model
@@ -51,7 +51,7 @@ for name, kwargs, precision in CASES:
     fabric = phalanx.Fabric(accelerator="cpu", devices=DEVICES, strategy=FSDPStrategy(**kwargs), precision=precision)
     fabric.launch()
     r, n = fabric.global_rank, 8 // DEVICES
-    mesh = fabric.strategy.mesh
+    mesh = cast(FSDPStrategy, fabric.strategy).mesh
     model, opt = build(fabric)
     norms, unreduced = [], []
     for step, i in enumerate(range(0, 32, 8)):
@@ -62,7 +62,9 @@ for name, kwargs, precision in CASES:
                 fabric.backward(ce(model(x[lo : lo + half]), y[lo : lo + half]) / 2)
             if micro == 0:  # no reduce-scatter nor all-reduce ran: no sharded gradient exists yet
                 unreduced.append(all(p.grad is None for p in model.parameters()))
-        norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.25, norm_type=NORM_TYPES[step])))
+        norm = fabric.clip_gradients(model, opt, max_norm=0.25, norm_type=NORM_TYPES[step])
+        assert norm is not None
+        norms.append(float(norm))
         opt.step()
     weight = model.inp.weight
     report(fabric, **{name: full_params(model), name + ":norms": norms, name + ":unreduced": unreduced,
@@ -73,11 +75,11 @@ for name, kwargs, precision in CASES:
     if name.startswith("hybrid") or name == "no_shard":
         # Replicas created from different random streams (ranks seeded differently, with empty_init too) are made
         # equal at setup: verify_in_sync compares every tensor a rank holds whole.
-        in_sync = []
+        in_sync: list[bool | str] = []
         for empty_init in (False, True):
             torch.manual_seed(100 + r)
             with fabric.init_module(empty_init=empty_init):
-                other = Net()
+                other: Any = Net()
             other = fabric.setup_module(other)
             try:
                 fabric.verify_in_sync(other)
@@ -94,7 +96,7 @@ for name, kwargs, precision in CASES:
     if name.startswith("hybrid"):
         params, state = full_params(model), opt_state(model, opt)
         for path in (f"ckpt-{name}", f"ckpt-{name}.pt"):
-            fabric.strategy.state_dict_type = "full" if path.endswith(".pt") else "sharded"
+            cast(FSDPStrategy, fabric.strategy).state_dict_type = "full" if path.endswith(".pt") else "sharded"
             fabric.save(path, {"model": model, "optimizer": opt, "step": 4})
             fresh_model, fresh_opt = build(fabric)
             fresh = {"model": fresh_model, "optimizer": fresh_opt, "step": 0}

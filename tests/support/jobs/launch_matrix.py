@@ -94,7 +94,7 @@ def new_fabric(cell: str) -> Any:
 
 def fabric_cell(fabric: phalanx.Fabric, cell: str, index: int) -> Any:
     name, form, _ = parse(cell)
-    strategy = fabric.strategy
+    strategy: Any = fabric.strategy  # the cell's: its attributes vary
     model = mlp()
     if name == "model_parallel" and form == "str":
         parallelize(model, strategy.device_mesh)  # strategy="model_parallel": the module comes parallelized
@@ -151,7 +151,7 @@ def guarded(run: Any, *args: Any) -> Any:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def fabric_cells(fabric: phalanx.Fabric, cells: Any, carried: Any = None) -> Any:
+def fabric_cells(fabric: phalanx.Fabric | None, cells: list[str], carried: list[Any] | None = None) -> int:
     """``carried``: under launch(fn), the strategy objects of the later cells, configured by a Fabric in the
     launching process and pickled into this one with fn's arguments, as the first cell's strategy was."""
     for index, cell in enumerate(cells):
@@ -163,6 +163,7 @@ def fabric_cells(fabric: phalanx.Fabric, cells: Any, carried: Any = None) -> Any
                 fabric = new_fabric(cell)
             fabric.launch()  # re-runs the script (first cell of `launch`), or joins / takes the group over
         report(fabric, **{cell: guarded(fabric_cell, fabric, cell, index)})
+    assert fabric is not None
     return fabric.global_rank
 
 
@@ -180,7 +181,8 @@ class Regressor(phalanx.Module):
     def configure_model(self) -> None:
         # strategy="model_parallel" has no parallelize_fn: the module parallelizes itself, once.
         if self.parallelize_here and not hasattr(self.net[0].weight, "device_mesh"):
-            parallelize(self, self.trainer.strategy.device_mesh)
+            trainer: Any = self.trainer  # the running Trainer, whose strategy is the cell's
+            parallelize(self, trainer.strategy.device_mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch

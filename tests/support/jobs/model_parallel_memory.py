@@ -5,7 +5,7 @@ Run by tests/strategies/test_model_parallel.py: test_meta_init_materializes_only
 
 import resource
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from job_runner import report
@@ -39,16 +39,18 @@ fabric.seed_everything(3)
 empty = sys.argv[1] == "meta"
 before = peak_mib()
 with fabric.init_module(empty_init=empty):
-    model = Big()
+    model: Any = Big()
 full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 model = fabric.setup_module(model)
 after_setup = peak_mib()
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
-x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(fabric.strategy.distributed_sampler_kwargs()["rank"]))
+shard = fabric.strategy.distributed_sampler_kwargs()
+assert shard is not None
+x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(shard["rank"]))
 fabric.backward(model(x).pow(2).mean())
 opt.step()
 after_step = peak_mib()
 local = {n: float(p.to_local().double().sum()) for n, p in model.module.named_parameters() if n.startswith("blocks.0.")}
 report(fabric, full_mib=full_mib, setup_mib=after_setup - before, step_mib=after_step - before,
-       coords=fabric.strategy.device_mesh.get_coordinate(), local=local,
+       coords=cast(ModelParallelStrategy, fabric.strategy).device_mesh.get_coordinate(), local=local,
        finite=all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters()))

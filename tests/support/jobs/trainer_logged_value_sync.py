@@ -56,7 +56,7 @@ class Reader:
 
 
 count = Count()
-callbacks = [count]
+callbacks: list[Any] = [count]
 if mode == "read":
     reader = Reader()
     callbacks += [reader, ModelCheckpoint(dirpath="ckpt", monitor="avg", every_n_train_steps=4, save_top_k=2)]
