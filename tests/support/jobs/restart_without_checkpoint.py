@@ -1,6 +1,8 @@
 """A 2-rank DDP fit with max_restarts=1 whose rank 1 exits at step 2 of its first attempt, with nothing to resume from
 (run by tests/trainer/test_survival.py)."""
 
+from __future__ import annotations
+
 import os
 from typing import Any
 

@@ -3,6 +3,8 @@
 Run by tests/trainer/test_resume_other_batch.py: test_ddp_checkpoint_resumes_on_one_process_and_with_a_smaller_batch.
 """
 
+from __future__ import annotations
+
 import logging
 from typing import Any
 

@@ -3,6 +3,8 @@
 Run by tests/trainer/test_trainer_guards.py: test_step_metrics_sync_only_where_consumed_yet_identical_everywhere.
 """
 
+from __future__ import annotations
+
 import sys
 from typing import Any
 

@@ -1,6 +1,8 @@
 """A fit named argv[1] (``first`` or ``second``) that snapshots every step into the folder of default_root_dir
 argv[2]; the first holds step 2 until the second has tried (run by tests/trainer/test_survival.py)."""
 
+from __future__ import annotations
+
 import sys
 import time
 from pathlib import Path
