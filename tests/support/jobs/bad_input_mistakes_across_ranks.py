@@ -28,7 +28,7 @@ def case(name: str, fn: Any) -> None:
         out[name] = (type(err).__name__, str(err), time.monotonic() - start)
 
 data = TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
-# type: ignore: torch's stub asks for a sequence of floats; a tensor of weights works the same.
+# torch's stub asks for a sequence of floats; a tensor of weights works the same.
 weighted = DataLoader(data, sampler=WeightedRandomSampler(torch.ones(12), 12), batch_size=4)  # type: ignore[arg-type]
 case("sampler", lambda: fabric.setup_dataloaders(weighted))
 # A collective on rank 0 only; rank 1 goes straight on to the next one.
