@@ -2,16 +2,20 @@
 (tests/strategies/test_compile_checkpointing.py): 4 SGD steps on global batches of 8, each rank taking its
 data-parallel part, on the model of tests/support/model_parallel_models.py."""
 
+from typing import Any
+
 import torch
 from model_parallel_models import FeedForward, full_params, make_data, make_model
+
+import phalanx
 
 __all__ = ["FeedForward", "calls", "last", "train"]  # FeedForward: the block class the policies name
 
 calls = [0]
-last = []  # the set-up model of the latest run, for in-process checks
+last: list[Any] = []  # the set-up model of the latest run, for in-process checks
 
 
-def train(fabric):
+def train(fabric: phalanx.Fabric) -> dict[str, Any]:
     model = make_model()
     for block in model.blocks:
         block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))

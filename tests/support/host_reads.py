@@ -47,7 +47,7 @@ class HostReads(TorchFunctionMode):
                 frame = frame.f_back  # type: ignore[assignment]
             file = frame.f_code.co_filename if frame is not None else ""
             if file.startswith(SOURCE) and file != LATE:
-                self.reads[f"{file[len(SOURCE):]}:{frame.f_lineno} ({name})"] += 1  # type: ignore[union-attr]
+                self.reads[f"{file[len(SOURCE):]}:{frame.f_lineno} ({name})"] += 1
         return func(*args, **(kwargs or {}))
 
     @property

@@ -117,8 +117,11 @@ def run_logs(tmp_path: Path) -> str:
     return "".join(path.read_text(errors="replace") for path in logs)
 
 
-def report(fabric: Any = None, rank: int | None = None, **values: Any) -> None:
-    """Called inside a job: record JSON-able values (tensors become lists) for this rank."""
+def report(fabric: Any = None, /, **values: Any) -> None:
+    """Called inside a job: record JSON-able values (tensors become lists) for this rank: the fabric's, else the
+    `rank=` keyword's (default 0). `rank` is read from `values` so that `report(fabric, **{key: value})` type-checks
+    for any key."""
+    rank = values.pop("rank", None)
     rank = fabric.global_rank if fabric is not None else (rank or 0)
     out = Path(os.environ["PHALANX_TEST_OUT"]) / f"rank{rank}.json"
     current = json.loads(out.read_text()) if out.exists() else {}

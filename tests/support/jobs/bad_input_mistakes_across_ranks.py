@@ -2,6 +2,7 @@
 shapes, call sites), each caught; the ranks stay in step (run by tests/fabric/test_bad_input.py)."""
 
 import time
+from typing import Any
 
 import torch
 from job_runner import report
@@ -16,9 +17,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = fabric.setup(model, opt)
-out = {}
+out: dict[str, Any] = {}
 
-def case(name, fn):
+def case(name: str, fn: Any) -> None:
     start = time.monotonic()
     try:
         fn()
@@ -27,7 +28,8 @@ def case(name, fn):
         out[name] = (type(err).__name__, str(err), time.monotonic() - start)
 
 data = TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
-weighted = DataLoader(data, sampler=WeightedRandomSampler(torch.ones(12), 12), batch_size=4)
+# torch's stub asks for a sequence of floats; a tensor of weights works the same.
+weighted = DataLoader(data, sampler=WeightedRandomSampler(torch.ones(12), 12), batch_size=4)  # type: ignore[arg-type]
 case("sampler", lambda: fabric.setup_dataloaders(weighted))
 # A collective on rank 0 only; rank 1 goes straight on to the next one.
 case("save", lambda: fabric.save("x.ckpt", {"model": model}) if r == 0 else fabric.all_gather(torch.zeros(1)))
@@ -43,7 +45,7 @@ else:
 # alone (no collectives inside) is not mistaken for a desync.
 own = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4) + r, torch.randn(8, 1)),
                                           batch_size=4), use_distributed_sampler=False)
-def train():
+def train() -> None:
     for _ in range(2):
         for x, y in own:
             fabric.backward((model(x) - y).pow(2).mean())

@@ -5,6 +5,7 @@ Run by tests/checkpoint/test_checkpoint_layer.py: test_real_full_disk_and_read_o
 
 import subprocess
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -19,14 +20,14 @@ small = fabric.setup(torch.nn.Linear(16, 16))
 big = fabric.setup(torch.nn.Linear(1024, 1024))  # 4 MiB: does not fit on the 2 MiB filesystem
 out = {}
 
-def attempt(name, fn):
+def attempt(name: str, fn: Any) -> None:
     try:
         fn()
         out[name] = None
     except CheckpointError as err:
         out[name] = str(err)
 
-def load_step(path):
+def load_step(path: Any) -> Any:
     state = {"model": small, "step": -1}
     fabric.load(path, state)
     return state["step"]

@@ -23,7 +23,7 @@ trainer = phalanx.Trainer(devices=2, strategy=strategy, max_epochs=3, accumulate
                           **quiet(enable_checkpointing=True))
 # deterministic=True also fills every torch.empty with NaN; DeepSpeed allocates its 5e8-element gradient
 # buckets that way on every step (~10 s per batch here). The kernels stay deterministic without it.
-torch.utils.deterministic.fill_uninitialized_memory = False
+torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]  # a flag torch's stubs lack
 model = Regressor(optimizer="adam", lr=0.01, dropout=0.3)  # dropout: each rank's RNG stream matters
 trainer.fit(model, loader(48, 3, shuffle=True), ckpt_path="last" if mode == "resume" else None)
 report(trainer.fabric, params=flat(model), step=trainer.global_step, resumed_from=trainer.ckpt_path,

@@ -4,11 +4,13 @@ Run by tests/checkpoint/test_checkpoint_layer.py: test_a_failure_on_one_rank_rea
 """
 
 import math
+from typing import Any, cast
 
 import torch
 from job_runner import report
 
 import phalanx
+from phalanx.strategies import FSDPStrategy
 from phalanx.utils.errors import CheckpointError
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
@@ -17,16 +19,16 @@ r = fabric.global_rank
 model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
 
 class FailsOnRankZero:
-    def state_dict(self):
+    def state_dict(self) -> Any:
         if r == 0:
             raise ValueError("cannot serialize the sampler")
         return {}
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Any) -> None:
         pass
 
-out = {}
+out: dict[str, Any] = {}
 for form in ("sharded", "full"):
-    fabric.strategy.state_dict_type = form
+    cast(FSDPStrategy, fabric.strategy).state_dict_type = form
     path = "good" if form == "sharded" else "good.pt"
     fabric.save(path, {"model": model, "step": 1})
     try:

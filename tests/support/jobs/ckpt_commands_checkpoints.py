@@ -5,26 +5,28 @@ Run by tests/cli/test_ckpt.py: saved.
 
 import subprocess
 import sys
+from typing import Any, cast
 
 import torch
 from ckpt_command_models import Holder, mlp, tokens
 from job_runner import report
 
 import phalanx
+from phalanx.strategies import FSDPStrategy
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()
 r = fabric.global_rank
 
-def flat_params(model):
+def flat_params(model: Any) -> Any:
     return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
                       for p in model.parameters()])
 
-def build():
+def build() -> Any:
     model = mlp()
     return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
 
-def opt_state(model, opt):
+def opt_state(model: Any, opt: Any) -> Any:
     st = opt.state
     return torch.cat([(st[p][k].full_tensor() if hasattr(st[p][k], "full_tensor") else st[p][k]).reshape(-1).double()
                       for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
@@ -37,9 +39,9 @@ for _step in range(2):
     opt.step()
 state = {"model": model, "optimizer": opt, "step": 2, "note": "hi"}
 fabric.save("ckpt", state)  # sharded (the default under fsdp)
-fabric.strategy.state_dict_type = "full"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "full"
 fabric.save("ckpt.pt", state)
-fabric.strategy.state_dict_type = "sharded"
+cast(FSDPStrategy, fabric.strategy).state_dict_type = "sharded"
 report(fabric, params=flat_params(model), opt=opt_state(model, opt))
 
 gpt = Holder()

@@ -3,6 +3,8 @@
 Run by tests/cli/test_ckpt.py: test_deepspeed_directory_converts_to_every_target.
 """
 
+from typing import cast
+
 import torch
 from ckpt_command_models import mlp
 
@@ -18,5 +20,5 @@ for _step in range(2):
     opt.step()
     opt.zero_grad()
 fabric.save("ds", {"model": model, "optimizer": opt, "step": 2})
-fabric.strategy.state_dict_type = "full"
+cast(DeepSpeedStrategy, fabric.strategy).state_dict_type = "full"
 fabric.save("ds.pt", {"model": model, "optimizer": opt, "step": 2})

@@ -6,6 +6,7 @@ Each rank reports the error its attempt raised (or None), the message and the se
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ model = fabric.setup(torch.nn.Linear(3, 1))
 r = fabric.global_rank
 
 
-def attempt(fn):
+def attempt(fn: Any) -> None:
     start = time.monotonic()
     try:
         fn()
@@ -38,7 +39,7 @@ elif SCENARIO == "barrier_vs_exit":
         attempt(lambda: fabric.barrier("sync after eval"))
 
 elif SCENARIO == "save_vs_training":
-    def step():
+    def step() -> None:
         fabric.backward(model(torch.randn(4, 3)).sum())
     step()
     attempt(lambda: fabric.save("a.ckpt", {"model": model}) if r == 0 else step())
@@ -47,7 +48,7 @@ elif SCENARIO == "raw_barrier":
     attempt(lambda: fabric.all_reduce(torch.ones(2)) if r == 0 else dist.barrier())
 
 elif SCENARIO == "slow_rank":
-    def slow_then_barrier():
+    def slow_then_barrier() -> None:
         if r == 1:
             time.sleep(1.5 * float(os.environ["PHALANX_GUARD_TIMEOUT"]))  # past the guard bound: alive, on its way
         fabric.barrier("after slow work")
@@ -58,7 +59,7 @@ elif SCENARIO == "shapes":
     attempt(lambda: fabric.all_reduce(torch.ones(2 + r)))
 
 elif SCENARIO == "call_sites":
-    def branchy():
+    def branchy() -> None:
         if r == 0:
             fabric.barrier()
         else:

@@ -5,6 +5,8 @@ test_compile_equivalence.
 """
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from compile_training import train
@@ -16,7 +18,10 @@ from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 torch.set_num_threads(1)
 kind, option = sys.argv[1], sys.argv[2]
-options = {"ac": {"activation_checkpointing_policy": {FeedForward}}, "compile": {"compile": True}}[option]
+OPTIONS: dict[str, dict[str, Any]] = {"ac": {"activation_checkpointing_policy": {FeedForward}},
+                                      "compile": {"compile": True}}
+options = OPTIONS[option]
+strategy: Callable[[], Any]
 strategy, devices = {
     "ddp": (lambda: DDPStrategy(**options), 2),
     "fsdp": (lambda: FSDPStrategy(**options), 2),

@@ -13,7 +13,7 @@ import phalanx
 HOW, WHO = sys.argv[1], sys.argv[2]
 
 
-def train(fabric):
+def train(fabric: phalanx.Fabric) -> None:
     model = torch.nn.Linear(4, 1)
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(4):

@@ -4,6 +4,7 @@ Run by tests/distributed/test_failure_output.py.
 """
 
 import sys
+from typing import Any
 
 from trainer_support import Regressor, loader, quiet
 
@@ -13,7 +14,7 @@ WHO = sys.argv[1]
 
 
 class Crashing(Regressor):
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
         print(f"rank {self.global_rank} batch {batch_idx}", flush=True)
         if batch_idx == 2 and (WHO == "both" or self.global_rank == 1):
             raise ValueError(f"bad batch at step {batch_idx}")  # the line the summary names

@@ -3,6 +3,8 @@
 Run by tests/strategies/test_ddp.py.
 """
 
+from typing import Any
+
 import torch
 from job_runner import report
 
@@ -12,7 +14,7 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2)
 fabric.launch()
 r = fabric.global_rank
 t = torch.tensor([1.0, 2.0]) * (r + 1)
-def fresh():
+def fresh() -> Any:
     return t.clone()  # all_reduce writes its result into its input (Lightning's meaning)
 order = []
 with fabric.rank_zero_first():

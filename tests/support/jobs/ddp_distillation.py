@@ -3,6 +3,9 @@
 Run by tests/strategies/test_ddp.py: test_distillation_call_paths_sync_gradients.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from ddp_models import Distill, make_data
 from job_runner import report
@@ -12,17 +15,17 @@ from phalanx.strategies import DDPStrategy
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(verify_sync=True))
 fabric.launch()
-model = Distill()
+model: Any = Distill()
 opt = torch.optim.SGD(model["student"].parameters(), lr=0.1)
 stale_student = model["student"]  # a reference kept from before setup
 model, opt = fabric.setup(model, opt)
 x, _ = make_data()
 xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
 
-def mse(a, b):
+def mse(a: Any, b: Any) -> Any:
     return ((a - b) ** 2).mean()
 
-paths = {
+paths: dict[str, Callable[[], torch.Tensor]] = {
     "attribute": lambda: mse(model.student(xb), model.teacher(xb).detach()),
     "item": lambda: mse(model["student"](xb), model["teacher"](xb).detach()),
     "teacher_with_grad": lambda: mse(model.student(xb), model.teacher(xb)),

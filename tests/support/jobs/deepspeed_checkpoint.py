@@ -6,6 +6,7 @@ test_zero3_save_refuses_incomplete_dirs_and_full_file_loads_into_plain_torch.
 
 import os
 import sys
+from typing import Any, cast
 
 import torch
 from deepspeed_mlp import CountingSGD, batches, flat, make_model, reference, train
@@ -22,12 +23,12 @@ model = make_model()
 model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1, momentum=0.9))
 X, Y = batches(4)
 state = {"model": model, "optimizer": opt, "step": 0}
-out = {}
+out: dict[str, Any] = {}
 if mode == "save":
     train(fabric, model, opt, X, Y, range(2), world)
     state["step"] = 2
     fabric.save("ckpt", state)
-    fabric.strategy.state_dict_type = "full"
+    cast(DeepSpeedStrategy, fabric.strategy).state_dict_type = "full"
     fabric.save("full.pt", state)
     train(fabric, model, opt, X, Y, range(2, 4), world)
     # a save killed before its meta file was written: load must refuse the directory

@@ -3,6 +3,8 @@
 Run by tests/strategies/test_deepspeed.py: test_misuse_raises_like_ddp_and_clipping_maps_to_deepspeed.
 """
 
+from typing import Any, cast
+
 import torch
 from deepspeed_mlp import CountingSGD, W, batches, make_model
 from job_runner import report
@@ -17,8 +19,8 @@ fabric.launch()
 model = make_model()
 model, opt = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1))
 X, Y = batches(1)
-errors = {}
-def attempt(name, fn):
+errors: dict[str, Any] = {}
+def attempt(name: str, fn: Any) -> None:
     try:
         fn()
     except (GradientSyncError, MisconfigurationError) as err:
@@ -39,5 +41,5 @@ assert fabric.clip_gradients(model, opt, max_norm=1e-3) is None
 opt.step()
 opt.zero_grad()
 moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.module.parameters(), before)])
-norm = fabric.strategy.engine.get_global_grad_norm()
+norm = cast(DeepSpeedStrategy, fabric.strategy).engine.get_global_grad_norm()
 report(fabric, errors=errors, calls=CountingSGD.calls, update_norm=float(moved.norm()), grad_norm=float(norm))

@@ -11,8 +11,16 @@ atexit.register(lambda: open(f"frozen-{os.environ.get('RANK', 'launcher')}", "w"
 
 import torch  # noqa: E402, F401  (imported after the recorder above, as a training script would)
 
-real, calls = gc.freeze, []
-gc.freeze = lambda: (calls.append(1), real())[1]
+real = gc.freeze
+calls: list[int] = []
+
+
+def counting_freeze() -> None:
+    calls.append(1)
+    real()
+
+
+gc.freeze = counting_freeze
 atexit.register(lambda: open("calls", "w").write(str(len(calls))))
 from phalanx.utils.exiting import freeze_at_exit  # noqa: E402
 

@@ -6,6 +6,7 @@ test_direct_call_of_unsharded_child_raises.
 
 import sys
 import warnings
+from typing import Any
 
 import torch
 from fsdp_models import Block, Distill, Net, Teacher, full_grads, make_data, make_model
@@ -21,17 +22,17 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto
 fabric.launch()
 x, _ = make_data()
 xb = x[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
-model = make_model(Distill)
+model: Any = make_model(Distill)
 model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
-def errors(fn):
+def errors(fn: Any) -> Any:
     try:
         fn()
         return None
     except MisconfigurationError as err:
         return str(err)
 
-def distill_step():
+def distill_step() -> None:
     # The distillation pattern: the student is called directly, before the root ever ran forward.
     loss = ((model.student(xb) - model.teacher(xb)) ** 2).mean()
     fabric.backward(loss)

@@ -4,6 +4,7 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,12 +22,12 @@ model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
 model(torch.randn(2, 512)).sum().backward()
 opt.step()
 
-def fill(step):
+def fill(step: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float(step))
 
-def save(step):
+def save(step: int) -> Any:
     fill(step)
     handle = fabric.save("ckpt", {"model": model, "optimizer": opt, "step": step})
     fill(-step)  # training overwrites the parameters while an asynchronous write runs: its copy must not see it

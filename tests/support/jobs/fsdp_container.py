@@ -3,6 +3,8 @@
 Run by tests/strategies/test_fsdp_container.py: test_module_dict_distillation_under_fsdp_equals_one_process.
 """
 
+from typing import Any
+
 import torch
 from fsdp_container_models import loss_of, make_data, make_model
 from job_runner import report
@@ -22,7 +24,7 @@ for step in range(3):  # windows of 2 micro-batches of 4 samples per rank
             fabric.backward(loss_of(model, x[start : start + 4]) / 2)
     opt.step()
     opt.zero_grad()
-def full(m):
+def full(m: Any) -> Any:
     return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
                       for p in m.parameters()])
 

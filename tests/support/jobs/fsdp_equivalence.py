@@ -30,7 +30,9 @@ norms = []
 for i in range(0, 32, 8):
     opt.zero_grad()
     fabric.backward(ce(model(x[i + 4 * r : i + 4 * r + 4]), y[i + 4 * r : i + 4 * r + 4]))
-    norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+    norm = fabric.clip_gradients(model, opt, max_norm=0.5)
+    assert norm is not None
+    norms.append(norm.item())
     opt.step()
 report(fabric, a=full_params(model), a_norms=norms)
 

@@ -3,6 +3,8 @@
 Run by tests/strategies/test_fsdp.py: test_clipping_by_any_norm_and_by_value_equals_single_process.
 """
 
+from typing import Any
+
 import torch
 from fsdp_models import Block, Distill, Net, Teacher, full_grads, full_params, make_data, make_model
 from job_runner import report
@@ -20,8 +22,9 @@ model = fabric.setup_module(make_model())
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
 norms = []
 utils, get_total_norm = torch.nn.utils, torch.nn.utils.get_total_norm
-for i, clip in zip(range(0, 32, 8), ({"max_norm": 0.05, "norm_type": float("inf")}, {"clip_val": 0.01},
-                                      {"max_norm": 0.1, "norm_type": 1.0}, {"max_norm": 0.05})):
+clips: tuple[dict[str, Any], ...] = ({"max_norm": 0.05, "norm_type": float("inf")}, {"clip_val": 0.01},
+                                     {"max_norm": 0.1, "norm_type": 1.0}, {"max_norm": 0.05})
+for i, clip in zip(range(0, 32, 8), clips):
     opt.zero_grad()
     lo = i + 4 * r
     fabric.backward(torch.nn.functional.cross_entropy(model(x[lo : lo + 4]), y[lo : lo + 4]))

@@ -8,6 +8,7 @@ tests/strategies/test_fsdp_hybrid.py.
 import glob
 import json
 import sys
+from typing import Any, cast
 
 import torch
 from fsdp_models import Block, Net, full, full_params, make_data, make_model
@@ -18,7 +19,7 @@ import phalanx
 from phalanx.strategies import FSDPStrategy
 
 
-def decode(key, value):
+def decode(key: Any, value: Any) -> Any:
     """JSON's lists back into what FSDPStrategy takes: a mesh shape is a tuple, a policy a set of classes."""
     if key.endswith("_policy"):
         return {Block} if value == ["Block"] else value
@@ -32,10 +33,10 @@ x, y = make_data()
 ce = torch.nn.functional.cross_entropy
 NORM_TYPES = (2.0, float("inf"), 1.0, 2.0)
 
-def opt_state(model, opt):
+def opt_state(model: Any, opt: Any) -> Any:
     return torch.cat([full(opt.state[p][k]) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")])
 
-def build(fabric):
+def build(fabric: phalanx.Fabric) -> Any:
     model = make_model()
     return fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
 
@@ -50,7 +51,7 @@ for name, kwargs, precision in CASES:
     fabric = phalanx.Fabric(accelerator="cpu", devices=DEVICES, strategy=FSDPStrategy(**kwargs), precision=precision)
     fabric.launch()
     r, n = fabric.global_rank, 8 // DEVICES
-    mesh = fabric.strategy.mesh
+    mesh = cast(FSDPStrategy, fabric.strategy).mesh
     model, opt = build(fabric)
     norms, unreduced = [], []
     for step, i in enumerate(range(0, 32, 8)):
@@ -61,7 +62,9 @@ for name, kwargs, precision in CASES:
                 fabric.backward(ce(model(x[lo : lo + half]), y[lo : lo + half]) / 2)
             if micro == 0:  # no reduce-scatter nor all-reduce ran: no sharded gradient exists yet
                 unreduced.append(all(p.grad is None for p in model.parameters()))
-        norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.25, norm_type=NORM_TYPES[step])))
+        norm = fabric.clip_gradients(model, opt, max_norm=0.25, norm_type=NORM_TYPES[step])
+        assert norm is not None
+        norms.append(float(norm))
         opt.step()
     weight = model.inp.weight
     report(fabric, **{name: full_params(model), name + ":norms": norms, name + ":unreduced": unreduced,
@@ -72,11 +75,11 @@ for name, kwargs, precision in CASES:
     if name.startswith("hybrid") or name == "no_shard":
         # Replicas created from different random streams (ranks seeded differently, with empty_init too) are made
         # equal at setup: verify_in_sync compares every tensor a rank holds whole.
-        in_sync = []
+        in_sync: list[bool | str] = []
         for empty_init in (False, True):
             torch.manual_seed(100 + r)
             with fabric.init_module(empty_init=empty_init):
-                other = Net()
+                other: Any = Net()
             other = fabric.setup_module(other)
             try:
                 fabric.verify_in_sync(other)
@@ -93,7 +96,7 @@ for name, kwargs, precision in CASES:
     if name.startswith("hybrid"):
         params, state = full_params(model), opt_state(model, opt)
         for path in (f"ckpt-{name}", f"ckpt-{name}.pt"):
-            fabric.strategy.state_dict_type = "full" if path.endswith(".pt") else "sharded"
+            cast(FSDPStrategy, fabric.strategy).state_dict_type = "full" if path.endswith(".pt") else "sharded"
             fabric.save(path, {"model": model, "optimizer": opt, "step": 4})
             fresh_model, fresh_opt = build(fabric)
             fresh = {"model": fresh_model, "optimizer": fresh_opt, "step": 0}

@@ -7,6 +7,7 @@ and its message (run by tests/fabric/test_bad_input.py).
 """
 
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -17,7 +18,7 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 fabric.launch()
 
 
-def attempt(fn):
+def attempt(fn: Any) -> None:
     try:
         fn()
         report(fabric, error="none", message="")

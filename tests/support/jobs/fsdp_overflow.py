@@ -4,12 +4,14 @@ Run by tests/strategies/test_fsdp.py: test_sixteen_mixed_overflow_in_one_shard_s
 """
 
 import sys
+from typing import Any, cast
 
 import torch
 from fsdp_models import full_params, make_data, make_model
 from job_runner import report
 
 import phalanx
+from phalanx.precision import MixedPrecision
 from phalanx.strategies import FSDPStrategy
 
 # argv[1] names the strategy: "fsdp", or "hybrid" (hybrid sharding's 2-D mesh (replicate, shard) = (1, 2))
@@ -20,9 +22,11 @@ x, y = make_data()
 r = fabric.global_rank
 model = fabric.setup_module(make_model())
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-scaler = fabric.strategy.precision.scaler
+precision = cast(MixedPrecision, fabric.strategy.precision)
+assert precision.scaler is not None
+scaler = precision.scaler
 
-def step(poison, clip):
+def step(poison: Any, clip: Any) -> Any:
     before, scale = full_params(model), scaler.get_scale()
     opt.zero_grad()
     fabric.backward(torch.nn.functional.cross_entropy(model(x[:4]), y[:4]))

@@ -4,6 +4,7 @@ Run by tests/strategies/test_fsdp.py: test_empty_init_and_mixed_precision.
 """
 
 import sys
+from typing import Any, cast
 
 import torch
 from fsdp_models import Net, full_params, make_data
@@ -11,6 +12,7 @@ from job_runner import report
 from torch import nn
 
 import phalanx
+from phalanx.precision import MixedPrecision
 from phalanx.utils.errors import MisconfigurationError
 
 PRECISION = sys.argv[1]
@@ -22,7 +24,7 @@ r = fabric.global_rank
 # empty_init: parameters on the meta device, only local shards materialized at setup.
 torch.manual_seed(0)
 with fabric.init_module(empty_init=True):
-    model = Net()
+    model: Any = Net()
 report(fabric, meta_before=all(p.is_meta for p in model.parameters()))
 model = fabric.setup_module(model)
 opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -32,7 +34,7 @@ report(fabric, meta_after=any(p.is_meta or p.to_local().is_meta for p in model.p
        param_dtype=str(w.dtype), init_std=float(w.full_tensor().std()))
 dtypes = []
 model.blocks[0].l1.register_forward_hook(lambda m, a, out: dtypes.append(str(a[0].dtype)))
-def full_data_loss():
+def full_data_loss() -> Any:
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(x), y))
 
@@ -47,7 +49,7 @@ for _ in range(3):  # three epochs over the 32 samples, 8 per step (4 per rank)
 report(fabric, losses=losses, compute_dtype=dtypes[0], grad_dtype=str(w.grad.dtype))
 
 class NoReset(nn.Module):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
 
@@ -62,10 +64,12 @@ except MisconfigurationError as err:
 if PRECISION == "16-mixed":
     # An overflow on one rank only must skip the step on every rank (shards would diverge otherwise).
     before = full_params(model)
-    scale = fabric.strategy.precision.scaler.get_scale()
+    scaler = cast(MixedPrecision, fabric.strategy.precision).scaler
+    assert scaler is not None
+    scale = scaler.get_scale()
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x[:4]), y[:4])
     fabric.backward(loss * (float("inf") if r == 1 else 1.0))
     opt.step()
     report(fabric, skipped=bool(torch.equal(before, full_params(model))),
-           scale_ratio=fabric.strategy.precision.scaler.get_scale() / scale)
+           scale_ratio=scaler.get_scale() / scale)

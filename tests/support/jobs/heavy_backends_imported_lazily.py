@@ -2,6 +2,7 @@
 tests/strategies/test_registry.py)."""
 
 import sys
+from typing import Any
 
 import phalanx  # noqa: F401
 import phalanx.strategies as s
@@ -10,7 +11,7 @@ heavy = ("phalanx.strategies.fsdp", "phalanx.strategies.model_parallel", "phalan
          "torch.distributed.fsdp", "deepspeed")
 
 
-def loaded():
+def loaded() -> Any:
     return sorted(m for m in sys.modules if m.startswith(heavy))
 
 

@@ -4,6 +4,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ LR = 0.05
 torch.set_num_threads(1)  # two ranks share the CPU cores
 
 
-def parallelize(module, device_mesh):
+def parallelize(module: Any, device_mesh: Any) -> Any:
     """Megatron-style MLP on the tensor-parallel ranks, then FSDP2 over the data-parallel ones."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -30,7 +31,7 @@ def parallelize(module, device_mesh):
     return module
 
 
-def make_strategy(name, form):
+def make_strategy(name: str, form: Any) -> Any:
     if form == "str":
         return name
     if name == "ddp":
@@ -44,27 +45,27 @@ def make_strategy(name, form):
     raise ValueError(name)
 
 
-def parse(cell):
+def parse(cell: str) -> Any:
     name, form, precision = cell.split(",")
     return name, form, precision
 
 
-def mlp():
+def mlp() -> Any:
     torch.manual_seed(7)  # the same initial weights on every rank and in the reference
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
-def data():
+def data() -> Any:
     gen = torch.Generator().manual_seed(11)
     # [step, data-parallel shard, sample, feature]: two shards of 4 samples per step
     return torch.randn(STEPS + 2, 2, 4, 8, generator=gen), torch.randn(STEPS + 2, 2, 4, 1, generator=gen)
 
 
-def flat(state):
+def flat(state: Any) -> Any:
     return torch.cat([state[key].detach().reshape(-1).double().cpu() for key in sorted(state)])
 
 
-def reference():
+def reference() -> Any:
     """One process, plain torch, on the concatenated batches of both data-parallel shards."""
     X, Y = data()
     model = mlp()
@@ -79,21 +80,21 @@ def reference():
     return losses, flat({"net." + k: v for k, v in model.state_dict().items()})
 
 
-def describe(strategy):
+def describe(strategy: Any) -> Any:
     mesh = getattr(strategy, "device_mesh", None) if type(strategy).__name__ == "ModelParallelStrategy" else None
     return {"class": type(strategy).__name__, "precision": strategy.precision.name, "world": strategy.world_size,
             "mesh": None if mesh is None else list(mesh.shape)}
 
 
 # ------------------------------------------------------------------------------------------- Fabric
-def new_fabric(cell):
+def new_fabric(cell: str) -> Any:
     name, form, precision = parse(cell)
     return phalanx.Fabric(accelerator="cpu", devices=2, strategy=make_strategy(name, form), precision=precision)
 
 
-def fabric_cell(fabric, cell, index):
+def fabric_cell(fabric: phalanx.Fabric, cell: str, index: int) -> Any:
     name, form, _ = parse(cell)
-    strategy = fabric.strategy
+    strategy: Any = fabric.strategy  # the cell's: its attributes vary
     model = mlp()
     if name == "model_parallel" and form == "str":
         parallelize(model, strategy.device_mesh)  # strategy="model_parallel": the module comes parallelized
@@ -101,12 +102,12 @@ def fabric_cell(fabric, cell, index):
     shards = strategy.distributed_sampler_kwargs()
     X, Y = data()
 
-    def batch(step):
+    def batch(step: int) -> Any:
         if shards["num_replicas"] == 2:
             return X[step, shards["rank"]], Y[step, shards["rank"]]
         return X[step].reshape(-1, 8), Y[step].reshape(-1, 1)  # one replica (tensor parallel): all of it
 
-    def train(step):
+    def train(step: int) -> Any:
         x, y = batch(step)
         loss = F.mse_loss(model(x).float(), y)
         fabric.backward(loss)
@@ -114,7 +115,7 @@ def fabric_cell(fabric, cell, index):
         opt.zero_grad()
         return float(fabric.all_reduce(loss.detach().clone(), reduce_op="mean"))
 
-    def params():
+    def params() -> Any:
         return flat({"net." + k: v for k, v in strategy.module_state_dict(model.module).items()})
 
     losses = [train(step) for step in range(STEPS)]
@@ -140,7 +141,7 @@ def fabric_cell(fabric, cell, index):
     }
 
 
-def guarded(run, *args):
+def guarded(run: Any, *args: Any) -> Any:
     """A cell that raises (on every rank alike, e.g. a refused setup) is reported; the next cells still run."""
     start = time.perf_counter()
     try:
@@ -150,7 +151,7 @@ def guarded(run, *args):
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def fabric_cells(fabric, cells, carried=None):
+def fabric_cells(fabric: phalanx.Fabric | None, cells: list[str], carried: list[Any] | None = None) -> int:
     """``carried``: under launch(fn), the strategy objects of the later cells, configured by a Fabric in the
     launching process and pickled into this one with fn's arguments, as the first cell's strategy was."""
     for index, cell in enumerate(cells):
@@ -162,43 +163,45 @@ def fabric_cells(fabric, cells, carried=None):
                 fabric = new_fabric(cell)
             fabric.launch()  # re-runs the script (first cell of `launch`), or joins / takes the group over
         report(fabric, **{cell: guarded(fabric_cell, fabric, cell, index)})
+    assert fabric is not None
     return fabric.global_rank
 
 
 # ------------------------------------------------------------------------------------------- Trainer
 class Regressor(phalanx.Module):
-    def __init__(self, parallelize_here=False):
+    def __init__(self, parallelize_here: bool = False) -> None:
         super().__init__()
         self.net = mlp()
         self.parallelize_here = parallelize_here
-        self.losses = []
+        self.losses: list[Any] = []
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> Any:
         return self.net(x)
 
-    def configure_model(self):
+    def configure_model(self) -> None:
         # strategy="model_parallel" has no parallelize_fn: the module parallelizes itself, once.
         if self.parallelize_here and not hasattr(self.net[0].weight, "device_mesh"):
-            parallelize(self, self.trainer.strategy.device_mesh)
+            trainer: Any = self.trainer  # the running Trainer, whose strategy is the cell's
+            parallelize(self, trainer.strategy.device_mesh)
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
         loss = F.mse_loss(self(x).float(), y)
         self.log("loss", loss, sync_dist=True)
         return loss
 
-    def on_train_batch_end(self, *args):
+    def on_train_batch_end(self, *args: Any) -> None:
         self.losses.append(float(self.trainer.callback_metrics["loss"]))
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x).float(), y), sync_dist=True)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
-def new_trainer(cell, root):
+def new_trainer(cell: str, root: Any) -> Any:
     name, form, precision = parse(cell)
     return phalanx.Trainer(
         accelerator="cpu", devices=2, strategy=make_strategy(name, form), precision=precision, max_epochs=1,
@@ -207,7 +210,7 @@ def new_trainer(cell, root):
     )
 
 
-def trainer_cell(cell, index):
+def trainer_cell(cell: str, index: int) -> Any:
     name, form, _ = parse(cell)
     X, Y = data()
     train = DataLoader(TensorDataset(X[:STEPS].reshape(-1, 8), Y[:STEPS].reshape(-1, 1)), batch_size=4)
@@ -247,7 +250,7 @@ def trainer_cell(cell, index):
     }
 
 
-def trainer_cells(cells):
+def trainer_cells(cells: Any) -> None:
     for index, cell in enumerate(cells):
         out = guarded(trainer_cell, cell, index)
         report(rank=int(os.environ.get("RANK", "0")), **{cell: out})  # set in the launched processes

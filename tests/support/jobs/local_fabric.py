@@ -5,6 +5,7 @@ Run by tests/fabric/test_local_fabric.py: test_local_fabric_on_one_rank_inside_a
 
 import os
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -30,7 +31,7 @@ model = torch.nn.Linear(4, 2)
 model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 fabric.backward(model(torch.ones(3, 4) * (rank + 1)).sum())
 opt.step()
-out = {"refused": refused}
+out: dict[str, Any] = {"refused": refused}
 if rank == 0:  # rank 1 is already waiting in the job's barrier below
     local = Fabric(accelerator="cpu", devices=1)
     out["before_launch"] = [local.global_rank, local.world_size, local.is_global_zero]

@@ -30,7 +30,8 @@ except MisconfigurationError as err:
 torch.manual_seed(0)
 model = nn.Linear(4, 1)
 model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
+# A tensor is a map-style dataset at run time (it has __getitem__ and __len__).
+loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))  # type: ignore[arg-type]
 for step, x in enumerate(loader, start=1):
     if step == 3 and fabric.global_rank == 1:
         x = x.clone()

@@ -4,6 +4,7 @@ Run by tests/strategies/test_meta_init.py: test_sharded_meta_init_equals_one_pro
 """
 
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -17,7 +18,7 @@ import phalanx
 from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 
 
-def like_litgpt(model, mesh):  # litgpt.finetune.lora.parallelize_fn, without activation checkpointing
+def like_litgpt(model: Any, mesh: Any) -> Any:  # litgpt.finetune.lora.parallelize_fn, without activation checkpointing
     for m in reversed(list(model.modules())):
         if isinstance(m, nn.Linear) and m.weight.requires_grad:
             fully_shard(m, mesh=mesh["data_parallel"])
@@ -25,13 +26,14 @@ def like_litgpt(model, mesh):  # litgpt.finetune.lora.parallelize_fn, without ac
     return model
 
 
-def tensor_parallel(model, mesh):
+def tensor_parallel(model: Any, mesh: Any) -> Any:
     parallelize_module(model, mesh["tensor_parallel"],
                        {"head": ColwiseParallel(), "blocks.0.linear": RowwiseParallel()})
     return model
 
 
-def two_d(model, mesh):  # tensor parallel inside, FSDP across: FSDP shards TP shards (strided placements)
+# tensor parallel inside, FSDP across: FSDP shards TP shards (strided placements)
+def two_d(model: Any, mesh: Any) -> Any:
     tensor_parallel(model, mesh)
     for block in model.blocks:
         fully_shard(block, mesh=mesh["data_parallel"])

@@ -1,5 +1,7 @@
 """ModelParallelStrategy training equals one process (run by tests/strategies/test_model_parallel.py: trained)."""
 
+from typing import cast
+
 import torch
 from job_runner import report
 from model_parallel_models import full_params, make_data, make_model, one_more_step, opt_state, parallelize
@@ -14,7 +16,7 @@ from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 torch.set_num_threads(1)
 fabric = phalanx.Fabric(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(parallelize, 2, 2))
 fabric.launch()
-mesh = fabric.strategy.device_mesh
+mesh = cast(ModelParallelStrategy, fabric.strategy).device_mesh
 dp = mesh["data_parallel"].get_local_rank()
 x, y = make_data()
 ce = torch.nn.functional.cross_entropy
@@ -32,16 +34,18 @@ for i in range(0, 32, 8):
     opt.zero_grad()
     lo = i + 4 * dp
     fabric.backward(ce(model(x[lo : lo + 4]), y[lo : lo + 4]))
-    norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+    norm = fabric.clip_gradients(model, opt, max_norm=0.5)
+    assert norm is not None
+    norms.append(norm.item())
     opt.step()
 report(fabric, a=full_params(model), a_norms=norms)
 
 # Checkpoints of the 2 x 2 run (sharded directory and full file), then one more step for reference.
 state = {"model": model, "optimizer": opt, "step": 4}
 fabric.save("ckpt", state)
-fabric.strategy.state_dict_type = "full"
+cast(ModelParallelStrategy, fabric.strategy).state_dict_type = "full"
 fabric.save("ckpt.pt", state)
-fabric.strategy.state_dict_type = "sharded"
+cast(ModelParallelStrategy, fabric.strategy).state_dict_type = "sharded"
 report(fabric, a_opt=opt_state(model, opt))
 one_more_step(fabric, model, opt)
 report(fabric, a_after=full_params(model))
@@ -79,7 +83,7 @@ cases = {
     "foreign_mesh": lambda model, mesh: fully_shard(model, mesh=init_device_mesh("cpu", (4,))),
 }
 for name, fn in cases.items():
-    fabric.strategy.parallelize_fn = fn
+    cast(ModelParallelStrategy, fabric.strategy).parallelize_fn = fn
     try:
         fabric.setup_module(make_model())
         report(fabric, **{name: None})

@@ -23,6 +23,7 @@ one_more_step(fabric, model, opt)
 expected_next = full_params(model)
 one_more_step(fabric, model, opt)  # away from the snapshot, then back
 latest = fabric.latest_checkpoint("snapshots")
+assert latest is not None
 state = {"model": model, "optimizer": opt, "step": None}
 fabric.load(latest, state)
 restored = torch.equal(full_params(model), saved_params) and torch.equal(opt_state(model, opt), saved_opt)

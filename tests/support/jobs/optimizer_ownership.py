@@ -4,6 +4,7 @@ Run by tests/fabric/test_optimizer_ownership.py: test_foreign_parameters_refused
 """
 
 import sys
+from collections.abc import Callable
 
 import torch
 from job_runner import report
@@ -16,7 +17,8 @@ fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=sys.argv[1])
 fabric.launch()
 torch.manual_seed(0)
 model, helper = nn.Linear(4, 4), nn.Linear(4, 1)  # the loss goes through both; only model is set up
-errors = []
+errors: list[str | None] = []
+build: Callable[[], object]
 for build in (
     lambda: fabric.setup(model, torch.optim.SGD([*model.parameters(), *helper.parameters()], lr=0.1)),
     lambda: fabric.setup_optimizers(torch.optim.SGD(helper.parameters(), lr=0.1)),

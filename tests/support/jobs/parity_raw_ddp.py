@@ -5,6 +5,7 @@ Run by tests/integration/test_parity.py: test_fabric_ddp_equals_raw_torch_ddp_an
 
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = DistributedDataParallel(make_model())
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-sampler = DistributedSampler(dataset(), num_replicas=2, rank=rank, shuffle=False)
+sampler: DistributedSampler[Any] = DistributedSampler(dataset(), num_replicas=2, rank=rank, shuffle=False)
 for epoch in range(2):
     sampler.set_epoch(epoch)
     for x, y in DataLoader(dataset(), batch_size=4, sampler=sampler):

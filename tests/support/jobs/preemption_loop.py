@@ -50,6 +50,7 @@ while state["step"] < 20:
     if fabric.stop_requested():
         path = f"ckpts/step-{state['step']}.ckpt"
         fabric.save(path, state)
+        assert fabric.preemption is not None
         report(fabric, stopped_at=state["step"], stop=fabric.preemption.describe())
         fabric.exit_preempted(path, step=state["step"])
 report(fabric, weights=flat(model), step=state["step"], snapshots=str(fabric.snapshot_dir))

@@ -3,7 +3,10 @@
 Run by tests/trainer/test_resume_other_batch.py: test_ddp_checkpoint_resumes_on_one_process_and_with_a_smaller_batch.
 """
 
+from __future__ import annotations
+
 import logging
+from typing import Any
 
 import torch
 from job_runner import report
@@ -13,17 +16,18 @@ from trainer_support import Regressor, quiet
 
 import phalanx
 
-messages, mode = [], "first"
+messages: list[str] = []
+mode = "first"
 
 
 class Keep(logging.Handler):
-    def emit(self, record):
+    def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("The checkpoint was written with"):
             messages.append(record.getMessage())
 
 
 class Seen(Regressor):
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y, idx = batch
         with open(f"seen_{mode}_{self.trainer.global_rank}.txt", "a") as fh:
             fh.writelines(f"{self.trainer.current_epoch} {int(i)} {batch_idx}\n" for i in idx)
@@ -31,7 +35,8 @@ class Seen(Regressor):
 
 
 class SaveAt:
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: phalanx.Trainer, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if trainer.global_step == 5 and not trainer.in_window:
             trainer.save_checkpoint("mid.ckpt")
 

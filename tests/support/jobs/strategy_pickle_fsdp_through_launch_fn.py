@@ -3,6 +3,8 @@
 Run by tests/strategies/test_strategy_pickle.py.
 """
 
+from typing import Any
+
 import torch
 from job_runner import report
 from torch import nn
@@ -11,7 +13,7 @@ import phalanx
 from phalanx.strategies import FSDPStrategy
 
 
-def work(fabric):
+def work(fabric: phalanx.Fabric) -> Any:
     fabric.seed_everything(3)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -5,6 +5,7 @@ Run by tests/fabric/test_bad_input.py: test_fsdp_refuses_a_gloo_whose_reduce_sca
 """
 
 import os
+from typing import Any
 
 import torch.distributed as dist
 from job_runner import report
@@ -14,10 +15,11 @@ from phalanx.utils.errors import MisconfigurationError
 
 real = dist.reduce_scatter_tensor
 
-def summing(output, input, op=dist.ReduceOp.SUM, **kwargs):  # what gloo did with AVG before the fix
+# what gloo did with AVG before the fix
+def summing(output: Any, input: Any, op: Any = dist.ReduceOp.SUM, **kwargs: Any) -> Any:
     return real(output, input, op=dist.ReduceOp.SUM, **kwargs)
 
-dist.reduce_scatter_tensor = summing
+dist.reduce_scatter_tensor = summing  # type: ignore[assignment]  # the job injects gloo's old behaviour
 fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
 try:
     fabric.launch()

@@ -3,7 +3,10 @@
 Run by tests/trainer/test_trainer_guards.py: test_step_metrics_sync_only_where_consumed_yet_identical_everywhere.
 """
 
+from __future__ import annotations
+
 import sys
+from typing import Any
 
 import torch
 from job_runner import report
@@ -22,7 +25,7 @@ class Logs(Regressor):
     on_before_optimizer_step = phalanx.Module.on_before_optimizer_step
     optimizer_step = phalanx.Module.optimizer_step
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self(x), y)
         if self.current_epoch == 0:  # epoch 1 logs nothing: the baseline of collectives per epoch
@@ -32,29 +35,30 @@ class Logs(Regressor):
 
 
 class Count:
-    def __init__(self):
-        self.per_epoch = []
+    def __init__(self) -> None:
+        self.per_epoch: list[Any] = []
 
-    def on_train_epoch_start(self, trainer, module):
+    def on_train_epoch_start(self, trainer: phalanx.Trainer, module: Any) -> None:
         self.start = trainer.fabric.strategy.collectives_issued()
 
-    def on_train_epoch_end(self, trainer, module):
+    def on_train_epoch_end(self, trainer: phalanx.Trainer, module: Any) -> None:
         self.per_epoch.append(trainer.fabric.strategy.collectives_issued() - self.start)
 
 
 class Reader:
     '''Reads callback_metrics every batch: on every rank, and on rank 0 alone (which must not hang).'''
-    def __init__(self):
-        self.seen = []
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: phalanx.Trainer, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if trainer.is_global_zero:
             float(trainer.callback_metrics.get("local", float("nan")))
         self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 count = Count()
-callbacks = [count]
+callbacks: list[Any] = [count]
 if mode == "read":
     reader = Reader()
     callbacks += [reader, ModelCheckpoint(dirpath="ckpt", monitor="avg", every_n_train_steps=4, save_top_k=2)]

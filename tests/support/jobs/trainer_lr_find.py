@@ -3,6 +3,8 @@
 Run by tests/trainer/test_trainer_dist.py: test_lr_finder_then_ddp_fit_via_phalanx_run.
 """
 
+from typing import Any
+
 import torch
 from job_runner import report
 from trainer_support import Regressor, flat, loader, quiet
@@ -13,7 +15,7 @@ from phalanx.tuner.lr_find import Tuner
 from phalanx.utils.seed import capture_rng_state
 
 
-def same(a, b):
+def same(a: Any, b: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a == b).all())
     if isinstance(a, dict):
@@ -25,8 +27,8 @@ def same(a, b):
 
 class Probe:
     '''Runs a search itself and checks that it changed nothing.'''
-    def on_fit_start(self, trainer, module):
-        def state():
+    def on_fit_start(self, trainer: phalanx.Trainer, module: Any) -> None:
+        def state() -> Any:
             return {
                 "params": flat(module), "opt": trainer.optimizer.state_dict(),
                 "sched": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],

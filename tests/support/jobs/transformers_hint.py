@@ -4,6 +4,7 @@ Run by tests/integration/test_transformers.py: test_fsdp_direct_call_hint_names_
 """
 
 import re
+from typing import Any
 
 import torch
 from job_runner import report
@@ -16,16 +17,16 @@ from phalanx.utils.errors import MisconfigurationError
 
 
 class Distill(nn.Module):  # a model with a forward: the root is a sharded unit
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.teacher, self.student = gpt2(0), gpt2(1)
         self.teacher.requires_grad_(False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> Any:
         return self.student(x).logits
 
 
-def attempt(policy):
+def attempt(policy: Any) -> Any:
     fabric = phalanx.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=eval(policy)))
     fabric.launch()
     model = Distill()

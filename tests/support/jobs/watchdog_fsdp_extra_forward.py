@@ -4,6 +4,7 @@ tests/distributed/test_watchdog.py)."""
 
 import sys
 import time
+from typing import Any
 
 import torch
 from job_runner import report
@@ -13,7 +14,7 @@ import phalanx
 RANK1_BARRIER = sys.argv[1] == "True"
 
 
-def main(fabric):
+def main(fabric: phalanx.Fabric) -> Any:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

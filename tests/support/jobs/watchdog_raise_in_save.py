@@ -4,6 +4,7 @@ Run by tests/distributed/test_watchdog.py: test_ordinary_exception_on_rank_zero_
 """
 
 import time
+from typing import Any
 
 import torch
 from job_runner import report
@@ -16,12 +17,12 @@ model = fabric.setup(torch.nn.Linear(3, 1))
 fabric.save("ok.ckpt", {"model": model})
 
 class Stats:
-    def state_dict(self):
+    def state_dict(self) -> Any:
         if fabric.global_rank == 0:
             raise ValueError("the stats table is locked")
         return {}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Any) -> None:
         pass
 
 start = time.monotonic()

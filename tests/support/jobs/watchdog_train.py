@@ -24,7 +24,7 @@ model, opt = fabric.setup(model, opt)
 rank = fabric.global_rank
 
 
-def mark(name):
+def mark(name: str) -> None:
     with open(f"{name}{rank}", "w") as fh:
         fh.write(repr(time.time()))
 
