@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing.process
-import runpy
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +37,14 @@ def models(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The namespace of the test module's ``MODELS``, a file under tests/support whose models its jobs import too,
     run anew for each test (so that no module-level state passes from one test to the next), for the single-process
     references."""
-    return runpy.run_path(str(request.module.MODELS))
+    path = Path(request.module.MODELS)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered under its own name, as an import would: torch.compile looks functions' modules up by name.
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return vars(module)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
