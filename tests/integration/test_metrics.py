@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("torchmetrics")  # metric_models imports it: a mark cannot skip a module that fails to import
 
+from interrupts import Interrupt, StopAt
 from job_runner import JOBS, run_job
 from metric_models import Classifier, loader, metric_report
 from run_if import run_if
@@ -182,19 +183,6 @@ def test_two_ranks_metric_objects_exact_identical_and_untouched_by_lr_find(tmp_p
 
 
 # ---------------------------------------------------------------------- resume
-class Interrupt(Exception):
-    pass
-
-
-class StopAt:
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step and not trainer.in_window:
-            raise Interrupt
-
-
 def _resumable_fit(tmp: Path, style: str, stop_at: int | None = None, ckpt_path: str | None = None) -> Any:
     from phalanx.callbacks import ModelCheckpoint
 

@@ -1,5 +1,5 @@
-"""Interrupting a fit at a chosen step, as a kill would (tests/trainer/test_trainer_resume.py and
-tests/support/combo_models.py)."""
+"""Interrupting a fit at a chosen step, as a kill would (tests/trainer/test_trainer_resume.py,
+tests/support/combo_models.py and tests/integration/test_metrics.py)."""
 
 from __future__ import annotations
 
