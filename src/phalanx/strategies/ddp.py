@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
-from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.strategies.parallel import ParallelStrategy, local_gradients_stepped
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import GradientSyncError
 
@@ -178,20 +178,14 @@ class DDPStrategy(ParallelStrategy):
             )
 
     def check_ready_to_step(self, optimizer: Optimizer) -> None:
-        for state in self._sync.values():
-            if not state.local_only:
-                continue
-            touches = state.optimizers.get(id(optimizer))
-            if touches is None:
-                ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-                touches = state.optimizers[id(optimizer)] = bool(ids & state.param_ids)
-            if touches:
-                raise GradientSyncError(
-                    f"optimizer.step() was called while the gradients of {state.name} are local to each rank: "
-                    "the last backward ran inside fabric.no_backward_sync(...), so stepping now would make the "
-                    "replicas diverge. Run the last backward of each accumulation window with sync enabled, "
-                    "e.g. `with fabric.no_backward_sync(model, enabled=not is_last_micro_batch):`."
-                )
+        name = local_gradients_stepped(self._sync.values(), optimizer)
+        if name is not None:
+            raise GradientSyncError(
+                f"optimizer.step() was called while the gradients of {name} are local to each rank: "
+                "the last backward ran inside fabric.no_backward_sync(...), so stepping now would make the "
+                "replicas diverge. Run the last backward of each accumulation window with sync enabled, "
+                "e.g. `with fabric.no_backward_sync(model, enabled=not is_last_micro_batch):`."
+            )
 
     # ------------------------------------------------------------------ state
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:

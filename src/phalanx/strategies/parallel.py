@@ -10,17 +10,43 @@ import contextlib
 import os
 import time
 import weakref
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.optim import Optimizer
 
 from phalanx.distributed.launch import ClusterEnvironment, check_environment, record_failure, restart_count
 from phalanx.distributed.lockstep import HEARTBEAT_STORE_TIMEOUT, Collectives, Lockstep, make_store_client, to_timedelta
 from phalanx.strategies.base import LOCKSTEP_MODES, Strategy
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
 from phalanx.utils.late_reads import LateRead, on_device
+
+
+class SyncRecord(Protocol):
+    """What a strategy records per set-up module about its gradients' synchronisation."""
+
+    name: str
+    param_ids: frozenset[int]
+    local_only: bool  # the last backward ran inside no_backward_sync: the gradients are this rank's alone
+    optimizers: dict[int, bool]  # id(optimizer) -> whether it steps any of the module's parameters (cached)
+
+
+def local_gradients_stepped(records: Iterable[SyncRecord], optimizer: Optimizer) -> str | None:
+    """The name of a module whose gradients are local to this rank and which ``optimizer`` would step, or None."""
+    for record in records:
+        if not record.local_only:
+            continue
+        touches = record.optimizers.get(id(optimizer))
+        if touches is None:
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            touches = record.optimizers[id(optimizer)] = bool(ids & record.param_ids)
+        if touches:
+            return record.name
+    return None
+
 
 # How long teardown lets the backend's worker threads release finished work (see teardown).
 _WORKER_DRAIN_SECONDS = 0.05

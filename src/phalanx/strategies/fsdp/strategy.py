@@ -79,6 +79,7 @@ from phalanx.strategies.fsdp.units import (
     outermost_units,
     tied_weights_hint,
 )
+from phalanx.strategies.parallel import local_gradients_stepped
 from phalanx.utils.compat import FSDP_ON_CPU, CPUOffloadPolicy, FSDPModule, fully_shard
 from phalanx.utils.diagnostics import info
 from phalanx.utils.errors import GradientSyncError, MisconfigurationError
@@ -375,20 +376,14 @@ class ShardedStrategy(FSDPCheckpointing):
         return self._sync_disabled(record)
 
     def check_ready_to_step(self, optimizer: Optimizer) -> None:
-        for record in self._calls.roots.values():
-            if not record.local_only:
-                continue
-            touches = record.optimizers.get(id(optimizer))
-            if touches is None:
-                ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-                touches = record.optimizers[id(optimizer)] = bool(ids & record.param_ids)
-            if touches:
-                raise GradientSyncError(
-                    f"optimizer.step() was called while the gradients of {record.name} were never reduce-scattered: "
-                    "the last backward ran inside fabric.no_backward_sync(...), so the sharded gradients are "
-                    "missing this window. Run the last backward of each accumulation window with sync enabled, "
-                    "e.g. `with fabric.no_backward_sync(model, enabled=not is_last_micro_batch):`."
-                )
+        name = local_gradients_stepped(self._calls.roots.values(), optimizer)
+        if name is not None:
+            raise GradientSyncError(
+                f"optimizer.step() was called while the gradients of {name} were never reduce-scattered: "
+                "the last backward ran inside fabric.no_backward_sync(...), so the sharded gradients are "
+                "missing this window. Run the last backward of each accumulation window with sync enabled, "
+                "e.g. `with fabric.no_backward_sync(model, enabled=not is_last_micro_batch):`."
+            )
 
     def clip_gradients(
         self,
