@@ -109,3 +109,26 @@ def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -
         Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4), num_training=5)
     with pytest.raises(MisconfigurationError, match=r"Tuner.scale_batch_size is not supported on OneSetupStrategy"):
         Tuner(trainer).scale_batch_size(model)
+
+
+def test_probe_fits_on_the_scratch_copy_match_those_of_a_separate_optimizer() -> None:
+    """A curve still falling at max_lr (plain momentum SGD up to 0.1): where the optimizer comes with its
+    model, the probe fits run on the scratch copy too, each from the state the search started from, with
+    the same losses as where the optimizer is set up on its own."""
+
+    def search(strategy: Any) -> tuple[Any, Regressor]:
+        phalanx.seed_everything(4)
+        trainer = phalanx.Trainer(max_epochs=1, strategy=strategy, **quiet())
+        model = Regressor(optimizer="sgd", lr=1e-3)
+        return Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=15,
+                                      min_lr=1e-4, max_lr=0.1, update_attr=False), model
+
+    separate, _ = search("auto")
+    strategy = OneSetupStrategy()
+    before = flat(Regressor(optimizer="sgd", lr=1e-3))
+    scratch, model = search(strategy)
+    assert len(separate.probe_lrs) >= 2 and separate.suggestion() in separate.probe_lrs
+    assert (scratch.probe_lrs, scratch.probe_scores) == (separate.probe_lrs, separate.probe_scores)
+    assert scratch.raw_losses == separate.raw_losses and scratch.suggestion() == separate.suggestion()
+    assert torch.equal(flat(model), before) and model.counts["train_batches"] == 0
+    assert len(strategy.set_up) == 1 and strategy.released == strategy.set_up
