@@ -5,7 +5,9 @@ back *everything* it could have touched (:mod:`phalanx.core.module_state`): ever
 holds (weights and gradients, buffers, torchmetrics state, plain attributes its steps change), the
 fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
 and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
-on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows.
+on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows. The
+probe fits it runs on a curve still falling at its end (:mod:`phalanx.tuner.suggest`) start from that
+same state and are undone the same way, each.
 """
 
 from __future__ import annotations

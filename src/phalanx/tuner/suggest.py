@@ -15,6 +15,10 @@ Choices, each for a way a plain "steepest slope" fails:
   no suggestion instead of the slope of its noise.
 * Only before the lowest point: after it the loss turns up (divergence), and a spike that recovers
   there falls steeply without being a descent.
+* A curve still falling at its end never reached the edge of stability, so it does not say on which
+  side of its steepest point training goes best (plain SGD trains best above it, momentum below):
+  ``lr_find`` then runs short probe fits around that point (``probe_ladder``, ``probe_steps``) and
+  :func:`decide` takes the best by :func:`probe_score`.
 """
 
 from __future__ import annotations
