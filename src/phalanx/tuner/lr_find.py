@@ -17,7 +17,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -34,6 +34,16 @@ from phalanx.utils.tensors import optional_module
 if TYPE_CHECKING:
     from phalanx.core.module import Module
     from phalanx.trainer.trainer import Trainer
+
+
+_T = TypeVar("_T")
+
+
+class Isolated(Protocol):
+    """Runs ``work(optimizer)`` from the state the search started from and puts everything back after it
+    (``optimizer``: the one to step, or None for a fresh one from ``configure_optimizers``)."""
+
+    def __call__(self, work: Callable[[Any], _T]) -> _T: ...
 
 
 @dataclass
@@ -199,11 +209,24 @@ class Tuner:
         self.trainer.prepare_fit(train_dataloaders, None)
         return self._search(*args)
 
-    def _on_scratch_copy(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+    def _on_scratch_copy(
+        self, train_dataloaders: Any, min_lr: float, max_lr: float, num_training: int, mode: str,
+        threshold: float | None, probe: bool,
+    ) -> LRFinderResult:
         """The search where the optimizer is built with its model, once (DeepSpeed's engine): on a copy of
-        the module with an engine of its own, released afterwards. The module itself is never set up or
-        touched, so the fit that follows builds its engine from ``configure_optimizers`` as usual (with
-        the learning rate found). Costs a second copy of the model while the search runs."""
+        the module with an engine of its own, released afterwards, and each probe fit on a fresh copy (an
+        engine's optimizer holds state a restore does not reach: ZeRO's fp32 master weights, which its
+        next step would write back into the module). The module itself is never set up or touched, so the
+        fit that follows builds its engine from ``configure_optimizers`` as usual (with the learning rate
+        found). Costs a second copy of the model while the search runs."""
+
+        def on_copy(work: Callable[[Any], _T]) -> _T:
+            return self._on_copy(train_dataloaders, work)
+
+        return self._search(min_lr, max_lr, num_training, mode, threshold, probe, on_copy)
+
+    def _on_copy(self, train_dataloaders: Any, work: Callable[[Any], _T]) -> _T:
+        """``work(optimizer)`` on a fresh copy of the module, set up with its optimizer, then released."""
         t = self.trainer
         original = t.module
         scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
@@ -211,45 +234,50 @@ class Tuner:
         try:
             with preserved(t):
                 t.prepare_fit(train_dataloaders, None)
-                min_lr, max_lr, num_training, mode, threshold, probe = args
-                optimizer = t.optimizers[0]
-                with preserved(t):
-                    result = self._run_search(min_lr, max_lr, num_training, mode, threshold, optimizer)
-                if probe:
-                    self._run_probes(result, max_lr, num_training, optimizer)
-                return result
+                return work(t.optimizers[0])
         finally:
             if t.model is not None:
                 t.fabric.release(t.model)
             t._module, t.model = original, None
             t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
 
-    def _search(
-        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None, probe: bool
-    ) -> LRFinderResult:
+    def _in_place(self, work: Callable[[Any], _T]) -> _T:
+        """``work(None)`` (a fresh optimizer of its own) on the module, put back exactly afterwards."""
         with preserved(self.trainer):
-            result = self._run_search(min_lr, max_lr, num_training, mode, threshold)
+            return work(None)
+
+    def _search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None, probe: bool,
+        isolated: Isolated | None = None,
+    ) -> LRFinderResult:
+        """The sweep, then the probe fits if its curve asks for them; ``isolated`` runs each of them from
+        the state the search started from, leaving no trace (``_in_place`` unless given)."""
+        isolated = isolated or self._in_place
+        result = isolated(functools.partial(self._run_search, min_lr, max_lr, num_training, mode, threshold))
         if probe:
-            self._run_probes(result, max_lr, num_training)
+            self._run_probes(result, max_lr, num_training, isolated)
         return result
 
-    def _run_probes(self, result: LRFinderResult, max_lr: float, num_training: int, optimizer: Any = None) -> None:
+    def _run_probes(self, result: LRFinderResult, max_lr: float, num_training: int, isolated: Isolated) -> None:
         """Where the curve was still falling at its end: a short fit at each learning rate of the ladder
-        around its steepest point, each from the state the search started from (and put back after it)."""
+        around its steepest point."""
         found = suggest(result.lrs, result.raw_losses, result.mode)
         if found.lr is None or not found.still_falling:
             return
         steps = probe_steps(num_training)
         for lr in probe_ladder(found.lr, max_lr):
-            losses: list[float] = []
-            with preserved(self.trainer):
-                for loss in self._steps(self._prepare(optimizer), functools.partial(constant, lr), steps):
-                    losses.append(loss)
-                    if not math.isfinite(loss):
-                        break
             result.probe_lrs.append(lr)
-            result.probe_scores.append(probe_score(losses))
+            result.probe_scores.append(probe_score(isolated(functools.partial(self._probe, lr, steps))))
         result.probed_around = found.lr
+
+    def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:
+        """The losses of ``steps`` optimizer steps at ``lr``, up to the first that is not finite."""
+        losses: list[float] = []
+        for loss in self._steps(self._prepare(optimizer), functools.partial(constant, lr), steps):
+            losses.append(loss)
+            if not math.isfinite(loss):
+                break
+        return losses
 
     def _prepare(self, optimizer: Any) -> Any:
         """The optimizer to step (a fresh one from configure_optimizers when None; its schedulers are
