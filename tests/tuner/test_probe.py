@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -70,13 +71,15 @@ def curve_only(result: LRFinderResult) -> Any:
     return suggest(result.lrs, result.raw_losses, result.mode)
 
 
-def test_a_still_falling_curve_whose_best_probe_is_above_its_steepest_point() -> None:
+def test_a_still_falling_curve_whose_best_probe_is_above_its_steepest_point(tmp_path: Path) -> None:
     result, _ = search(0, scaled=True)
     found = curve_only(result)
     assert found.still_falling and result.probed_around == found.lr
     assert result.probe_lrs == pytest.approx([found.lr / 2, found.lr, 2 * found.lr])
     assert result.probe_scores[2] < result.probe_scores[1] / 2  # the larger learning rate trains clearly faster
     assert result.suggestion() == result.probe_lrs[2]
+    result.plot().savefig(tmp_path / "lr.png")  # the probes' scores are marked
+    assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
     # Without probes the curve alone decides: its steepest point.
     assert search(0, scaled=True, probe=False)[0].suggestion() == found.lr
     assert search(0, scaled=True, probe=False)[0].probe_lrs == []
@@ -136,6 +139,7 @@ def test_the_probe_rule() -> None:
     assert probe_score([1.0, 0.5, 1.5, 2.0]) == math.inf  # ended above where it started: out
     found = suggest([10 ** (-4 + k / 10) for k in range(41)], [2.0 - k / 40 for k in range(41)], "exponential")
     assert found.still_falling
-    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4
+    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4 and not found.probed
+    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).probed
     refused = decide(found, [0.1, 0.2, 0.4], [math.inf] * 3)
     assert refused.lr is None and "every probe fit around its steepest point (0.1, 0.2, 0.4) diverged" in refused.reason

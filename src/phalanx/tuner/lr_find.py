@@ -111,9 +111,11 @@ class LRFinderResult:
         ax.set_xlabel("learning rate")
         ax.set_ylabel("loss")
         if suggest and found.lr is not None:
-            i = found.lrs.index(found.lr)
-            ax.plot([found.lr], [found.smoothed[i]], marker="o", markersize=9, color="red")
-            ax.set_title(f"suggested lr = {found.lr:.3g}")
+            # The probe fits' choice is marked at its score: it need not lie on the curve.
+            y = (self.probe_scores[self.probe_lrs.index(found.lr)] if found.probed
+                 else found.smoothed[found.lrs.index(found.lr)])
+            ax.plot([found.lr], [y], marker="o", markersize=9, color="red")
+            ax.set_title(f"suggested lr = {found.lr:.3g}" + (" (probe fits)" if found.probed else ""))
         elif suggest:
             ax.set_title("no suggestion (the warning says why)")
         ax.legend()

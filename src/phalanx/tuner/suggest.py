@@ -47,6 +47,7 @@ class Suggestion:
     # The lowest smoothed point is at the end of the curve: the search did not reach the edge of
     # stability, so the curve cannot say how far below it the steepest point lies (probe fits decide).
     still_falling: bool = False
+    probed: bool = False  # ``lr`` is the probe fits' choice (:func:`decide`)
 
 
 def smooth(values: torch.Tensor, width: float) -> torch.Tensor:
@@ -139,4 +140,4 @@ def decide(found: Suggestion, lrs: list[float], scores: list[float]) -> Suggesti
             "No learning rate suggested: the loss was still falling at max_lr, and every probe fit around its "
             f"steepest point ({', '.join(f'{lr:.3g}' for lr in lrs)}) diverged or ended above where it started. "
             "Lower max_lr, or run more steps (num_training)."))
-    return dataclasses.replace(found, lr=min(finite)[1])
+    return dataclasses.replace(found, lr=min(finite)[1], probed=True)
