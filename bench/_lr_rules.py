@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.tuner import LRFinderResult
-from phalanx.tuner.suggest import WIDTH_FRACTION, smooth
+from phalanx.tuner.suggest import WIDTH_FRACTION, smooth, suggest
 
 
 @dataclass
@@ -143,16 +143,21 @@ def steepest_centred(curve: Curve) -> float | None:
 def steepest_to_lowest(curve: Curve) -> float | None:
     """Half way (in log(lr)) from the centred curve's steepest point to its lowest point halved: the
     combination that brings the linear regression's late optimum within reach, with phalanx's refusal."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        steepest = curve.result.suggestion()
+    steepest = phalanx_curve_only(curve)
     lrs, centred = _centred(curve)
     return None if steepest is None else math.sqrt(steepest * lrs[int(centred.argmin())] / 2)
 
 
-def phalanx_now(curve: Curve) -> float | None:
-    """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the steepest slope of the centred
+def phalanx_curve_only(curve: Curve) -> float | None:
+    """phalanx's rule on the curve alone (``lr_find(probe=False)``): the steepest slope of the centred
     curve before its lowest point; none when that point is not 4 standard errors below the start."""
+    return suggest(curve.lrs, curve.raw, curve.result.mode).lr
+
+
+def phalanx_now(curve: Curve) -> float | None:
+    """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the curve-only rule; where the
+    curve was still falling at its end, the best of the probe fits at 1/2, 1 and 2 times its steepest
+    point (mean loss of their last quarter after max(15, num_training // 3) steps each)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a refusal is counted, its message is for users
         return curve.result.suggestion()
@@ -167,5 +172,6 @@ RULES: dict[str, Callable[[Curve], float | None]] = {
     "lowest / 2": lowest_over_2,
     "steepest, centred": steepest_centred,
     "steepest to lowest / 2": steepest_to_lowest,
+    "phalanx, curve only": phalanx_curve_only,
     "phalanx now": phalanx_now,
 }

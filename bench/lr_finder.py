@@ -8,8 +8,10 @@ For every problem and seed, ``phalanx.tuner.Tuner(trainer).lr_find(...)`` runs o
 ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
 Trainer. Every rule in ``_lr_rules.py`` is applied to that same curve: phalanx's rule before issue
 33, Lightning 2.6.6's (with Lightning's smoothing and early stop, rebuilt from the step losses),
-fastai's "valley" and "minimum", three candidates on the centred curve phalanx's rule uses, and
-phalanx's rule as it is now (``LRFinderResult.suggestion``).
+fastai's "valley" and "minimum", three candidates on the centred curve phalanx's rule uses,
+phalanx's rule on the curve alone (``lr_find(probe=False)``) and phalanx's rule as it is now
+(``LRFinderResult.suggestion``: on a curve still falling at its end, the probe fits the search ran
+decide). The run also counts the searches that ran probe fits and the optimizer steps they cost.
 
 Each suggestion is then trained the way the reference grid is: 3 epochs from the same
 initialisation and the same data order (the seed), scored on the validation set. The reference is
@@ -38,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, table
 from _lr_problems import EPOCHS, EXTRA, GRID, PROBLEMS, find, fit, linear_regression, mlp_4class
 from _lr_rules import RULES, Curve
+
+from phalanx.tuner.suggest import probe_steps
 
 STEPS = (100, 30)
 TOLERANCE = {100: 1.5, 30: 3.0}
@@ -76,6 +80,7 @@ def main() -> None:
     refused: Counts = {rule: {b.__name__: dict.fromkeys(STEPS, 0) for b in problems} for rule in RULES}
     names: dict[str, str] = {}
     details: list[list[str]] = []
+    probed = {n: [0, 0] for n in STEPS}  # num_training -> [searches that ran probe fits, their steps]
     for build in problems:
         for seed in seeds:
             problem = build(seed)
@@ -85,6 +90,9 @@ def main() -> None:
             best = losses[best_lr]
             for n in STEPS:
                 curve = Curve(find(problem, seed, n))
+                if curve.result.probe_lrs:
+                    probed[n][0] += 1
+                    probed[n][1] += len(curve.result.probe_lrs) * probe_steps(n)
                 for rule_name, rule in RULES.items():
                     lr = rule(curve)
                     if lr is None:
@@ -105,6 +113,9 @@ def main() -> None:
           "validation loss at num_training=100, within 3x at 30")
     for rule_name, rule in RULES.items():
         print(f"  {rule_name}: {' '.join((rule.__doc__ or '').split())}")
+    for n, (searches, steps) in probed.items():
+        print(f"  probe fits at num_training={n}: in {searches} of {len(problems) * len(seeds)} searches, "
+              f"{steps / max(searches, 1):.0f} optimizer steps each")
     if args.details:
         print(table(["problem", "seed", "n", "rule", "lr", "val / grid best", "passes"], details))
     for title, group in (("the problems", [b.__name__ for b in problems if b not in EXTRA]),

@@ -90,11 +90,12 @@ DIFFERENCES: dict[str, str] = {
     "callbacks.TQDMProgressBar": "process_position and leave=True are refused (one bar per stage on rank 0)",
     "callbacks.RichProgressBar": "leave/theme/console_kwargs are refused",
     "Tuner.lr_find": "method must be 'fit'; val_dataloaders are accepted but not used (the range test trains only); "
-                     "the suggestion rule, the learning-rate steps, the stop at a non-finite loss, the search not "
-                     "capped by max_epochs and the in-memory restore differ (see Deliberate differences)",
-    "callbacks.LearningRateFinder": "runs Tuner.lr_find: its suggestion rule, learning-rate steps, stop at a "
-                                    "non-finite loss, search not capped by max_epochs and in-memory restore differ "
-                                    "(see Deliberate differences)",
+                     "the suggestion rule, the probe fits on a still-falling curve (probe=), the learning-rate "
+                     "steps, the stop at a non-finite loss, the search not capped by max_epochs and the in-memory "
+                     "restore differ (see Deliberate differences)",
+    "callbacks.LearningRateFinder": "runs Tuner.lr_find: its suggestion rule, probe fits on a still-falling curve "
+                                    "(probe=), learning-rate steps, stop at a non-finite loss, search not capped by "
+                                    "max_epochs and in-memory restore differ (see Deliberate differences)",
 }
 
 

@@ -114,6 +114,11 @@ def test_lr_finder_then_ddp_fit_via_phalanx_run(tmp_path: Path) -> None:
         assert r["devices"] == [r["device"]]  # accumulators on fabric.device after the search
     assert r0["val_mae"] == r1["val_mae"]
     assert (tmp_path / "lr_find.png").stat().st_size > 1000
+    # Probe fits on every rank, in step: the same learning rates, scores and verdict, and no trace.
+    assert len(r0["probe_lrs"]) >= 2 and r0["probe_suggestion"] in r0["probe_lrs"]
+    for key in ("probe_lrs", "probe_scores", "probe_suggestion"):
+        assert r1[key] == r0[key]
+    assert all(r[key] for r in (r0, r1) for key in ("probe_model_same", "probe_rng_same"))
     assert Path(r0["best"]).is_file()
 
 

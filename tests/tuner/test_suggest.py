@@ -23,6 +23,7 @@ from trainer_support import Regressor, loader, quiet
 
 import phalanx
 from phalanx.tuner import LearningRateFinder, LRFinderResult, Tuner
+from phalanx.tuner.suggest import suggest
 from phalanx.utils.errors import PhalanxWarning
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -78,10 +79,15 @@ def test_a_short_curve_gets_the_steepest_point_of_its_descent(other_rules: Modul
 def test_a_curve_still_falling_at_max_lr_gets_its_steepest_point_not_the_end(other_rules: ModuleType) -> None:
     """The linear regression's shape (plain SGD, bench/lr_finder.py): at max_lr the loss still falls at
     a third of its steepest rate, so the lowest point is the last one and says nothing about where the
-    descent ends. The suggestion stays at the steepest point inside the range; a rule built on the
-    lowest point moves with max_lr instead."""
+    descent ends. On the curve alone (no probe fits ran: test_probe.py) the suggestion stays at the
+    steepest point inside the range, and the curve is marked still falling, which is where lr_find
+    runs its probe fits; a rule built on the lowest point moves with max_lr instead."""
     result = range_test(100, noise=0.1, seed=0, centre=-0.6, edge=1.0, steepness=4.0)  # steepest at 0.25
     assert 0.15 <= result.suggestion() <= 0.35  # type: ignore[operator]
+    assert suggest(result.lrs, result.raw_losses, result.mode).still_falling
+    # A curve that turned up is not: the noisy one above, its edge at 0.06.
+    turned = range_test(100, noise=0.2, seed=2, centre=-2.3, edge=-1.2)
+    assert not suggest(turned.lrs, turned.raw_losses, turned.mode).still_falling
     assert other_rules.lowest_over_2(other_rules.Curve(result)) == 0.5  # the lowest point is lr 1, the end
 
 

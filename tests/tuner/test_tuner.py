@@ -68,13 +68,17 @@ class OneSetupStrategy(phalanx.strategies.SingleDeviceStrategy):
 
     sets_up_optimizers_separately = False
 
-    def __init__(self) -> None:
+    def __init__(self, master_weights: bool = False) -> None:
         super().__init__()
         self.set_up: list[Any] = []
         self.released: list[Any] = []
+        self.master_weights = master_weights
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list[Any]) -> Any:
         self.set_up.append(module)
+        if self.master_weights:
+            for optimizer in optimizers:
+                keep_master_weights(optimizer)
         return self.setup_module(module), [super(OneSetupStrategy, self).setup_optimizer(o) for o in optimizers]
 
     def setup_optimizer(self, optimizer: Any) -> Any:
@@ -82,6 +86,24 @@ class OneSetupStrategy(phalanx.strategies.SingleDeviceStrategy):
 
     def release_module(self, forward_module: Any) -> None:
         self.released.append(forward_module)
+
+
+def keep_master_weights(optimizer: torch.optim.Optimizer) -> None:
+    """Like DeepSpeed's ZeRO: the optimizer steps a copy of the weights of its own (the master weights)
+    and writes it into the parameters after each step; the module's parameters are a view for forward."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    master = [p.detach().clone() for p in params]
+
+    def before(*_: Any) -> None:
+        for p, m in zip(params, master):
+            p.data.copy_(m)
+
+    def after(*_: Any) -> None:
+        for p, m in zip(params, master):
+            m.copy_(p.detach())
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
 
 
 def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -> None:
@@ -109,3 +131,27 @@ def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -
         Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4), num_training=5)
     with pytest.raises(MisconfigurationError, match=r"Tuner.scale_batch_size is not supported on OneSetupStrategy"):
         Tuner(trainer).scale_batch_size(model)
+
+
+def test_probe_fits_on_the_scratch_copy_match_those_of_a_separate_optimizer() -> None:
+    """A curve still falling at max_lr (momentum SGD up to 0.1): where the optimizer comes with its model
+    and keeps master weights a restore does not reach, each probe fit runs on a fresh scratch copy, from
+    the state the search started from, with the same losses as where the optimizer is set up on its own."""
+
+    def search(strategy: Any) -> tuple[Any, Regressor]:
+        phalanx.seed_everything(4)
+        trainer = phalanx.Trainer(max_epochs=1, strategy=strategy, **quiet())
+        model = Regressor(optimizer="sgd", lr=1e-3)
+        return Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 4, shuffle=True), num_training=15,
+                                      min_lr=1e-4, max_lr=0.1, update_attr=False), model
+
+    separate, _ = search("auto")
+    strategy = OneSetupStrategy(master_weights=True)
+    before = flat(Regressor(optimizer="sgd", lr=1e-3))
+    scratch, model = search(strategy)
+    assert len(separate.probe_lrs) >= 2 and separate.suggestion() in separate.probe_lrs
+    assert (scratch.probe_lrs, scratch.probe_scores) == (separate.probe_lrs, separate.probe_scores)
+    assert scratch.raw_losses == separate.raw_losses and scratch.suggestion() == separate.suggestion()
+    assert torch.equal(flat(model), before) and model.counts["train_batches"] == 0
+    assert len(strategy.set_up) == 1 + len(scratch.probe_lrs) and strategy.released == strategy.set_up
+    assert model not in strategy.set_up

@@ -5,15 +5,19 @@ back *everything* it could have touched (:mod:`phalanx.core.module_state`): ever
 holds (weights and gradients, buffers, torchmetrics state, plain attributes its steps change), the
 fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
 and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
-on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows.
+on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows. The
+probe fits it runs on a curve still falling at its end (:mod:`phalanx.tuner.suggest`) start from that
+same state and are undone the same way, each.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -22,7 +26,7 @@ from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, wind
 from phalanx.trainer.optim import parse_optimizers
 from phalanx.trainer.results import Results
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
-from phalanx.tuner.suggest import Suggestion, suggest
+from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
@@ -32,16 +36,32 @@ if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
 
 
+_T = TypeVar("_T")
+
+
+class Isolated(Protocol):
+    """Runs ``work(optimizer)`` from the state the search started from and puts everything back after it
+    (``optimizer``: the one to step, or None for a fresh one from ``configure_optimizers``)."""
+
+    def __call__(self, work: Callable[[Any], _T]) -> _T: ...
+
+
 @dataclass
 class LRFinderResult:
     """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
-    average (``losses``, beta=0.98, which the early stop watches, as in Lightning)."""
+    average (``losses``, beta=0.98, which the early stop watches, as in Lightning). When the curve was
+    still falling at its end, the probe fits: their learning rates (``probe_lrs``), scores
+    (``probe_scores``, ``inf`` for one that diverged or rose) and the steepest point they were placed
+    around (``probed_around``)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     mode: str = "exponential"
     raw_losses: list[float] = field(default_factory=list)
     global_rank: int | None = None  # set by the search: only rank 0 warns (None: this process warns)
+    probe_lrs: list[float] = field(default_factory=list)
+    probe_scores: list[float] = field(default_factory=list)
+    probed_around: float | None = None
     _suggestions: dict[tuple[int, int], Suggestion] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
 
@@ -53,9 +73,11 @@ class LRFinderResult:
     def suggestion(self, skip_begin: int = 0, skip_end: int = 0) -> float | None:
         """The learning rate where the centred, smoothed log-loss falls fastest on its way down to the
         curve's lowest point (see :mod:`phalanx.tuner.suggest`), leaving out ``skip_begin`` points at
-        the start and ``skip_end`` at the end. None, with a warning that says why and what to change,
-        when the curve never falls clearly below where it started (or has too few finite points):
-        the first time per result and arguments."""
+        the start and ``skip_end`` at the end. Where the search ran probe fits around that point (the
+        curve was still falling at its end), the probe with the lowest score instead. None, with a
+        warning that says why and what to change, when the curve never falls clearly below where it
+        started (or has too few finite points), or every probe diverged: the first time per result and
+        arguments."""
         return self._suggest(skip_begin, skip_end).lr
 
     def _suggest(self, skip_begin: int, skip_end: int) -> Suggestion:
@@ -63,28 +85,37 @@ class LRFinderResult:
         if key not in self._suggestions:
             # A result built from a moving average only (what Lightning records) is judged on that.
             losses = self.raw_losses if len(self.raw_losses) == len(self.lrs) else self.losses
-            self._suggestions[key] = found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
+            found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
+            if found.lr is not None and found.lr == self.probed_around:
+                found = decide(found, self.probe_lrs, self.probe_scores)
+            self._suggestions[key] = found
             if found.lr is None:
                 warn(found.reason, rank=self.global_rank, stacklevel=3)
         return self._suggestions[key]
 
     def plot(self, suggest: bool = True, skip_begin: int = 0, skip_end: int = 0) -> Any:
         """A matplotlib Figure (``fig.savefig("lr.png")``): each step's loss, the curve the suggestion
-        is taken from and, with ``suggest``, the suggestion (or, in the title, that there is none)."""
+        is taken from, the probe fits' scores if any ran and, with ``suggest``, the suggestion (or, in the
+        title, that there is none)."""
         figure = optional_module("matplotlib.figure", "LRFinderResult.plot()", "plot")
         fig = figure.Figure(figsize=(6, 4))
         ax = fig.subplots()
         found = self._suggest(skip_begin, skip_end)
         ax.plot(self.lrs, self.raw_losses or self.losses, ".", color="0.75", markersize=3, label="loss of each step")
         ax.plot(found.lrs, found.smoothed, label="smoothed (centred)")
+        probes = [(lr, score) for lr, score in zip(self.probe_lrs, self.probe_scores) if math.isfinite(score)]
+        if probes:
+            ax.plot(*zip(*probes), "x", color="black", markersize=8, label="probe fits (loss at their end)")
         if self.mode == "exponential":
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel("loss")
         if suggest and found.lr is not None:
-            i = found.lrs.index(found.lr)
-            ax.plot([found.lr], [found.smoothed[i]], marker="o", markersize=9, color="red")
-            ax.set_title(f"suggested lr = {found.lr:.3g}")
+            # The probe fits' choice is marked at its score: it need not lie on the curve.
+            y = (self.probe_scores[self.probe_lrs.index(found.lr)] if found.probed
+                 else found.smoothed[found.lrs.index(found.lr)])
+            ax.plot([found.lr], [y], marker="o", markersize=9, color="red")
+            ax.set_title(f"suggested lr = {found.lr:.3g}" + (" (probe fits)" if found.probed else ""))
         elif suggest:
             ax.set_title("no suggestion (the warning says why)")
         ax.legend()
@@ -125,10 +156,15 @@ class Tuner:
         early_stop_threshold: float | None = 4.0,
         update_attr: bool = True,
         attr_name: str = "",
+        probe: bool = True,
     ) -> LRFinderResult:
         """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
         ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
-        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. With
+        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. When the
+        loss is still falling at the end of the search, the curve does not show where training turns
+        unstable; with ``probe`` the search then trains a few short fits from the initial state at
+        constant learning rates around the curve's steepest point (1/2, 1 and 2 times it, together about
+        ``num_training`` steps more) and the suggestion is the one whose loss ends lowest. With
         ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
         suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
         curve gives none, a warning says why and what to change, and the attribute stays."""
@@ -151,15 +187,15 @@ class Tuner:
         separate = t.fabric.strategy.sets_up_optimizers_separately
         if inside_fit:
             refuse_without_separate_optimizers(t, "lr_find", "inside a fit (the LearningRateFinder callback)")
-            result = self._search(min_lr, max_lr, num_training, mode, early_stop_threshold)
+            result = self._search(min_lr, max_lr, num_training, mode, early_stop_threshold, probe)
         elif not separate:
             if t.model is not None:
                 refuse_without_separate_optimizers(t, "lr_find", "after this Trainer set the model up")
             result = t._run("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
-                            num_training, mode, early_stop_threshold)
+                            num_training, mode, early_stop_threshold, probe)
         else:
             result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
-                            num_training, mode, early_stop_threshold)
+                            num_training, mode, early_stop_threshold, probe)
         if update_attr:
             lr = result.suggestion()
             if lr is None:
@@ -175,11 +211,24 @@ class Tuner:
         self.trainer.prepare_fit(train_dataloaders, None)
         return self._search(*args)
 
-    def _on_scratch_copy(self, train_dataloaders: Any, *args: Any) -> LRFinderResult:
+    def _on_scratch_copy(
+        self, train_dataloaders: Any, min_lr: float, max_lr: float, num_training: int, mode: str,
+        threshold: float | None, probe: bool,
+    ) -> LRFinderResult:
         """The search where the optimizer is built with its model, once (DeepSpeed's engine): on a copy of
-        the module with an engine of its own, released afterwards. The module itself is never set up or
-        touched, so the fit that follows builds its engine from ``configure_optimizers`` as usual (with
-        the learning rate found). Costs a second copy of the model while the search runs."""
+        the module with an engine of its own, released afterwards, and each probe fit on a fresh copy (an
+        engine's optimizer holds state a restore does not reach: ZeRO's fp32 master weights, which its
+        next step would write back into the module). The module itself is never set up or touched, so the
+        fit that follows builds its engine from ``configure_optimizers`` as usual (with the learning rate
+        found). Costs a second copy of the model while the search runs."""
+
+        def on_copy(work: Callable[[Any], _T]) -> _T:
+            return self._on_copy(train_dataloaders, work)
+
+        return self._search(min_lr, max_lr, num_training, mode, threshold, probe, on_copy)
+
+    def _on_copy(self, train_dataloaders: Any, work: Callable[[Any], _T]) -> _T:
+        """``work(optimizer)`` on a fresh copy of the module, set up with its optimizer, then released."""
         t = self.trainer
         original = t.module
         scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
@@ -187,35 +236,93 @@ class Tuner:
         try:
             with preserved(t):
                 t.prepare_fit(train_dataloaders, None)
-                min_lr, max_lr, num_training, mode, threshold = args
-                return self._run_search(min_lr, max_lr, num_training, mode, threshold, optimizer=t.optimizers[0])
+                return work(t.optimizers[0])
         finally:
             if t.model is not None:
                 t.fabric.release(t.model)
             t._module, t.model = original, None
             t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
 
-    def _search(
-        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None
-    ) -> LRFinderResult:
+    def _in_place(self, work: Callable[[Any], _T]) -> _T:
+        """``work(None)`` (a fresh optimizer of its own) on the module, put back exactly afterwards."""
         with preserved(self.trainer):
-            return self._run_search(min_lr, max_lr, num_training, mode, threshold)
+            return work(None)
+
+    def _search(
+        self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None, probe: bool,
+        isolated: Isolated | None = None,
+    ) -> LRFinderResult:
+        """The sweep, then the probe fits if its curve asks for them; ``isolated`` runs each of them from
+        the state the search started from, leaving no trace (``_in_place`` unless given)."""
+        isolated = isolated or self._in_place
+        result = isolated(functools.partial(self._run_search, min_lr, max_lr, num_training, mode, threshold))
+        if probe:
+            self._run_probes(result, max_lr, num_training, isolated)
+        return result
+
+    def _run_probes(self, result: LRFinderResult, max_lr: float, num_training: int, isolated: Isolated) -> None:
+        """Where the curve was still falling at its end: a short fit at each learning rate of the ladder
+        around its steepest point."""
+        found = suggest(result.lrs, result.raw_losses, result.mode)
+        if found.lr is None or not found.still_falling:
+            return
+        steps = probe_steps(num_training)
+        for lr in probe_ladder(found.lr, max_lr):
+            result.probe_lrs.append(lr)
+            result.probe_scores.append(probe_score(isolated(functools.partial(self._probe, lr, steps))))
+        result.probed_around = found.lr
+
+    def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:
+        """The losses of ``steps`` optimizer steps at ``lr``, up to the first that is not finite."""
+        losses: list[float] = []
+        for loss in self._steps(self._prepare(optimizer), functools.partial(constant, lr), steps):
+            losses.append(loss)
+            if not math.isfinite(loss):
+                break
+        return losses
+
+    def _prepare(self, optimizer: Any) -> Any:
+        """The optimizer to step (a fresh one from configure_optimizers when None; its schedulers are
+        ignored: the search drives the learning rate), with fresh metric accumulators."""
+        t = self.trainer
+        if optimizer is None:
+            raw, _ = parse_optimizers(t.module.configure_optimizers())
+            optimizer = t.fabric.setup_optimizers(raw)
+        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
+        t.current_stage = "train"
+        t.module.train()
+        return optimizer
 
     def _run_search(
         self, min_lr: float, max_lr: float, num_training: int, mode: str, threshold: float | None,
         optimizer: Any = None,
     ) -> LRFinderResult:
         t = self.trainer
-        if optimizer is None:  # a fresh one from configure_optimizers (its schedulers are ignored: we drive the LR)
-            raw, _ = parse_optimizers(t.module.configure_optimizers())
-            optimizer = t.fabric.setup_optimizers(raw)
-        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
-        t.current_stage = "train"
-        t.module.train()
         result = LRFinderResult(mode=mode, global_rank=t.global_rank)
+
+        def lr_at(step: int) -> float:
+            frac = step / (num_training - 1)
+            return min_lr * (max_lr / min_lr) ** frac if mode == "exponential" else min_lr + (max_lr - min_lr) * frac
+
         smoothed, best, beta = 0.0, math.inf, 0.98
+        for step, loss in enumerate(self._steps(self._prepare(optimizer), lr_at, num_training)):
+            smoothed = beta * smoothed + (1 - beta) * loss if math.isfinite(loss) else loss
+            value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
+            result.lrs.append(lr_at(step))
+            result.losses.append(value)
+            result.raw_losses.append(loss)
+            if not math.isfinite(value) or (threshold is not None and value > threshold * best):
+                break
+            best = min(best, value)
+        return result
+
+    def _steps(self, optimizer: Any, lr_at: Callable[[int], float], num_steps: int) -> Iterator[float]:
+        """Up to ``num_steps`` optimizer steps, the n-th at learning rate ``lr_at(n)``, from epoch 0 of the
+        training data: yields each step's loss, the mean over its micro-batches and over ranks (every rank
+        gets the same value, so every rank stops at the same step)."""
+        t = self.trainer
         epoch, step = 0, 0
-        while step < num_training:
+        while step < num_steps:
             if t.train_sampler is not None:
                 t.train_sampler.skip = 0
             window_losses: list[torch.Tensor] = []
@@ -225,37 +332,28 @@ class Tuner:
                                                            t.accumulate_grad_batches):
                 progressed = True
                 if not window_losses:
-                    frac = step / (num_training - 1)
-                    if mode == "exponential":
-                        lr = min_lr * (max_lr / min_lr) ** frac
-                    else:
-                        lr = min_lr + (max_lr - min_lr) * frac
                     for group in optimizer.param_groups:
-                        group["lr"] = lr
+                        group["lr"] = lr_at(step)
                 t.results["train"].batch = batch
                 _, loss = micro_batch(t, batch, batch_idx, size, boundary)
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
                     continue
                 optimizer_step(t, optimizer)
-                # Every rank records the same mean loss, so every rank stops at the same step.
-                loss = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
+                mean = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
                 window_losses = []
-                smoothed = beta * smoothed + (1 - beta) * loss if math.isfinite(loss) else loss
-                value = smoothed / (1 - beta ** (step + 1)) if math.isfinite(loss) else loss
-                result.lrs.append(lr)
-                result.losses.append(value)
-                result.raw_losses.append(loss)
                 step += 1
-                if not math.isfinite(value) or (threshold is not None and value > threshold * best):
-                    return result
-                best = min(best, value)
-                if step >= num_training:
-                    return result
+                yield mean
+                if step >= num_steps:
+                    return
             if not progressed:
                 raise MisconfigurationError("lr_find: the training dataloader yielded no batches.")
             epoch += 1
-        return result
+
+
+def constant(lr: float, step: int) -> float:
+    """A probe fit's learning rate at every step."""
+    return lr
 
 
 def lr_attribute(model: Any, attr_name: str) -> str:

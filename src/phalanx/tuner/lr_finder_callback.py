@@ -24,7 +24,7 @@ class LearningRateFinder(Callback):
     the attribute is set from this callback's saved state.
 
     Args:
-        min_lr, max_lr, num_training_steps, mode, early_stop_threshold: see ``Tuner.lr_find``.
+        min_lr, max_lr, num_training_steps, mode, early_stop_threshold, probe: see ``Tuner.lr_find``.
         attr_name: the model attribute to set ("" picks ``lr`` or ``learning_rate``).
         plot_path: where rank 0 saves the loss-vs-LR plot (PNG), if given.
     """
@@ -34,12 +34,13 @@ class LearningRateFinder(Callback):
     def __init__(
         self, min_lr: float = 1e-8, max_lr: float = 1.0, num_training_steps: int = 100, mode: str = "exponential",
         early_stop_threshold: float | None = 4.0, attr_name: str = "", plot_path: str | Path | None = None,
-        update_attr: bool = True,
+        update_attr: bool = True, probe: bool = True,
     ) -> None:
         self.update_attr = update_attr  # False: only search (the result is in optimal_lr), change nothing
         self.min_lr, self.max_lr, self.num_training_steps = min_lr, max_lr, num_training_steps
         self.mode, self.early_stop_threshold, self.attr_name = mode, early_stop_threshold, attr_name
         self.plot_path = Path(plot_path) if plot_path is not None else None
+        self.probe = probe
         self.optimal_lr: LRFinderResult | None = None  # the result of the search
         self.lr: float | None = None  # its suggestion (None: there was none)
 
@@ -55,6 +56,7 @@ class LearningRateFinder(Callback):
         self.optimal_lr = result = Tuner(trainer).lr_find(
             module, min_lr=self.min_lr, max_lr=self.max_lr, num_training=self.num_training_steps, mode=self.mode,
             early_stop_threshold=self.early_stop_threshold, update_attr=self.update_attr, attr_name=self.attr_name,
+            probe=self.probe,
         )
         self.lr = result.suggestion()
         if self.lr is not None and self.update_attr:

@@ -15,10 +15,15 @@ Choices, each for a way a plain "steepest slope" fails:
   no suggestion instead of the slope of its noise.
 * Only before the lowest point: after it the loss turns up (divergence), and a spike that recovers
   there falls steeply without being a descent.
+* A curve still falling at its end never reached the edge of stability, so it does not say on which
+  side of its steepest point training goes best (plain SGD trains best above it, momentum below):
+  ``lr_find`` then runs short probe fits around that point (``probe_ladder``, ``probe_steps``) and
+  :func:`decide` takes the best by :func:`probe_score`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -27,6 +32,8 @@ import torch
 MIN_POINTS = 8  # fewer finite losses leave no starting level and noise to measure against
 NOISE_MULTIPLE = 4.0  # how many standard errors below the start the lowest point must lie
 WIDTH_FRACTION = 1 / 30  # the smoothing kernel's standard deviation, as a fraction of the points
+PROBE_FACTORS = (0.5, 1.0, 2.0)  # the probe fits' learning rates, as multiples of the steepest point
+MIN_PROBE_STEPS = 15  # fewer steps are mostly the first steps' transient (momentum has not built up)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,10 @@ class Suggestion:
     reason: str = ""
     lrs: list[float] = field(default_factory=list)
     smoothed: list[float] = field(default_factory=list)  # on the scale of the losses
+    # The lowest smoothed point is at the end of the curve: the search did not reach the edge of
+    # stability, so the curve cannot say how far below it the steepest point lies (probe fits decide).
+    still_falling: bool = False
+    probed: bool = False  # ``lr`` is the probe fits' choice (:func:`decide`)
 
 
 def smooth(values: torch.Tensor, width: float) -> torch.Tensor:
@@ -94,4 +105,39 @@ def suggest(lrs: list[float], losses: list[float], mode: str, skip_begin: int = 
             "rate is averaged over more batches."), looked_at, smoothed)
     spacing = x[:low + 1].log() if mode == "exponential" else x[:low + 1]
     slope = torch.gradient(curve[:low + 1], spacing=(spacing,))[0]
-    return Suggestion(looked_at[int(slope.argmin())], "", looked_at, smoothed)
+    # The last two smoothing widths: within them the centred curve has no turn it could still show.
+    still_falling = low >= len(y) - max(2, round(2 * width))
+    return Suggestion(looked_at[int(slope.argmin())], "", looked_at, smoothed, still_falling)
+
+
+def probe_ladder(steepest: float, max_lr: float) -> list[float]:
+    """The learning rates the probe fits try around a still-falling curve's steepest point, capped at
+    ``max_lr`` (the range the user allowed); duplicates after the cap are dropped."""
+    return sorted({min(steepest * f, max_lr) for f in PROBE_FACTORS})
+
+
+def probe_steps(num_training: int) -> int:
+    """Steps per probe fit: together the probes cost about the search again."""
+    return max(MIN_PROBE_STEPS, num_training // len(PROBE_FACTORS))
+
+
+def probe_score(losses: list[float]) -> float:
+    """A probe fit's score: the mean loss of its last quarter of steps; ``inf`` (out) when a loss is not
+    finite or the fit ended above where it started (the mean of its first quarter)."""
+    quarter = max(1, len(losses) // 4)
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return math.inf
+    first, last = sum(losses[:quarter]) / quarter, sum(losses[-quarter:]) / quarter
+    return last if last < first else math.inf
+
+
+def decide(found: Suggestion, lrs: list[float], scores: list[float]) -> Suggestion:
+    """The probe fits' verdict on a still-falling curve: the learning rate of the lowest score; none
+    when every probe diverged or rose."""
+    finite = [(score, lr) for lr, score in zip(lrs, scores) if math.isfinite(score)]
+    if not finite:
+        return dataclasses.replace(found, lr=None, reason=(
+            "No learning rate suggested: the loss was still falling at max_lr, and every probe fit around its "
+            f"steepest point ({', '.join(f'{lr:.3g}' for lr in lrs)}) diverged or ended above where it started. "
+            "Lower max_lr, or run more steps (num_training)."))
+    return dataclasses.replace(found, lr=min(finite)[1], probed=True)

@@ -44,6 +44,17 @@ class Probe:
                probe_results_same=before["results"] is after["results"], probe_points=len(result.lrs))
 
 
+# Standalone, on a curve still falling at max_lr: the search runs its probe fits on every rank.
+phalanx.seed_everything(3)
+probed = Regressor(optimizer="sgd", lr=1e-3)
+probed_before, rng_before = flat(probed), capture_rng_state()["torch"]
+probe_trainer = phalanx.Trainer(max_epochs=1, **quiet())
+found = Tuner(probe_trainer).lr_find(probed, train_dataloaders=loader(64, 4, shuffle=True), num_training=15,
+                                     min_lr=1e-4, max_lr=0.1, update_attr=False)
+report(probe_trainer.fabric, probe_lrs=found.probe_lrs, probe_scores=found.probe_scores,
+       probe_suggestion=found.suggestion(), probe_model_same=bool(torch.equal(flat(probed), probed_before)),
+       probe_rng_same=bool(torch.equal(capture_rng_state()["torch"], rng_before)))
+
 phalanx.seed_everything(3)
 finder = LearningRateFinder(num_training_steps=20, min_lr=1e-4, max_lr=1.0, plot_path="lr_find.png")
 ckpt = ModelCheckpoint(dirpath="ckpts", monitor="val_mae", save_top_k=2)

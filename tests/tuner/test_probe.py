@@ -1,0 +1,145 @@
+"""The probe fits ``lr_find`` runs when its curve is still falling at the end of the search: the curve
+does not show where training turns unstable, so short fits at 1/2, 1 and 2 times its steepest point
+decide (phalanx.tuner.suggest). Pinned on linear regressions with plain SGD, whose edge of stability
+is set by the features' scale: on features of scale 1 the edge lies just past max_lr and the best
+probe is below the steepest point; on features of scales 0.1 to 1 it lies far beyond and the best
+probe is above it. The fits run from the state the search started from and leave no trace.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
+from phalanx.tuner import LRFinderResult, Tuner
+from phalanx.tuner.suggest import decide, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.utils.seed import capture_rng_state, restore_rng_state
+
+
+class Linear(phalanx.Module):
+    """y ~ x.w + b by mean squared error, plain SGD, and a step counter (a plain attribute the search
+    must put back)."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__()
+        self.net, self.lr, self.steps = nn.Linear(16, 1), lr, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.steps += 1
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def regression(seed: int, scaled: bool) -> DataLoader[Any]:
+    """512 samples of 16 features (of scale 1, or of scales from 0.1 to 1 with ``scaled``), batches of 32."""
+    g = torch.Generator().manual_seed(seed)
+    scales = 10 ** -torch.rand(16, generator=g) if scaled else torch.ones(16)
+    x = torch.randn(512, 16, generator=g) * scales
+    y = x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(512, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+def trainer(**kwargs: Any) -> phalanx.Trainer:
+    return phalanx.Trainer(accelerator="cpu", enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                           num_sanity_val_steps=0, enable_model_summary=False, **kwargs)
+
+
+def search(seed: int, scaled: bool, max_lr: float = 1.0, probe: bool = True) -> tuple[LRFinderResult, Linear]:
+    phalanx.seed_everything(seed, verbose=False)
+    model = Linear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data loader's worker hint
+        result = Tuner(trainer(max_epochs=1)).lr_find(model, train_dataloaders=regression(seed, scaled),
+                                                      num_training=30, max_lr=max_lr, probe=probe, update_attr=False)
+    return result, model
+
+
+def curve_only(result: LRFinderResult) -> Any:
+    return suggest(result.lrs, result.raw_losses, result.mode)
+
+
+def test_a_still_falling_curve_whose_best_probe_is_above_its_steepest_point(tmp_path: Path) -> None:
+    result, _ = search(0, scaled=True)
+    found = curve_only(result)
+    assert found.still_falling and result.probed_around == found.lr
+    assert result.probe_lrs == pytest.approx([found.lr / 2, found.lr, 2 * found.lr])
+    assert result.probe_scores[2] < result.probe_scores[1] / 2  # the larger learning rate trains clearly faster
+    assert result.suggestion() == result.probe_lrs[2]
+    result.plot().savefig(tmp_path / "lr.png")  # the probes' scores are marked
+    assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
+    # Without probes the curve alone decides: its steepest point.
+    assert search(0, scaled=True, probe=False)[0].suggestion() == found.lr
+    assert search(0, scaled=True, probe=False)[0].probe_lrs == []
+
+
+def test_a_still_falling_curve_whose_best_probe_is_below_and_a_diverging_probe_is_out() -> None:
+    result, _ = search(1, scaled=False, max_lr=1.5)
+    found = curve_only(result)
+    assert found.still_falling and len(result.probe_lrs) == 3
+    assert result.probe_scores[2] == math.inf  # twice the steepest point is past the edge of stability
+    assert result.probe_scores[0] < result.probe_scores[1]
+    assert result.suggestion() == result.probe_lrs[0] == pytest.approx(found.lr / 2)
+
+
+def test_a_curve_that_turned_up_runs_no_probes() -> None:
+    result, _ = search(0, scaled=False, max_lr=3.0)
+    found = curve_only(result)
+    assert found.lr is not None and not found.still_falling
+    assert result.probe_lrs == result.probe_scores == [] and result.probed_around is None
+    assert result.suggestion() == found.lr
+
+
+def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() -> None:
+    """Model, optimizer state (none yet: the fit builds it), every RNG, the module's plain attributes and
+    the data order: a fit after a search with probes equals, bit for bit, one that never searched."""
+
+    def fit(model: Linear, seed: int) -> torch.Tensor:
+        t = trainer(max_epochs=2)
+        t.fit(model, regression(seed, scaled=True))
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    phalanx.seed_everything(0, verbose=False)
+    model = Linear(lr=0.3)
+    before, rng = [p.detach().clone() for p in model.parameters()], capture_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = Tuner(trainer(max_epochs=2)).lr_find(model, train_dataloaders=regression(0, scaled=True),
+                                                      num_training=30, update_attr=False)
+    assert len(result.probe_lrs) == 3  # the probes ran
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and model.steps == 0
+    draws = torch.rand(4).tolist(), random.random(), numpy.random.rand()
+    restore_rng_state(rng)  # every generator where it was before the search: the same draws
+    assert draws == (torch.rand(4).tolist(), random.random(), numpy.random.rand())
+    restore_rng_state(rng)
+    assert all(p.grad is None for p in model.parameters())
+    searched = fit(model, 0)
+    phalanx.seed_everything(0, verbose=False)
+    assert torch.equal(searched, fit(Linear(lr=0.3), 0))
+
+
+def test_the_probe_rule() -> None:
+    assert probe_ladder(0.2, max_lr=1.0) == pytest.approx([0.1, 0.2, 0.4])
+    assert probe_ladder(0.8, max_lr=1.0) == pytest.approx([0.4, 0.8, 1.0])  # capped at the searched range
+    assert probe_steps(100) == 33 and probe_steps(30) == 15  # together about the search again, at least 15 each
+    assert probe_score([4.0, 3.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5]) == 0.5  # the mean of the last quarter
+    assert probe_score([1.0, 2.0, 3.0, math.nan]) == math.inf  # not finite: out
+    assert probe_score([1.0, 0.5, 1.5, 2.0]) == math.inf  # ended above where it started: out
+    found = suggest([10 ** (-4 + k / 10) for k in range(41)], [2.0 - k / 40 for k in range(41)], "exponential")
+    assert found.still_falling
+    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4 and not found.probed
+    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).probed
+    refused = decide(found, [0.1, 0.2, 0.4], [math.inf] * 3)
+    assert refused.lr is None and "every probe fit around its steepest point (0.1, 0.2, 0.4) diverged" in refused.reason
