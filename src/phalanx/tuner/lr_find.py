@@ -20,7 +20,6 @@ import torch
 from phalanx.core.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
-from phalanx.trainer.results import Results
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import Suggestion, suggest
 from phalanx.utils.diagnostics import warn
@@ -209,7 +208,7 @@ class Tuner:
         if optimizer is None:  # a fresh one from configure_optimizers (its schedulers are ignored: we drive the LR)
             raw, _ = parse_optimizers(t.module.configure_optimizers())
             optimizer = t.fabric.setup_optimizers(raw)
-        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
+        t.logger_connector.reset_results()
         t.current_stage = "train"
         t.module.train()
         result = LRFinderResult(mode=mode, global_rank=t.global_rank)
@@ -232,7 +231,7 @@ class Tuner:
                         lr = min_lr + (max_lr - min_lr) * frac
                     for group in optimizer.param_groups:
                         group["lr"] = lr
-                t.results["train"].batch = batch
+                t.logger_connector.set_batch("train", batch)
                 _, loss = micro_batch(t, batch, batch_idx, size, boundary)
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
