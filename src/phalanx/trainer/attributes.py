@@ -7,10 +7,10 @@ them, so those modules import this one and the Trainer imports them, with no cyc
 
 What it holds, each with one owner: the frozen ``settings``; the ``loop_state`` (counters, saved in
 checkpoints); the ``accumulation`` schedule the training loop reads per epoch; the ``logger_connector``
-(what ``self.log`` records in each stage and what it publishes); the ``hooks`` dispatcher, which owns the callbacks;
-the ``data`` connector (loaders and datamodule); and the set-up model and optimizers. Every public
-attribute reads one of these: settings and data through :class:`~phalanx.trainer.settings.ReadOnly`,
-counters through the loop state.
+(what ``self.log`` records in each stage and what that publishes); the ``hooks`` dispatcher, which owns
+the callbacks; the ``data`` connector (loaders and datamodule); and the set-up model and optimizers. Every
+public attribute reads one of these: settings and data through :class:`~phalanx.trainer.settings.ReadOnly`,
+counters and metrics through the loop state and the logger connector.
 
 Code below the Trainer (the Module, callbacks) sees this class through
 :class:`phalanx.core.view.TrainerView`; the Module's ``manual_backward``, ``toggle_optimizer`` and
