@@ -16,10 +16,8 @@ from trainer_support import CountingSGD, Regressor, dataset, flat, loader, quiet
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.errors import PhalanxWarning
-from phalanx.trainer.board import MetricBoard
 from phalanx.trainer.data import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
-from phalanx.trainer.results import Results
 from phalanx.utils.errors import MisconfigurationError
 
 
@@ -93,39 +91,6 @@ def test_logging_errors() -> None:
         trainer = phalanx.Trainer(max_epochs=1, **quiet())
         with pytest.raises(MisconfigurationError, match=message):
             trainer.fit(Bad(what), loader(8, 4))
-
-
-def test_ranks_logging_different_names_are_told_so() -> None:
-    class TwoRanks:
-        world_size = 2
-        strategy = phalanx.strategies.DDPStrategy()
-
-        def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-            other = t.clone()
-            other[-1] += 1  # the other rank's name checksum differs
-            return torch.stack([t, other])
-
-    class Loggers:
-        logged: list[dict[str, float]] = []
-
-        def log_dict(self, values: dict[str, float], step: int) -> None:
-            self.logged.append(values)
-
-    # A step sync reads nothing on the host: the check is read with the values, at the next logger flush (or
-    # the epoch's end), before anything is logged.
-    results = Results("train", torch.device("cpu"))
-    results.batch = torch.zeros(2, 3)
-    results.log("a", 1.0, on_step=True, on_epoch=False, prog_bar=False, logger=True, sync_dist=True,
-                reduce_fx="mean", batch_size=None)
-    board, fabric = MetricBoard(), Loggers()
-    board.publish_step(results.sync_step(TwoRanks()), results)
-    board.flush_step_log(fabric, 1, False, results)  # not due: nothing read yet
-    results.log("a", 2.0, on_step=True, on_epoch=False, prog_bar=False, logger=True, sync_dist=True,
-                reduce_fx="mean", batch_size=None)
-    board.publish_step(results.sync_step(TwoRanks()), results)
-    with pytest.raises(MisconfigurationError, match=r"Ranks logged different step metrics"):
-        board.flush_step_log(fabric, 2, True, results)
-    assert fabric.logged == []
 
 
 def test_optimizer_configurations() -> None:

@@ -108,7 +108,7 @@ def test_lr_finder_then_ddp_fit_via_phalanx_run(tmp_path: Path) -> None:
     assert r0["world"] == 2
     for r in (r0, r1):
         assert all(r["probe_equal"].values()), r["probe_equal"]
-        assert r["probe_results_same"] and r["probe_points"] >= 3
+        assert r["probe_points"] >= 3
         assert r["suggestion"] is not None and r["lr"] == r["suggestion"] == r0["suggestion"]
         assert r["opt_lr"] == r["lr"]  # the fit's optimizer was rebuilt with the suggestion
         assert r["devices"] == [r["device"]]  # accumulators on fabric.device after the search

@@ -109,7 +109,7 @@ def _assert_steady(reports: dict[int, dict[str, dict[str, int]]], devices: int) 
             trainer = reads["in_trainer"]
             # One batched read per logger flush (steps 20, 30, 40, 50), nothing else.
             assert sum(trainer.values()) <= (LAST - FIRST) // LOG_EVERY, trainer
-            assert all(where.startswith("trainer/board.py") for where in trainer), trainer
+            assert all(where.startswith("trainer/logger_connector.py") for where in trainer), trainer
         if "in_fabric" in reads:
             assert reads["in_fabric"] == {}
 

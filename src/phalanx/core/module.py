@@ -242,11 +242,8 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
                     self._fabric.log(name, value)
                 return
             trainer = self.trainer  # raises, saying how to attach the module
-        stage = trainer.current_stage
-        results = trainer.results.get(stage) if stage is not None else None
-        if results is None:
-            results = trainer.results_for_logging()  # raises, naming where self.log works
-        results.log(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, self)
+        trainer.logger_connector.sink(trainer.current_stage).log(
+            name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, self)
 
     def log_dict(self, metrics: Mapping[str, Any] | Any, **kwargs: Any) -> None:
         """``self.log`` for each item of a dict or a torchmetrics ``MetricCollection`` (its prefixed names)."""

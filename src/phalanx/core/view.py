@@ -13,7 +13,7 @@ the Trainer may hold each as a plain attribute, a property or a delegate to its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +30,14 @@ class LogSink(Protocol):
         self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
         logger: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, module: Any = None,
     ) -> None: ...
+
+
+class LogTarget(Protocol):
+    """The Trainer's logged results as ``Module.log`` sees them (``trainer.logger_connector``)."""
+
+    def sink(self, stage: str | None) -> LogSink:
+        """Where values logged while ``stage`` runs are recorded; raises outside the loops that log."""
+        ...
 
 
 class SchedulerView(Protocol):
@@ -98,11 +106,8 @@ class TrainerView(Protocol):
     def callback_metrics(self) -> dict[str, torch.Tensor]: ...
     @property
     def progress_bar_metrics(self) -> dict[str, float]: ...
-    # ``Module.log`` runs for every logged value of every step: it reads the stage's sink directly
-    # (one dict lookup) and asks ``results_for_logging`` only when there is none, for the error.
     @property
-    def results(self) -> Mapping[str, LogSink]: ...
-    def results_for_logging(self) -> LogSink: ...
+    def logger_connector(self) -> LogTarget: ...
 
     # ------------------------------------------------------------------ model and optimization
     @property

@@ -6,11 +6,11 @@ The Trainer (:class:`phalanx.trainer.trainer.Trainer`) is this class plus its en
 them, so those modules import this one and the Trainer imports them, with no cycle.
 
 What it holds, each with one owner: the frozen ``settings``; the ``loop_state`` (counters, saved in
-checkpoints); the ``accumulation`` schedule the training loop reads per epoch; the logged ``results`` of
-each stage and the ``metric_board`` they publish to; the ``hooks`` dispatcher, which owns the callbacks;
-the ``data`` connector (loaders and datamodule); and the set-up model and optimizers. Every public
-attribute reads one of these: settings and data through :class:`~phalanx.trainer.settings.ReadOnly`,
-counters through the loop state.
+checkpoints); the ``accumulation`` schedule the training loop reads per epoch; the ``logger_connector``
+(what ``self.log`` records in each stage and what that publishes); the ``hooks`` dispatcher, which owns
+the callbacks; the ``data`` connector (loaders and datamodule); and the set-up model and optimizers. Every
+public attribute reads one of these: settings and data through :class:`~phalanx.trainer.settings.ReadOnly`,
+counters and metrics through the loop state and the logger connector.
 
 Code below the Trainer (the Module, callbacks) sees this class through
 :class:`phalanx.core.view.TrainerView`; the Module's ``manual_backward``, ``toggle_optimizer`` and
@@ -34,18 +34,15 @@ from phalanx.core.toggling import Toggleable, untoggle_params
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import Profiler
 from phalanx.trainer import stepping
-from phalanx.trainer.board import MetricBoard
 from phalanx.trainer.data_connector import DataConnector
 from phalanx.trainer.hooks import HookDispatcher
+from phalanx.trainer.logger_connector import LoggerConnector
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
-from phalanx.trainer.results import Results
 from phalanx.trainer.settings import ReadOnly, Settings
 from phalanx.trainer.state import LoopState
 from phalanx.trainer.stepping import StepOptimizer
 from phalanx.utils.errors import MisconfigurationError
-
-STAGES = ("train", "validate", "test")  # the stages that log metrics (each has its Results)
 
 
 class TrainerAttributes:
@@ -56,9 +53,8 @@ class TrainerAttributes:
         self.fabric = fabric
         self.profiler = profiler
         self.loop_state = LoopState()  # one object for the Trainer's life: the step path holds it
-        self.results: dict[str, Results] = {s: Results(s, self.fabric.device) for s in STAGES}
-        self.metric_board = MetricBoard()
-        self.hooks = HookDispatcher(self, callbacks, settings, profiler, self.sync_step_metrics)
+        self.logger_connector = LoggerConnector(fabric, settings.log_every_n_steps)
+        self.hooks = HookDispatcher(self, callbacks, settings, profiler, self.logger_connector.sync_step_metrics)
         self.accumulation = self._accumulation_schedule()
         self.window_losses: list[tuple[int, torch.Tensor]] = []  # the window's losses, checked before its step
         self.loss_check = LossCheck(torch.device("cpu"), 1, None)  # one per fit (loops.run_fit)
@@ -368,40 +364,25 @@ class TrainerAttributes:
     def is_last_batch(self) -> bool:
         return self.num_training_batches is not None and self.batches_done >= self.num_training_batches
 
-    # ------------------------------------------------------------------ metrics (used by loops)
+    # ------------------------------------------------------------------ metrics (held by the logger connector)
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """The latest step and epoch values, identical on every rank. Step values are synced across ranks
         only when something reads them, so reading this is a collective while some are pending: read it
         on every rank (phalanx syncs before each hook of your callbacks and Module, so reading it there,
         on any rank, is always free and safe)."""
-        self.sync_step_metrics()
-        return self.metric_board.callback
+        return self.logger_connector.callback_metrics
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
-        return self.metric_board.progress_bar
+        return self.logger_connector.progress_bar_metrics
 
     @property
     def logged_metrics(self) -> dict[str, float]:
-        return self.metric_board.logged
-
-    def sync_step_metrics(self) -> None:
-        """Publish the step values logged since the last sync (one all_gather per stage that has any)."""
-        for results in self.results.values():
-            if results.pending:
-                self.metric_board.publish_step(results.sync_step(self.fabric), results)
+        return self.logger_connector.logged_metrics
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.fabric.print(*args, **kwargs)
-
-    def results_for_logging(self) -> Results:
-        if self.current_stage not in self.results:
-            raise MisconfigurationError(
-                "self.log() was called outside a training/validation/test loop (e.g. in setup, on_fit_start or "
-                "predict_step). Log from the *_step methods or the epoch/batch hooks."
-            )
-        return self.results[self.current_stage]
 
     def take_resume_state(self) -> dict[str, Any] | None:
         resume, self._resume = self._resume, None
@@ -415,15 +396,14 @@ class TrainerAttributes:
         """The loops' own state now: counters, the running stage, published metrics and accumulators, the
         sampler position. Calling the result puts it back (``core.module_state.TrainerRestorePoint``)."""
         loop, stage = self.loop_state.restore_point(), self.current_stage
-        board, results = self.metric_board.restore_point(), self.results
+        restore_metrics = self.logger_connector.restore_point()
         sampler = self.train_sampler
         position = (sampler.epoch, sampler.skip) if sampler is not None else None
 
         def restore() -> None:
             self.loop_state.restore(loop)
             self.current_stage = stage
-            self.metric_board.restore(board)
-            self.results = results
+            restore_metrics()
             if position is not None:
                 self.train_sampler.epoch, self.train_sampler.skip = position
 

@@ -151,7 +151,7 @@ class CheckpointConnector:
             own = {
                 "rng": rng(),
                 "epoch_rng": None if done else loop.epoch_start_rng,
-                "results": None if done else t.results["train"].state_dict(host=gather),
+                "results": None if done else t.logger_connector.train_state_dict(host=gather),
                 # torchmetrics state: not in state_dict (non-persistent)
                 "metrics": metric_states(t.module, host=gather),
             }

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import no_op_hooks, overrides
-from phalanx.trainer.board import reads_metrics
+from phalanx.trainer.logger_connector import reads_metrics
 from phalanx.trainer.settings import checkpoint_marks, off_in_fast_dev_run
 from phalanx.utils.errors import MisconfigurationError
 

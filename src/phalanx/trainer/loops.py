@@ -16,11 +16,9 @@ The loops run on :class:`~phalanx.trainer.attributes.TrainerAttributes` (what a 
 points, which call these loops); per batch they touch the loop state and the settings through locals
 bound once per epoch, not through the Trainer's properties.
 
-Step metrics are synced across ranks only where they are consumed (see :mod:`phalanx.trainer.results`):
-at a logger flush (``log_every_n_steps``), a progress-bar refresh when a logged value goes to the bar,
-before any hook of the user's callbacks or Module that could read them, and at epoch end. A sync is a
-collective on the device; the host reads the values only at a logger flush and at epoch end
-(:mod:`phalanx.trainer.board`).
+What ``self.log`` records reaches ``callback_metrics``, the progress bar and the loggers through the
+Trainer's :class:`~phalanx.trainer.logger_connector.LoggerConnector`, which the loops tell where they are
+(epoch start, batch, batch end, epoch end); it decides where step values are synced and read.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer.board import host_floats
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.optim import step_schedulers
@@ -239,10 +236,9 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
     if resume is not None:
         restore_rng_state(resume["epoch_rng"] if mid and resume["epoch_rng"] else resume["rng"])
     state.epoch_start_rng = capture_rng_state()
-    results = t.results["train"]
-    results.reset()
-    if mid and resume is not None and resume.get("results") is not None:
-        results.load_state_dict(resume["results"], t.module)
+    logging = t.logger_connector
+    saved = resume.get("results") if mid and resume is not None else None
+    logging.start_epoch("train", _bar_refresh_rate(t), saved, t.module)
     t.data.reload_if_due(state.current_epoch, state.batches_done, t.module)
     start = resume_start(t, resume) if resume is not None else 0  # before the hooks: they may read batches_done
     t.module.train()
@@ -259,16 +255,13 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
     if mid and resume is not None:
         restore_rng_state(resume["rng"])
     total = t.num_training_batches
-    board, fabric = t.metric_board, t.fabric
     # Per-epoch decisions, so a step does only the work that applies (a step's own cost is the
     # Trainer's overhead over a hand-written loop).
-    bar_rate = _bar_refresh_rate(t)
-    has_loggers = bool(t.loggers)
-    log_every, max_steps = settings.log_every_n_steps, settings.max_steps
-    plan = StepPlan(module=t.module, model=t.model, fabric=fabric, settings=settings, state=state, hooks=t.hooks,
+    max_steps = settings.max_steps
+    plan = StepPlan(module=t.module, model=t.model, fabric=t.fabric, settings=settings, state=state, hooks=t.hooks,
                     accumulate=t.accumulate_grad_batches, optimizers=t.step_optimizers, loss_check=t.loss_check,
                     window=t.window_losses, schedulers=t.lr_scheduler_configs,
-                    metrics=lambda: t.callback_metrics, sync_metrics=t.sync_step_metrics)
+                    metrics=lambda: logging.callback_metrics, sync_metrics=logging.sync_step_metrics)
     batch_start = "on_train_batch_start" in plan.live
     batch_end = overrides(t.module, "on_train_batch_end")
     cb_end = bool(t.hooks.callback_methods("on_train_batch_end"))
@@ -276,19 +269,14 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
     seen = False
     for batch_idx, batch, size, boundary in windows(iterator, start, total, plan.accumulate):
         seen = True
-        results.batch = batch
+        logging.set_batch("train", batch)
         state.in_window = not boundary
         if batch_start and not t.hooks.batch_start(batch, batch_idx):
             break
         steps_before = state.global_step
         output = train_batch(plan, batch, batch_idx, size, boundary)
         state.batches_done = batch_idx + 1
-        step = state.global_step
-        log_due = has_loggers and step > steps_before and step % log_every == 0
-        if log_due or (bar_rate and results.pending_prog_bar and (batch_idx + 1) % bar_rate == 0):
-            t.sync_step_metrics()
-        if step > steps_before and (log_due or board.unlogged):
-            board.flush_step_log(fabric, step, log_due, results)
+        logging.train_batch_end(batch_idx, state.global_step, state.global_step > steps_before)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
         if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
@@ -296,7 +284,7 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
         if batch_end or cb_end:
             out = detached(as_outputs(output))
             if batch_end:  # the default is a no-op
-                t.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
+                logging.sync_step_metrics()  # the user's hook may read callback_metrics (on one rank only)
                 t.module.on_train_batch_end(out, batch, batch_idx)
             t.hooks.call("on_train_batch_end", out, batch, batch_idx)
         state.in_window = False
@@ -313,11 +301,10 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
     if _val_due_at_epoch_end(t):
         run_evaluation(t, "validate", t.val_dataloaders, settings.limit_val_batches)
     state.epoch_finished = True
-    t.sync_step_metrics()
-    results.in_epoch_end = True
-    t.module.on_train_epoch_end()
-    results.in_epoch_end = False
-    board.publish_epoch(results.sync_epoch(fabric), results, fabric, state.current_epoch, state.global_step)
+    logging.sync_step_metrics()
+    with logging.in_epoch_end("train"):
+        t.module.on_train_epoch_end()
+    logging.end_epoch("train", state.current_epoch, state.global_step)
     step_schedulers(t.module, t.lr_scheduler_configs, "epoch", state.current_epoch + 1, t.callback_metrics)
     t.hooks.call("on_train_epoch_end")
     state.current_epoch += 1
@@ -357,13 +344,12 @@ def run_evaluation(
     hook = "validation" if stage == "validate" else "test"
     limit_name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
     t.loss_check.flush()  # a validation mid-epoch reports on weights that are finite
-    results = t.results[stage]
-    results.reset()
+    logging = t.logger_connector
+    logging.start_epoch(stage)
     was_training = t.module.training
     previous_stage = t.current_stage
     t.current_stage = stage
-    t.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
-    board, fabric = t.metric_board, t.fabric
+    logging.sync_step_metrics()  # pending training values: hooks below may read them, on any rank
     getattr(t.module, f"on_{hook}_model_eval")()
     t.hooks.run(f"on_{hook}_start")
     getattr(t.module, f"on_{hook}_epoch_start")()
@@ -373,43 +359,31 @@ def run_evaluation(
     t.data.num_eval_batches = [num_batches(loader, limit) for loader in loaders]
     with eval_grad_mode(t):
         for idx, loader in enumerate(loaders):
-            results.dataloader_idx = idx
-            results.suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
+            logging.set_dataloader(stage, idx, len(loaders))
             n = num_batches(loader, limit)
             if n == 0:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
             seen = False
             for batch_idx, batch in zip(range(n) if n is not None else count(), loader):
                 seen = True
-                results.batch = batch
+                logging.set_batch(stage, batch)
                 extra = {"dataloader_idx": idx} if len(loaders) > 1 and takes_idx else {}
                 t.hooks.run(f"on_{hook}_batch_start", batch, batch_idx, *([idx] if len(loaders) > 1 else []))
                 output = step_fn(batch, batch_idx, **extra)
-                if results.pending:  # step values in evaluation (rare): logged per batch
-                    values = board.publish_step(results.sync_step(fabric), results)
-                    if not t.sanity_checking:
-                        board.log_now(fabric, host_floats(values), t.loop_state.global_step)
+                logging.eval_batch_end(stage, t.loop_state.global_step, log=not t.sanity_checking)
                 t.hooks.run(f"on_{hook}_batch_end", output, batch, batch_idx, *([idx] if len(loaders) > 1 else []))
             if not seen:
                 raise empty_loader_error(hook, loader, limit_name, limit, t.world_size)
-    results.in_epoch_end = True
-    with eval_grad_mode(t):
+    with logging.in_epoch_end(stage), eval_grad_mode(t):
         getattr(t.module, f"on_{hook}_epoch_end")()
-    results.in_epoch_end = False
-    metrics = results.sync_epoch(fabric)
     state = t.loop_state
-    board.publish_epoch(metrics, results, fabric, state.current_epoch, state.global_step, log=not t.sanity_checking)
+    metrics = logging.end_epoch(stage, state.current_epoch, state.global_step, log=not t.sanity_checking)
     t.hooks.call(f"on_{hook}_epoch_end")
     t.hooks.run(f"on_{hook}_end")
     t.current_stage = previous_stage
     if was_training:
         getattr(t.module, f"on_{hook}_model_train")()
-    per_loader: list[dict[str, float]] = [{} for _ in loaders]
-    for name, entry in results.entries.items():
-        if entry.on_epoch:
-            key = f"{name}_epoch" if entry.on_step else name
-            per_loader[entry.dataloader_idx][key] = metrics[name]
-    return per_loader
+    return logging.by_dataloader(stage, metrics, len(loaders))
 
 
 def run_predict(trainer: TrainerAttributes, loaders: list[Any], limit: int | float) -> list[list[Any]]:

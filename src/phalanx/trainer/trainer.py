@@ -25,10 +25,9 @@ from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import resolve_profiler
 from phalanx.trainer import loops
-from phalanx.trainer.attributes import STAGES, TrainerAttributes
+from phalanx.trainer.attributes import TrainerAttributes
 from phalanx.trainer.checkpoint_connector import CheckpointConnector
 from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
-from phalanx.trainer.results import Results
 from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
@@ -209,7 +208,7 @@ class Trainer(TrainerAttributes):
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
         self.data.set_fit_sources(train_dataloaders, val_dataloaders)
         self.data.prepare_train(self._module)
-        self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+        self.logger_connector.reset_results()
         self.setup_optimizers()
 
     def _sanity_check(self) -> None:
@@ -220,19 +219,16 @@ class Trainer(TrainerAttributes):
         if not n or not self.val_dataloaders or self.limit_val_batches == 0:
             return
         rng = capture_rng_state()
-        self.sync_step_metrics()
-        saved = self.metric_board.restore_point()
-        self.sanity_checking = True
-        try:
-            self.hooks.call("on_sanity_check_start")
-            limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
-            limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
-            loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
-            self.hooks.call("on_sanity_check_end")
-        finally:
-            self.sanity_checking = False
-        self.metric_board.restore(saved)
-        self.results["validate"].reset()
+        with self.logger_connector.discarded("validate"):
+            self.sanity_checking = True
+            try:
+                self.hooks.call("on_sanity_check_start")
+                limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
+                limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
+                loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
+                self.hooks.call("on_sanity_check_end")
+            finally:
+                self.sanity_checking = False
         restore_rng_state(rng)
 
     def validate(
@@ -378,7 +374,7 @@ class Trainer(TrainerAttributes):
         device this rank got."""
         if not self.fabric.launched:
             self.fabric.launch()
-            self.results = {s: Results(s, self.fabric.device) for s in STAGES}
+            self.logger_connector.reset_results()
 
     def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
         if self.stage is not None:

@@ -24,7 +24,6 @@ import torch
 from phalanx.core.module_state import preserved
 from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
 from phalanx.trainer.optim import parse_optimizers
-from phalanx.trainer.results import Results
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.diagnostics import warn
@@ -288,7 +287,7 @@ class Tuner:
         if optimizer is None:
             raw, _ = parse_optimizers(t.module.configure_optimizers())
             optimizer = t.fabric.setup_optimizers(raw)
-        t.results = {s: Results(s, t.fabric.device) for s in ("train", "validate", "test")}
+        t.logger_connector.reset_results()
         t.current_stage = "train"
         t.module.train()
         return optimizer
@@ -334,7 +333,7 @@ class Tuner:
                 if not window_losses:
                     for group in optimizer.param_groups:
                         group["lr"] = lr_at(step)
-                t.results["train"].batch = batch
+                t.logger_connector.set_batch("train", batch)
                 _, loss = micro_batch(t, batch, batch_idx, size, boundary)
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:

@@ -35,13 +35,13 @@ class Probe:
                 "rng": capture_rng_state()["torch"], "lr": module.lr,
                 "counters": [trainer.global_step, trainer.current_epoch, trainer.batches_done, trainer.should_stop],
                 "callbacks": [cb.state_dict() for cb in trainer.callbacks if hasattr(cb, "state_dict")],
-                "metrics": dict(trainer.callback_metrics), "results": trainer.results,
+                "metrics": dict(trainer.callback_metrics),
+                "results": trainer.logger_connector.train_state_dict(host=True),
             }
         before = state()
         result = Tuner(trainer).lr_find(module, num_training=15, min_lr=1e-4, max_lr=1.0, update_attr=False)
         after = state()
-        report(trainer.fabric, probe_equal={k: same(before[k], after[k]) for k in before if k != "results"},
-               probe_results_same=before["results"] is after["results"], probe_points=len(result.lrs))
+        report(trainer.fabric, probe_equal={k: same(before[k], after[k]) for k in before}, probe_points=len(result.lrs))
 
 
 # Standalone, on a curve still falling at max_lr: the search runs its probe fits on every rank.
@@ -61,7 +61,7 @@ ckpt = ModelCheckpoint(dirpath="ckpts", monitor="val_mae", save_top_k=2)
 trainer = phalanx.Trainer(max_epochs=2, callbacks=[Probe(), finder, ckpt], **quiet(enable_checkpointing=True))
 model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
 trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
-devices = {str(d) for r in trainer.results.values() for d in r.devices()}
+devices = {str(d) for d in trainer.logger_connector.devices()}
 report(trainer.fabric, lr=model.lr, suggestion=finder.lr, opt_lr=trainer.optimizer.param_groups[0]["initial_lr"],
        val_mae=float(trainer.callback_metrics["val_mae"]), devices=sorted(devices), device=str(trainer.device),
        world=trainer.world_size, best=ckpt.best_model_path)
