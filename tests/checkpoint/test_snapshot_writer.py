@@ -285,18 +285,12 @@ def test_no_room_in_shared_memory_turns_snapshots_off_with_a_message(
     assert snapshot.complete_steps(folder.absolute()) == {}
 
 
-@pytest.mark.parametrize("in_memory", [True, False], ids=["shared-memory", "checkpoint-files"])
-def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_the_first(
-    folder: Path, in_memory: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_second_run_writing_the_same_folder_is_refused_and_takes_nothing_of_the_first(folder: Path) -> None:
     # Two runs in one snapshot folder (one default_root_dir) would overwrite and delete each other's snapshots,
     # and a restart of one could resume the other's state. The claim is a flock per rank: two Fabrics of this
     # process hold two open files, so they conflict exactly as two processes do.
     fabric, model, optimizer = _setup()
     other, model2, optimizer2 = _setup(seed=5)
-    if not in_memory:  # how DeepSpeed snapshots: checkpoint files written through fabric.save
-        for f in (fabric, other):
-            monkeypatch.setattr(f.strategy, "snapshots_in_memory", False)
     _step(fabric, model, optimizer)
     ref = fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, overlap=False, every_n_steps=1)
     expected = _weights(model, optimizer)

@@ -138,3 +138,7 @@ class StateOwner(Protocol):
         """This rank's part of a module's (``kind="module"``) or optimizer's state, without communicating:
         its tensors share memory with the live ones (a shard stays a DTensor)."""
         ...
+
+    def load_local_state(self, kind: str, obj: Any, saved: dict[str, Any], strict: bool) -> None:
+        """Put ``saved`` (what ``local_state`` gave, read back) into ``obj`` in place, without communicating."""
+        ...

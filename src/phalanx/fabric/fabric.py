@@ -114,7 +114,7 @@ class Fabric:
         self._run_root = Path(root_dir) if root_dir is not None else loggers_root
         self._strategy = strategy_ = configured_strategy(self._init_kwargs)
         self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
-        self._snapshots = Snapshots(strategy_, self.save, self.remove_checkpoint)
+        self._snapshots = Snapshots(strategy_)
         self._persistence = Persistence(strategy_, self._snapshots)
         self._collectives = Collectives(strategy_)
         self._models = Models(strategy_, self)

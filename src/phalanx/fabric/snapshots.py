@@ -1,7 +1,6 @@
 """Fabric's per-step snapshots (``fabric.save_snapshot``), folder by folder: when one is due (the folder's
-:class:`~phalanx.checkpoint.snapshot.Cadence`), writing it (this rank's shared-memory slots, or checkpoint
-files where the strategy's state is only its engine's to read), and what happens to the folder at the end
-of the job. The Trainer's ``callbacks.Snapshot`` takes the same path.
+:class:`~phalanx.checkpoint.snapshot.Cadence`), writing it (this rank's shared-memory slots), and what
+happens to the folder at the end of the job. The Trainer's ``callbacks.Snapshot`` takes the same path.
 
 Each rank copies its own part (a shard stays a shard) into shared memory: no collective, no pickling of
 tensors. With ``overlap`` the parameters and optimizer state are copied while the next forward and backward
@@ -15,7 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,19 +32,15 @@ if TYPE_CHECKING:
 class _Folder:
     cadence: Cadence
     writer: RankSnapshots | None = None  # this rank's shared-memory slots
-    written: list[Path] = field(default_factory=list)  # checkpoint snapshots this job wrote (same on every rank)
-    claim: FolderClaim | None = None  # this rank's hold on a folder of checkpoint snapshots
     off: bool = False  # a write failed on this rank: no more writes (the cadence and its agreement go on)
 
 
 class Snapshots:
-    """The snapshot folders of one Fabric. ``save``/``remove``: ``fabric.save`` and ``fabric.remove_checkpoint``
-    (snapshots through checkpoint files). A folder given as None is :attr:`default_dir`; a relative one is
+    """The snapshot folders of one Fabric. A folder given as None is :attr:`default_dir`; a relative one is
     taken from the working directory."""
 
-    def __init__(self, strategy: Strategy, save: Callable[[Path, dict[str, Any]], Any],
-                 remove: Callable[[Path], None]) -> None:
-        self._strategy, self._save, self._remove = strategy, save, remove
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
         self._folders: dict[Path, _Folder] = {}
 
     @property
@@ -85,8 +80,6 @@ class Snapshots:
     def _write(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int, keep: int,
                overlap: bool) -> Path | None:
         strategy = self._strategy
-        if not strategy.snapshots_in_memory:
-            return self._write_checkpoint(entry, folder, state, step, keep)
         if entry.off:
             return None
         if entry.writer is None:
@@ -107,24 +100,6 @@ class Snapshots:
                              rank=strategy.global_rank)
             return None
 
-    def _write_checkpoint(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
-        """A strategy whose state only its engine can read and write snapshots through checkpoint files."""
-        strategy = self._strategy
-        if entry.claim is None:  # refused while another run writes here
-            entry.claim = FolderClaim(folder, strategy.global_rank)
-            if strategy.global_rank == 0:
-                diagnostics.notice(f"Snapshots under strategy {strategy.name!r} are checkpoints written through its "
-                                   "engine (collectives and a file per snapshot), not shared-memory copies: the "
-                                   "cadence of 'auto' keeps their cost within its budget.")
-        path = snapshot.path_for(folder, step)
-        self._save(path, state)
-        # What this job wrote, the same list on every rank (a listing of the folder could differ between ranks
-        # while rank 0 deletes, and removing is a collective). An earlier attempt's go with the folder at the end.
-        entry.written[:] = [p for p in entry.written if p != path] + [path]
-        while len(entry.written) > keep:
-            self._remove(entry.written.pop(0))
-        return path
-
     def settle(self) -> None:
         """Every snapshot copy in flight on this rank is complete (an error surfaces at the next snapshot)."""
         for entry in self._folders.values():
@@ -136,15 +111,13 @@ class Snapshots:
         own part, the last one the folder (no collective)."""
         folder = self.folder(directory)
         entry = self._folders.pop(folder, None)
-        claim = entry.claim if entry is not None else None
         if entry is not None and entry.writer is not None:
             _finish(entry.writer, remove=True)
         elif self._strategy.global_rank == 0:
-            claim = claim or FolderClaim.attempt(folder, 0)
+            claim = FolderClaim.attempt(folder, 0)
             if claim is not None:  # nothing is deleted while another run writes there
                 shutil.rmtree(folder, ignore_errors=True)
-        if claim is not None:
-            claim.release()
+                claim.release()
 
     def close(self, directory: str | Path | None) -> None:
         """Complete this rank's last snapshot in ``directory`` and let go of the folder, keeping its snapshots."""
@@ -153,8 +126,6 @@ class Snapshots:
             return
         if entry.writer is not None:
             _finish(entry.writer, remove=False)
-        if entry.claim is not None:
-            entry.claim.release()
 
     def end(self, failed: bool) -> None:
         """At the end of the job: snapshots are only for restarting a run that did not finish, so they are

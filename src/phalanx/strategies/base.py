@@ -17,7 +17,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx import checkpoint
-from phalanx.checkpoint.protocol import Shapes, ShardIO, plain_shapes
+from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO, plain_shapes
+from phalanx.checkpoint.snapshot import load_module_local, load_optimizer_local
 from phalanx.distributed.launch import ClusterEnvironment, check_environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
@@ -280,12 +281,14 @@ class Strategy:
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         return type(module).__name__, plain_shapes(module)
 
-    #: Whether per-step snapshots can be taken rank by rank in shared memory (``local_state`` below);
-    #: a strategy whose state lives inside an engine's own buffers writes them as checkpoints instead.
-    snapshots_in_memory: ClassVar[bool] = True
-
     def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
         return obj.state_dict()  # type: ignore[no-any-return]
+
+    def load_local_state(self, kind: str, obj: Any, saved: dict[str, Any], strict: bool) -> None:
+        if kind == MODULE:
+            load_module_local(obj, self.local_state(MODULE, obj, None), saved, strict)
+        else:
+            load_optimizer_local(obj, saved)
 
     def release_module(self, forward_module: nn.Module) -> None:
         """Free what setup built for a module the caller no longer uses (see ``Fabric.release``)."""

@@ -110,11 +110,9 @@ class CheckpointConnector:
     def snapshot(self, folder: Path, keep: int, overlap: bool, every_n_steps: int | str | Cadence,
                  max_overhead: float, rng: Callable[[], dict[str, Any]] = capture_rng_state) -> Path | None:
         """This step's snapshot in ``folder`` when one is due (every rank, every step; see ``fabric.save_snapshot``).
-        In shared memory each rank keeps its own RNG and metric state, so nothing is gathered; a strategy that
-        snapshots through checkpoint files gathers them as a checkpoint does."""
+        Each rank keeps its own RNG and metric state, so nothing is gathered."""
         t = self.trainer
-        gather = not t.fabric.strategy.snapshots_in_memory
-        return t.fabric.save_snapshot(lambda: self._state(False, gather=gather, what="A snapshot", rng=rng),
+        return t.fabric.save_snapshot(lambda: self._state(False, gather=False, what="A snapshot", rng=rng),
                                       t.global_step,
                                       folder, keep=keep, overlap=overlap, every_n_steps=every_n_steps,
                                       max_overhead=max_overhead)

@@ -5,11 +5,15 @@ A snapshot lives in node-local shared memory, which outlives the processes but n
 writes its own slots (:mod:`.writer`, :mod:`.slots`, :mod:`.copying`); the snapshot of a step exists once
 every rank's metadata for it does, and is named by a *reference*, ``<folder>/snapshot-step=NNNNNNNNN``, a
 path that ``fabric.load``, ``checkpoint.find`` and :func:`phalanx.checkpoint.latest` accept like a
-checkpoint's: the checkpoint layer routes it here (:func:`restore`). A strategy that cannot snapshot in
-memory writes ordinary checkpoint files named ``snapshot-step=NNNNNNNNN.ckpt`` (:func:`path_for`). How
-often to take one is :mod:`.cadence`'s decision. The folder is derived from something that stays the same
-across attempts of one run (the Trainer's ``default_root_dir``; the Fabric script and working directory),
-so a restarted or rerun attempt finds it.
+checkpoint's: the checkpoint layer routes it here (:func:`restore`). A tier of the layer rather than a
+package of its own because a resume must not care which it finds: the newest of checkpoints and snapshots
+is one lookup, one ``load``, over the same state (``StateOwner``, ``sort_state``).
+
+Every strategy takes this path: what a rank holds is its strategy's ``local_state`` (a DTensor's shard, a
+ZeRO partition with its fp32 master weights) and goes back through its ``load_local_state``, in place and
+without a collective. How often to take one is :mod:`.cadence`'s decision. The folder is derived from
+something that stays the same across attempts of one run (the Trainer's ``default_root_dir``; the Fabric
+script and working directory), so a restarted or rerun attempt finds it.
 """
 
 from __future__ import annotations
@@ -43,10 +47,6 @@ def usable(folder: Path) -> bool:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return os.access(probe, os.W_OK)
-
-
-def path_for(folder: Path, step: int) -> Path:
-    return folder / f"snapshot-step={step:09d}.ckpt"
 
 
 REFERENCE = re.compile(r"snapshot-step=(\d+)")
@@ -123,10 +123,8 @@ def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) 
         if e.key not in saved:
             continue
         value = saved[e.key]
-        if e.kind == MODULE:
-            load_module_local(e.obj, owner.local_state(MODULE, e.obj, None), value, strict)
-        elif e.kind == OPTIMIZER:
-            load_optimizer_local(e.obj, value)
+        if e.kind in (MODULE, OPTIMIZER):
+            owner.load_local_state(e.kind, e.obj, value, strict)
         elif e.kind == STATEFUL:
             e.obj.load_state_dict(plain_values(value))
         else:
@@ -137,4 +135,4 @@ def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) 
 
 
 __all__ = ["Cadence", "FolderClaim", "RankSnapshots", "complete_steps", "default_dir", "finished_at", "is_reference",
-           "path_for", "problem_with", "reference", "restore", "usable", "write"]
+           "load_module_local", "load_optimizer_local", "problem_with", "reference", "restore", "usable", "write"]

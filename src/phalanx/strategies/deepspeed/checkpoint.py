@@ -29,9 +29,13 @@ from torch.optim import Optimizer
 from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes
 from phalanx.checkpoint.reshard import converting
+from phalanx.checkpoint.snapshot import load_module_local
 from phalanx.utils.errors import CheckpointError
 
 TAG = "checkpoint"
+GATHERED = ":gathered"  # the key suffix of a ZeRO-3 parameter's full value (see local_module_state)
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 Scope = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
@@ -79,6 +83,22 @@ def _partition(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     out = torch.zeros(size, dtype=torch.float32, device=param.ds_tensor.device)  # type: ignore[attr-defined]
     out[: chunk.numel()] = chunk
     return out
+
+
+def owned_values(param: torch.Tensor) -> torch.Tensor:
+    """The elements of a ZeRO-3 parameter that this rank's partition really holds.
+
+    DeepSpeed splits a parameter into equal partitions of ``ceil(numel / ranks)`` and allocates them
+    with ``torch.empty``: the tail past ``numel`` (all of rank 1's partition of a 1-element bias on two
+    ranks) is never written and holds whatever the allocator left there. Read whole, that garbage
+    made ``weights_finite`` report nan/inf now and then, and ModelCheckpoint skip every save of a run.
+    """
+    part: torch.Tensor = param.ds_tensor  # type: ignore[attr-defined]
+    group = getattr(param, "ds_process_group", None)
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+    size = part.numel()
+    owned = min(size, max(0, int(param.ds_numel) - rank * size))  # type: ignore[attr-defined]
+    return part.narrow(0, 0, owned)
 
 
 def _set_fp32(utils: Any, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -301,6 +321,70 @@ class DeepSpeedCheckpointIO:
                         utils.safe_set_local_optimizer_state(p, _partition(value, p), key)
                     else:
                         utils.safe_set_full_optimizer_state(p, value, key)
+
+    # ------------------------------------------------------------------ this rank's part (snapshots)
+    def local_module_state(self) -> dict[str, torch.Tensor]:
+        """This rank's live parameters and buffers, no collective: under ZeRO-3 each parameter's partition
+        (and, for a parameter ZeRO keeps gathered between steps, its full value too: ZeRO refreshes it from
+        the partitions only at a step, so a restore must put it back itself)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.engine.module.named_parameters():
+            if hasattr(p, "ds_tensor"):
+                out[name] = owned_values(p)
+                if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel:
+                    out[name + GATHERED] = p.data
+            else:
+                out[name] = p.data
+        out.update(self.engine.module.named_buffers())
+        return out
+
+    def load_local_module_state(self, saved: dict[str, Any], strict: bool) -> None:
+        """Put back what :meth:`local_module_state` gave, in place. A full value saved for a parameter that is not
+        gathered now (a fresh engine, before its first forward) is skipped: ZeRO gathers it from the restored
+        partition when it is next used."""
+        live = self.local_module_state()
+        kept = {k: v for k, v in saved.items() if not k.endswith(GATHERED) or k in live}
+        load_module_local(self.engine.module, live, kept, strict)
+
+    def local_optimizer_state(self) -> dict[str, Any]:
+        """This rank's ZeRO partition of the optimizer, as live tensors: the fp32 master weights, the torch
+        optimizer's state on them, its hyperparameters, and the engine's step counters and loss scale."""
+        zero = self.engine.optimizer
+        scaler = getattr(zero, "loss_scaler", None)
+        return {
+            "fp32": self._flat_tensors(),
+            "state": [dict(self.optimizer.state.get(t, {})) for t in self._flat_tensors()],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "counters": {k: int(getattr(self.engine, k)) for k in ENGINE_COUNTERS},
+            "loss_scaler": {k: getattr(scaler, k) for k in SCALER_FIELDS if hasattr(scaler, k)},
+        }
+
+    def load_local_optimizer_state(self, saved: dict[str, Any]) -> None:
+        """Put back what :meth:`local_optimizer_state` gave, in place (no collective; same world size and stage)."""
+        flats = self._flat_tensors()
+        shapes, live = [tuple(t.shape) for t in saved.get("fp32", [])], [tuple(t.shape) for t in flats]
+        if shapes != live:
+            raise CheckpointError(
+                f"The snapshot's ZeRO partitions have shapes {shapes}, this engine's {live}: "
+                "it was taken of another model, ZeRO stage or world size. Resume from a disk checkpoint.")
+        keys = sorted({k for s in saved["state"] for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+        self._ensure_flat_state(keys)
+        with torch.no_grad():
+            for flat, value, entry in zip(flats, saved["fp32"], saved["state"]):
+                flat.copy_(value)
+                live = self.optimizer.state[flat]
+                for k, v in entry.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        live[k].copy_(v)
+                    else:
+                        live[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update(saved_group)
+        for k, v in saved["counters"].items():
+            setattr(self.engine, k, v)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        for k, v in saved["loss_scaler"].items():
+            setattr(scaler, k, v)
 
     def _ensure_flat_state(self, keys: list[str]) -> None:
         """Torch optimizers create their state at the first step. Before it (a fresh job resuming), create

@@ -43,10 +43,10 @@ from torch.optim import Optimizer
 
 from phalanx.checkpoint.dcp import DCPShards
 from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
-from phalanx.checkpoint.protocol import Shapes, ShardIO
+from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO
 from phalanx.checkpoint.reshard import FullStateReader
 from phalanx.precision import Precision
-from phalanx.strategies.deepspeed.checkpoint import DeepSpeedCheckpointIO
+from phalanx.strategies.deepspeed.checkpoint import DeepSpeedCheckpointIO, owned_values
 from phalanx.strategies.deepspeed.config import PRECISION_SECTIONS, apply_precision, build_zero_config, conflict
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utils.errors import CheckpointError, GradientSyncError, MisconfigurationError
@@ -116,22 +116,6 @@ def _without_shm_comm(deepspeed: Any) -> Iterator[None]:
         setattr(module, "build_shm_op", original)  # noqa: B010
 
 
-def _owned_values(param: torch.Tensor) -> torch.Tensor:
-    """The elements of a ZeRO-3 parameter that this rank's partition really holds.
-
-    DeepSpeed splits a parameter into equal partitions of ``ceil(numel / ranks)`` and allocates them
-    with ``torch.empty``: the tail past ``numel`` (all of rank 1's partition of a 1-element bias on two
-    ranks) is never written and holds whatever the allocator left there. Read whole, that garbage
-    made ``weights_finite`` report nan/inf now and then, and ModelCheckpoint skip every save of a run.
-    """
-    part: torch.Tensor = param.ds_tensor  # type: ignore[attr-defined]
-    group = getattr(param, "ds_process_group", None)
-    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
-    size = part.numel()
-    owned = min(size, max(0, int(param.ds_numel) - rank * size))  # type: ignore[attr-defined]
-    return part.narrow(0, 0, owned)
-
-
 class DeepSpeedStrategy(ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed (optimizer states, gradients and, with stage 3,
     parameters are partitioned across ranks).
@@ -152,9 +136,6 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     name: ClassVar[str] = "deepspeed"
     syncs_gradients: ClassVar[bool] = True
-    #: The fp32 master weights and optimizer partitions live in the engine's flat buffers, which only its
-    #: own save/load reach: a per-step snapshot is a checkpoint written through the engine.
-    snapshots_in_memory: ClassVar[bool] = False
     supports_inference_mode: ClassVar[bool] = False  # ZeRO-3 gathers parameters into reused buffers
     supports_calls_outside_forward: ClassVar[bool] = False  # the engine owns backward and the step
     sets_up_optimizers_separately: ClassVar[bool] = False  # one engine from the model and its optimizer
@@ -462,13 +443,30 @@ class DeepSpeedStrategy(ParallelStrategy):
         else:
             optimizer.load_state_dict(state)
 
+    def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
+        """The engine's module and optimizer as this rank holds them (ZeRO partitions, live); anything else
+        as under any strategy."""
+        io = self._io_for(module=obj) if kind == MODULE else self._io_for(optimizer=obj)
+        if io is None:
+            return super().local_state(kind, obj, module)
+        return io.local_module_state() if kind == MODULE else io.local_optimizer_state()
+
+    def load_local_state(self, kind: str, obj: Any, saved: dict[str, Any], strict: bool) -> None:
+        io = self._io_for(module=obj) if kind == MODULE else self._io_for(optimizer=obj)
+        if io is None:
+            super().load_local_state(kind, obj, saved, strict)
+        elif kind == MODULE:
+            io.load_local_module_state(saved, strict)
+        else:
+            io.load_local_optimizer_state(saved)
+
     def module_layout(self, module: nn.Module) -> tuple[str, Shapes]:
         io = self._io_for(module=module)
         return (type(module).__name__, io.module_layout()) if io is not None else super().module_layout(module)
 
     def _local_tensors(self, module: nn.Module) -> list[torch.Tensor]:
         # ZeRO-3 parameters are empty placeholders; this rank's values are in their ds_tensor partition.
-        return [_owned_values(t) if hasattr(t, "ds_tensor") else t for t in super()._local_tensors(module)]
+        return [owned_values(t) if hasattr(t, "ds_tensor") else t for t in super()._local_tensors(module)]
 
     def release_module(self, forward_module: nn.Module) -> None:
         if self._is_engine(forward_module):
