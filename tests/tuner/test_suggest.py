@@ -79,7 +79,7 @@ def test_a_short_curve_gets_the_steepest_point_of_its_descent(other_rules: Modul
 def test_a_curve_still_falling_at_max_lr_gets_its_steepest_point_not_the_end(other_rules: ModuleType) -> None:
     """The linear regression's shape (plain SGD, bench/lr_finder.py): at max_lr the loss still falls at
     a third of its steepest rate, so the lowest point is the last one and says nothing about where the
-    descent ends. On the curve alone (no probe fits ran: test_probe.py) the suggestion stays at the
+    descent ends. On the curve alone (no probe fits ran: test_lr_find.py) the suggestion stays at the
     steepest point inside the range, and the curve is marked still falling, which is where lr_find
     runs its probe fits; a rule built on the lowest point moves with max_lr instead."""
     result = range_test(100, noise=0.1, seed=0, centre=-0.6, edge=1.0, steepness=4.0)  # steepest at 0.25
