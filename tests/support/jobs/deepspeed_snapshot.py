@@ -5,7 +5,7 @@ Run by tests/strategies/test_deepspeed.py::test_snapshot_restores_the_zero_parti
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from deepspeed_mlp import batches, flat, make_model, train
@@ -25,10 +25,13 @@ folder = Path("snapshots").absolute()
 state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
 
 
+inner = cast(torch.nn.Module, model.module)
+
+
 def full() -> dict[str, Any]:
-    optimizer = fabric.strategy.optimizer_state_dict(model.module, opt.optimizer)
+    optimizer = fabric.strategy.optimizer_state_dict(inner, opt.optimizer)
     moments = [v for s in optimizer["state"].values() for k, v in sorted(s.items()) if k != "step"]
-    return {"params": flat(fabric.strategy.module_state_dict(model.module)).tolist(),
+    return {"params": flat(fabric.strategy.module_state_dict(inner)).tolist(),
             "moments": torch.cat([m.reshape(-1).double() for m in moments]).tolist(),
             "lr": [g["lr"] for g in opt.param_groups]}
 
@@ -36,6 +39,7 @@ def full() -> dict[str, Any]:
 train(fabric, model, opt, X, Y, range(3))
 state["step"] = 3
 ref = fabric.save_snapshot(state, 3, folder, every_n_steps=1)
+assert ref is not None
 at_snapshot = full()
 train(fabric, model, opt, X, Y, range(3, 6))
 uninterrupted = full()
