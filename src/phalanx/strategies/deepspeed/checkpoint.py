@@ -256,8 +256,9 @@ class DeepSpeedCheckpointIO:
             if flats is not None:
                 return list(flats)
         raise CheckpointError(
-            f"Cannot find the fp32 partitions of {type(zero).__name__}: this DeepSpeed version is not supported by "
-            "phalanx's consolidated ('full') checkpoints. Use state_dict_type='sharded'."
+            f"Cannot find the fp32 partitions of {type(zero).__name__}: with this DeepSpeed version phalanx can "
+            "neither consolidate its state ('full' checkpoints) nor snapshot it. Use state_dict_type='sharded', and "
+            "disk checkpoints instead of snapshots."
         )
 
     def _flat_states(self) -> list[dict[str, Any]]:
@@ -351,9 +352,10 @@ class DeepSpeedCheckpointIO:
         optimizer's state on them, its hyperparameters, and the engine's step counters and loss scale."""
         zero = self.engine.optimizer
         scaler = getattr(zero, "loss_scaler", None)
+        flats = self._flat_tensors()
         return {
-            "fp32": self._flat_tensors(),
-            "state": [dict(self.optimizer.state.get(t, {})) for t in self._flat_tensors()],
+            "fp32": flats,
+            "state": [dict(self.optimizer.state.get(t, {})) for t in flats],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "counters": {k: int(getattr(self.engine, k)) for k in ENGINE_COUNTERS},
             "loss_scaler": {k: getattr(scaler, k) for k in SCALER_FIELDS if hasattr(scaler, k)},

@@ -421,6 +421,10 @@ class DeepSpeedStrategy(ParallelStrategy):
             return io
         return None
 
+    def _io_of(self, kind: str, obj: Any) -> DeepSpeedCheckpointIO | None:
+        """``_io_for`` of a state entry: ``obj`` is a module (``kind`` MODULE) or an optimizer."""
+        return self._io_for(module=obj) if kind == MODULE else self._io_for(optimizer=obj)
+
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         io = self._io_for(module=module)
         return io.full_module_state() if io is not None else module.state_dict()
@@ -446,13 +450,13 @@ class DeepSpeedStrategy(ParallelStrategy):
     def local_state(self, kind: str, obj: Any, module: nn.Module | None) -> dict[str, Any]:
         """The engine's module and optimizer as this rank holds them (ZeRO partitions, live); anything else
         as under any strategy."""
-        io = self._io_for(module=obj) if kind == MODULE else self._io_for(optimizer=obj)
+        io = self._io_of(kind, obj)
         if io is None:
             return super().local_state(kind, obj, module)
         return io.local_module_state() if kind == MODULE else io.local_optimizer_state()
 
     def load_local_state(self, kind: str, obj: Any, saved: dict[str, Any], strict: bool) -> None:
-        io = self._io_for(module=obj) if kind == MODULE else self._io_for(optimizer=obj)
+        io = self._io_of(kind, obj)
         if io is None:
             super().load_local_state(kind, obj, saved, strict)
         elif kind == MODULE:
