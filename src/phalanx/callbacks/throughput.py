@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.callbacks.base import Callback
-from phalanx.fabric.throughput import Throughput, compute_dtype, get_available_flops
+from phalanx.fabric.throughput import Throughput, peak_flops
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class ThroughputMonitor(Callback):
             return
         fabric = trainer.fabric
         self.throughput = Throughput(
-            available_flops=get_available_flops(fabric.device, compute_dtype(fabric)),
+            available_flops=peak_flops(fabric),
             world_size=trainer.world_size, window_size=self.window_size, separator=self.separator,
         )
 

@@ -71,7 +71,7 @@ class AnomalyDetector:
     @property
     def checks_gradients(self) -> bool:
         # A loss scaler overflows on purpose while it searches for its scale; see the module docstring.
-        return getattr(self.strategy.precision, "scaler", None) is None
+        return not self.strategy.precision.scales_loss
 
     def before_backward(self, loss: torch.Tensor) -> None:
         self.backward_calls += 1

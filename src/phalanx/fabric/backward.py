@@ -60,12 +60,13 @@ class Backward:
                 "call loss.backward() yourself."
             )
         precision = self._strategy.precision
-        if getattr(precision, "scaler", None) is not None:
+        if precision.scales_loss:
             raise MisconfigurationError(
-                "fabric.backward(loss) with no module set up: precision='16-mixed' scales the loss, and only an "
-                "optimizer set up with fabric.setup unscales the gradients again, so the step would use gradients "
-                "65536 times too large. Set up the model and optimizer (`model, optimizer = fabric.setup(model, "
-                "optimizer)`), or use precision='bf16-mixed' (no loss scaling)."
+                f"fabric.backward(loss) with no module set up: precision={precision.name!r} scales the loss, and "
+                "only an optimizer set up with fabric.setup unscales the gradients again, so the step would use "
+                "gradients many times too large (65536 with 16-mixed's first scale). Set up the model and "
+                "optimizer (`model, optimizer = fabric.setup(model, optimizer)`), or use precision='bf16-mixed' "
+                "(no loss scaling)."
             )
         anomaly = self._anomaly
         if anomaly is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
-from phalanx.precision import canonical_precision
+from phalanx.precision import Precision, resolve_precision
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.strategies.parallel import running_job_world_size
 from phalanx.utils.diagnostics import warn
@@ -40,6 +40,8 @@ def apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         given = args[key]
+        if isinstance(given, Precision) and given.name == value:
+            continue  # the object the flag names, with the script's options
         if given != _DEFAULTS[key] and str(given) != value and not isinstance(given, Strategy):
             env = launcher.detect_environment()
             warn(
@@ -66,7 +68,7 @@ def configured_strategy(args: dict[str, Any]) -> Strategy:
         raise MisconfigurationError(f"num_nodes must be >= 1, got {n_nodes}.")
     strategy = resolve_strategy(args["strategy"], n_devices * n_nodes)
     strategy.configure(
-        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=canonical_precision(args["precision"])
+        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=resolve_precision(args["precision"])
     )
     if args.get("lockstep") is not None:
         strategy.set_lockstep(args["lockstep"])
@@ -84,7 +86,8 @@ def refuse_plugins(plugins: Any) -> None:
     if plugins is not None and plugins != []:
         raise MisconfigurationError(
             f"Fabric(plugins={plugins!r}) is not supported. phalanx has no plugin objects: choose the precision "
-            "with precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
+            "with precision=... (a name, or a phalanx.precision object such as MixedPrecision('bf16-mixed')), the "
+            "cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
             "checkpoint I/O belongs to the strategy (pass a Strategy instance with its options)."
         )
 

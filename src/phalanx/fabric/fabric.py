@@ -41,6 +41,7 @@ from phalanx.fabric.persistence import Persistence
 from phalanx.fabric.preemption import Preemption
 from phalanx.fabric.snapshots import Snapshots
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer
+from phalanx.precision import Precision
 from phalanx.strategies import Strategy
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import skipping_init
@@ -61,7 +62,9 @@ class Fabric:
         devices: processes per node (``"auto"``: every GPU, or 1 on CPU).
         num_nodes: number of machines.
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or a Strategy instance.
-        precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
+        precision: a name of ``phalanx.precision.PRECISIONS`` (``"32-true"``, ``"64-true"``, ``"bf16-mixed"``,
+            ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``, ...) or a :class:`phalanx.precision.Precision` instance
+            (one built with options, or a subclass), which the strategy uses as given.
         loggers: a logger or a list of loggers (objects with ``log_metrics(metrics, step)``).
         callbacks: objects whose methods ``fabric.call(name, ...)`` invokes.
         lockstep: ``"default"`` (compare operation names and tensor shapes before each collective) or
@@ -87,7 +90,7 @@ class Fabric:
         devices: int | str = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str | int | None = "32-true",
+        precision: str | int | Precision | None = "32-true",
         loggers: Any = None,
         callbacks: Any = None,
         lockstep: str | None = None,

@@ -27,8 +27,8 @@ from torch import nn
 if TYPE_CHECKING:
     from phalanx.fabric.fabric import Fabric
 
-# Peak dense tensor-core FLOP/s per GPU from the vendors' data sheets (no sparsity), by dtype. "tf32" is
-# used for float32 when torch.get_float32_matmul_precision() allows TF32.
+# Peak dense tensor-core FLOP/s per GPU from the vendors' data sheets (no sparsity), by dtype (the precision's
+# compute_dtype). "tf32" is used for float32 when torch.get_float32_matmul_precision() allows TF32.
 _PEAK_FLOPS: dict[str, dict[str, float]] = {
     "h200": {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
     "h100 pcie": {"float64": 51e12, "float32": 51e12, "tf32": 378e12, "bfloat16": 756e12, "float16": 756e12},
@@ -157,16 +157,9 @@ class Throughput:
             window.clear()
 
 
-def compute_dtype(fabric: Fabric) -> torch.dtype:
-    """The dtype the device computes in under the Fabric's precision (which peak FLOP/s MFU divides by)."""
-    name = str(getattr(fabric.strategy.precision, "name", "32-true"))
-    if name.startswith("bf16"):
-        return torch.bfloat16
-    if name.startswith("16"):
-        return torch.float16
-    if name.startswith("64"):
-        return torch.float64
-    return torch.float32
+def peak_flops(fabric: Fabric) -> float | None:
+    """Peak FLOP/s of one of the Fabric's devices in its precision's compute dtype (what MFU divides by)."""
+    return get_available_flops(fabric.device, fabric.strategy.precision.compute_dtype)
 
 
 class ThroughputMonitor(Throughput):
@@ -174,7 +167,7 @@ class ThroughputMonitor(Throughput):
     metrics logged with ``compute_and_log`` through ``fabric.log_dict`` (on rank 0, as every Fabric log)."""
 
     def __init__(self, fabric: Fabric, **kwargs: Any) -> None:
-        kwargs.setdefault("available_flops", get_available_flops(fabric.device, compute_dtype(fabric)))
+        kwargs.setdefault("available_flops", peak_flops(fabric))
         super().__init__(world_size=fabric.world_size, **kwargs)
         self._fabric = fabric
         self.step = -1

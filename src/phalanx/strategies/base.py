@@ -20,7 +20,7 @@ from phalanx import checkpoint
 from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO, plain_shapes
 from phalanx.checkpoint.snapshot import load_module_local, load_optimizer_local
 from phalanx.distributed.launch import ClusterEnvironment, check_environment
-from phalanx.precision import PRECISIONS, Precision, make_precision
+from phalanx.precision import PRECISIONS, Placement, Precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.late_reads import LateRead
@@ -66,18 +66,24 @@ class Strategy:
         self._root_device = torch.device("cpu")
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
         """Called once by Fabric before anything else; validates the combination."""
         self.device_type, self.devices, self.num_nodes = device_type, devices, num_nodes
         self.precision = self.select_precision(precision)
 
-    def select_precision(self, precision: str) -> Precision:
-        if precision not in self.supported_precisions:
+    def select_precision(self, precision: Precision) -> Precision:
+        """Check that this backend runs ``precision`` and tell it where (``precision_placement``)."""
+        if precision.name not in self.supported_precisions:
             raise MisconfigurationError(
-                f"precision={precision!r} is not supported by strategy={self.name!r}. "
+                f"precision={precision.name!r} is not supported by strategy={self.name!r}. "
                 f"It supports {', '.join(map(repr, self.supported_precisions))}."
             )
-        return make_precision(precision, self.device_type)
+        precision.configure(self.precision_placement())
+        return precision
+
+    def precision_placement(self) -> Placement:
+        """What the precision needs to know about how this backend holds modules (see ``Placement``)."""
+        return Placement(device_type=self.device_type)
 
     def set_lockstep(self, mode: str) -> None:
         """``Fabric(lockstep=...)``: how collectives are cross-checked across ranks. One process has no
@@ -181,7 +187,9 @@ class Strategy:
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
         self.check_ready_to_step(optimizer)
-        return self.precision.optimizer_step(optimizer, **kwargs)
+        loss = self.precision.optimizer_step(optimizer, **kwargs)
+        self.precision.after_optimizer_step(optimizer)
+        return loss
 
     def optimizer_zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``; backends that keep gradients outside ``p.grad`` (DeepSpeed) override it."""

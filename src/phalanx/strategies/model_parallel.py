@@ -35,10 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from phalanx.distributed.launch import ClusterEnvironment
-from phalanx.precision import MixedPrecision, Precision
-from phalanx.strategies.base import Strategy
+from phalanx.precision import Placement, Precision
 from phalanx.strategies.fsdp.gradients import local_tensor
-from phalanx.strategies.fsdp.precision import ShardedMixedPrecision
 from phalanx.strategies.fsdp.strategy import ShardedStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utils.compat import FSDPModule, fully_shard
@@ -162,19 +160,16 @@ class ModelParallelStrategy(ShardedStrategy):
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ configuration and mesh
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
         # The shape is checked here, before any process starts, so a wrong size fails at Fabric(...).
         self._shape = resolve_mesh_shape(self.data_parallel_size_arg, self.tensor_parallel_size_arg, devices, num_nodes)
         super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)
 
-    def select_precision(self, precision: str) -> Precision:
+    def precision_placement(self) -> Placement:
         # parallelize_fn calls fully_shard itself, so FSDP's own mixed-precision policy cannot be injected:
         # mixed precision is autocast (bf16) or autocast + GradScaler (16; it reduces its overflow flag
         # over the DTensor gradients' meshes). A MixedPrecisionPolicy passed to fully_shard still works.
-        plugin = Strategy.select_precision(self, precision)
-        if isinstance(plugin, MixedPrecision):
-            return ShardedMixedPrecision(plugin.dtype, self.device_type, self.guarded)
-        return plugin
+        return Placement(device_type=self.device_type, sharded=True, tensor_parallel=True, guarded=self.guarded)
 
     @property
     def data_parallel_size(self) -> int:

@@ -226,9 +226,9 @@ def refuse_plugins(plugins: Any) -> None:
         return
     raise MisconfigurationError(
         f"plugins={plugins!r} is not supported. phalanx has no plugin objects: choose the precision with "
-        "precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, checkpoint I/O "
-        "belongs to the strategy (pass a Strategy instance with its options), and SyncBatchNorm is "
-        "sync_batchnorm=True."
+        "precision=... (a name, or a phalanx.precision object), the cluster environment is detected from "
+        "torchrun/SLURM/`phalanx run`, checkpoint I/O belongs to the strategy (pass a Strategy instance with its "
+        "options), and SyncBatchNorm is sync_batchnorm=True."
     )
 
 

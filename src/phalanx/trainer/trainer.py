@@ -23,6 +23,7 @@ from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module, overrides
 from phalanx.fabric.fabric import Fabric
+from phalanx.precision import Precision
 from phalanx.profilers import resolve_profiler
 from phalanx.trainer import loops
 from phalanx.trainer.attributes import TrainerAttributes
@@ -88,7 +89,7 @@ class Trainer(TrainerAttributes):
         strategy: Any = "auto",
         devices: int | str = "auto",
         num_nodes: int = 1,
-        precision: str | int | None = None,
+        precision: str | int | Precision | None = None,
         logger: Any = None,
         callbacks: Any = None,
         fast_dev_run: int | bool = False,

@@ -45,7 +45,8 @@ from phalanx.checkpoint.dcp import DCPShards
 from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
 from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO
 from phalanx.checkpoint.reshard import FullStateReader
-from phalanx.precision import Precision
+from phalanx.precision import Precision, is_registered
+from phalanx.precision.base import to_float32
 from phalanx.strategies.deepspeed.checkpoint import DeepSpeedCheckpointIO, owned_values
 from phalanx.strategies.deepspeed.config import PRECISION_SECTIONS, apply_precision, build_zero_config, conflict
 from phalanx.strategies.parallel import ParallelStrategy
@@ -85,10 +86,12 @@ class DeepSpeedPrecision(Precision):
             return data
         return apply_to_tensors(data, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.half_dtype if self.half_dtype is not None else torch.float32
+
     def convert_output(self, data: Any) -> Any:
-        if self.half_dtype is None:
-            return data
-        return apply_to_tensors(data, lambda t: t.to(torch.float32) if torch.is_floating_point(t) else t)
+        return data if self.half_dtype is None else to_float32(data)
 
 
 @contextlib.contextmanager
@@ -169,15 +172,25 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._clip_max_norm: float | None = None
 
     # ------------------------------------------------------------------ configuration
-    def select_precision(self, precision: str) -> Precision:
-        super().select_precision(precision)  # the "not supported" message for 64-true and friends
-        if PRECISION_SECTIONS[precision] == "fp16" and self.device_type == "cpu":
+    def select_precision(self, precision: Precision) -> Precision:
+        name = precision.name
+        if name not in self.supported_precisions:
+            return super().select_precision(precision)  # raises, naming the precisions DeepSpeed runs
+        if not is_registered(precision):
+            # The engine converts, casts and scales by the config's bf16/fp16 sections: the object's own
+            # hooks would never run.
             raise MisconfigurationError(
-                f"precision={precision!r} with strategy='deepspeed' needs a GPU: DeepSpeed's CPU backend has "
+                f"strategy='deepspeed' runs precision {name!r} inside DeepSpeed's engine, so the hooks of "
+                f"{type(precision).__name__} would not run. Pass the precision by name (precision={name!r}), or "
+                "use a strategy that calls the precision's hooks (ddp, fsdp)."
+            )
+        if PRECISION_SECTIONS[name] == "fp16" and self.device_type == "cpu":
+            raise MisconfigurationError(
+                f"precision={name!r} with strategy='deepspeed' needs a GPU: DeepSpeed's CPU backend has "
                 "no float16 support. Use precision='bf16-mixed' or '32-true' on CPU."
             )
-        apply_precision(self.config, precision)
-        return DeepSpeedPrecision(precision)
+        apply_precision(self.config, name)
+        return super().select_precision(DeepSpeedPrecision(name))
 
     @property
     def engine(self) -> Any:
@@ -188,9 +201,9 @@ class DeepSpeedStrategy(ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A module set up without an optimizer (a frozen teacher, an eval model): not an engine, just
         moved and cast to the engine's dtype so that the inputs phalanx casts match it."""
-        dtype = self.precision.half_dtype if isinstance(self.precision, DeepSpeedPrecision) else None
+        dtype = self.precision.compute_dtype
         module = module.to(self.root_device)
-        return module.to(dtype) if dtype is not None else module
+        return module.to(dtype) if dtype != torch.float32 else module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise MisconfigurationError(
@@ -335,6 +348,7 @@ class DeepSpeedStrategy(ParallelStrategy):
             zero_optimizer.clip_grad = configured
             self._clip_max_norm = None
         self._pending = False
+        self.precision.after_optimizer_step(optimizer)
         return None
 
     def optimizer_zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:

@@ -28,10 +28,10 @@ This module keeps the :class:`FSDPStrategy` class and its base :class:`ShardedSt
 the optimizer, forward, backward and the step), which ModelParallelStrategy shares without being an
 FSDPStrategy. Its parts live beside it: ``sharding`` (Lightning's ``sharding_strategy`` and
 ``device_mesh`` mapped onto FSDP2's mesh and ``reshard_after_forward``), ``units`` (the sharding policy,
-read from the module tree),
-``guards`` (the call-order guards and their hooks), ``gradients`` (norms and averages across shards),
-``precision`` (mixed precision on DTensors, shared with ModelParallelStrategy) and ``checkpoint`` (the
-base class answering the checkpoint layer: :mod:`phalanx.checkpoint` and :mod:`phalanx.checkpoint.dcp`).
+read from the module tree), ``guards`` (the call-order guards and their hooks), ``gradients`` (norms and
+averages across shards) and ``checkpoint`` (the base class answering the checkpoint layer:
+:mod:`phalanx.checkpoint` and :mod:`phalanx.checkpoint.dcp`). Mixed precision is the precision's
+(:mod:`phalanx.precision`): ``precision_placement`` tells it FSDP2 casts parameters itself.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 import phalanx.strategies.fsdp.guards as guards
 from phalanx.checkpoint.dcp import class_name
 from phalanx.distributed.launch import ClusterEnvironment
-from phalanx.precision import PRECISIONS, MixedPrecision, Precision
+from phalanx.precision import PRECISIONS, Placement, Precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, check_compile, check_policy, compile_in_place
 from phalanx.strategies.fsdp.checkpoint import FSDPCheckpointing
 from phalanx.strategies.fsdp.gradients import (
@@ -63,7 +63,6 @@ from phalanx.strategies.fsdp.gradients import (
 )
 from phalanx.strategies.fsdp.guards import CallOrder, Root
 from phalanx.strategies.fsdp.materialize import materialize_sharded
-from phalanx.strategies.fsdp.precision import FSDPMixedPrecision, ShardedMixedPrecision
 from phalanx.strategies.fsdp.sharding import (
     HYBRID_MESH_DIMS,
     broadcast_replicas,
@@ -142,7 +141,7 @@ class ShardedStrategy(FSDPCheckpointing):
         self._stale: dict[int, weakref.ref[nn.Parameter]] = {}
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
         if device_type == "cpu" and not FSDP_ON_CPU:
             raise MisconfigurationError(
                 f"strategy='fsdp' on CPU needs torch >= 2.7 (torch {torch.__version__}'s FSDP2 cannot run on CPU). "
@@ -177,11 +176,10 @@ class ShardedStrategy(FSDPCheckpointing):
             with self.guard.guarded(f"setup_environment (hybrid device mesh {' x '.join(map(str, shape))})"):
                 self._init_mesh()
 
-    def select_precision(self, precision: str) -> Precision:
-        plugin = super().select_precision(precision)
-        if isinstance(plugin, MixedPrecision):  # FSDP2 casts itself (MixedPrecisionPolicy), no autocast
-            return FSDPMixedPrecision(plugin.dtype, self.device_type, self.guarded)
-        return plugin
+    def precision_placement(self) -> Placement:
+        # FSDP2 casts parameters itself (the precision's MixedPrecisionPolicy, given to every fully_shard); a
+        # check over DTensor gradients (the loss scaler's) is a collective, run under the guard.
+        return Placement(device_type=self.device_type, sharded=True, fsdp_casts=True, guarded=self.guarded)
 
     # ------------------------------------------------------------------ mesh and modules
     @property
@@ -263,8 +261,9 @@ class ShardedStrategy(FSDPCheckpointing):
 
     def _shard(self, module: nn.Module) -> None:
         kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
-        if isinstance(self.precision, FSDPMixedPrecision):
-            kwargs["mp_policy"] = self.precision.policy()
+        policy = self.precision.fsdp_policy()
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         if self.parallelize_fn is not None:
@@ -454,5 +453,4 @@ class FSDPStrategy(ShardedStrategy):
     name: ClassVar[str] = "fsdp"
 
 
-# ShardedMixedPrecision and local_tensor lived here before the split; old imports keep working.
-__all__ = ["FSDPMixedPrecision", "FSDPStrategy", "ShardedMixedPrecision", "ShardedStrategy", "local_tensor"]
+__all__ = ["FSDPStrategy", "ShardedStrategy"]
