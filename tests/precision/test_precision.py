@@ -17,6 +17,7 @@ from phalanx.fabric.throughput import get_available_flops, peak_flops
 from phalanx.precision import (
     PRECISIONS,
     REGISTRY,
+    Float8Precision,
     MixedPrecision,
     Placement,
     Precision,
@@ -29,7 +30,7 @@ from phalanx.utils.errors import MisconfigurationError, PhalanxWarning
 
 COMPUTE_DTYPES = {
     "32-true": torch.float32, "64-true": torch.float64, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
-    "16-true": torch.float16, "bf16-true": torch.bfloat16,
+    "16-true": torch.float16, "bf16-true": torch.bfloat16, "fp8-mixed": torch.float8_e4m3fn,
 }
 
 
@@ -64,6 +65,9 @@ def test_names_aliases_and_refusals() -> None:
     assert canonical_precision(16) == "16-mixed" and canonical_precision("bf16") == "bf16-mixed"
     with pytest.raises(MisconfigurationError, match=r"Unknown precision 'fp4'. Choose one of '32-true'.*Precision"):
         resolve_precision("fp4")
+    for lightning in ("transformer-engine", "transformer-engine-float16"):
+        with pytest.raises(MisconfigurationError, match=r"not NVIDIA Transformer Engine.*precision='fp8-mixed'"):
+            Fabric(accelerator="cpu", precision=lightning)
     with pytest.raises(MisconfigurationError, match=r"precision=\[1\]: pass a name"):
         resolve_precision([1])  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match=r"choose 'bf16-mixed' or '16-mixed'"):
@@ -110,6 +114,8 @@ def test_deepspeed_takes_registered_precisions_and_refuses_what_its_engine_would
     assert strategy.precision.name == "bf16-mixed" and strategy.precision.compute_dtype == torch.bfloat16
     with pytest.raises(MisconfigurationError, match=r"hooks of Counting would not run. Pass the precision by name"):
         DeepSpeedStrategy().configure(device_type="cpu", devices=1, num_nodes=1, precision=Counting())
+    with pytest.raises(MisconfigurationError, match=r"'fp8-mixed' is not supported by strategy='deepspeed'"):
+        DeepSpeedStrategy().configure(device_type="cpu", devices=1, num_nodes=1, precision=Float8Precision())
 
 
 def test_the_launch_flag_keeps_an_object_of_its_name_and_replaces_another(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,9 +140,10 @@ def test_mfu_divides_by_the_peak_of_the_precisions_compute_dtype(monkeypatch: py
 
     fabric: Any = Stub(REGISTRY["bf16-mixed"]())
     assert peak_flops(fabric) == 989.4e12
-    fabric = Stub(REGISTRY["32-true"]())
-    assert peak_flops(fabric) == 67e12
-    assert get_available_flops(torch.device("cuda"), torch.float64) == 67e12
+    fabric = Stub(Float8Precision())
+    assert peak_flops(fabric) == 1978.9e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert get_available_flops(torch.device("cuda"), torch.float8_e4m3fn) is None  # no float8 units: no MFU
 
 
 def test_loss_scaling_is_asked_of_the_precision() -> None:

@@ -30,11 +30,14 @@ if TYPE_CHECKING:
 # Peak dense tensor-core FLOP/s per GPU from the vendors' data sheets (no sparsity), by dtype (the precision's
 # compute_dtype). "tf32" is used for float32 when torch.get_float32_matmul_precision() allows TF32.
 _PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "h200": {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
-    "h100 pcie": {"float64": 51e12, "float32": 51e12, "tf32": 378e12, "bfloat16": 756e12, "float16": 756e12},
-    "h100": {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+    "h200": {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12,
+             "float8_e4m3fn": 1978.9e12},
+    "h100 pcie": {"float64": 51e12, "float32": 51e12, "tf32": 378e12, "bfloat16": 756e12, "float16": 756e12,
+                  "float8_e4m3fn": 1513e12},
+    "h100": {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12,
+             "float8_e4m3fn": 1978.9e12},
     "a100": {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-    "l4": {"float32": 30.3e12, "tf32": 60e12, "bfloat16": 121e12, "float16": 121e12},
+    "l4": {"float32": 30.3e12, "tf32": 60e12, "bfloat16": 121e12, "float16": 121e12, "float8_e4m3fn": 242.5e12},
     "v100": {"float64": 7.8e12, "float32": 15.7e12, "float16": 125e12},
     "t4": {"float32": 8.1e12, "float16": 65e12},
 }

@@ -14,12 +14,13 @@ from functools import partial
 
 from phalanx.precision.base import Placement, Precision
 from phalanx.precision.double import DoublePrecision
+from phalanx.precision.fp8 import Float8Precision
 from phalanx.precision.half import HalfPrecision
 from phalanx.precision.mixed import MixedPrecision
 from phalanx.utils.errors import MisconfigurationError
 
 #: Precision name -> how to build it. ``Fabric(precision=name)`` builds one; ``Fabric(precision=obj)`` takes
-#: an instance built by the user (a subclass of a registered precision, say).
+#: an instance built by the user (options such as ``Float8Precision(emulate=True)``).
 REGISTRY: dict[str, Callable[[], Precision]] = {
     "32-true": Precision,
     "64-true": DoublePrecision,
@@ -27,6 +28,7 @@ REGISTRY: dict[str, Callable[[], Precision]] = {
     "bf16-mixed": partial(MixedPrecision, "bf16-mixed"),
     "16-true": partial(HalfPrecision, "16-true"),
     "bf16-true": partial(HalfPrecision, "bf16-true"),
+    "fp8-mixed": Float8Precision,
 }
 PRECISIONS: tuple[str, ...] = tuple(REGISTRY)
 
@@ -37,10 +39,12 @@ _ALIASES: dict[str | int, str] = {
     "16": "16-mixed", 16: "16-mixed",
     "bf16": "bf16-mixed",
 }
-# Lightning's names for what phalanx does not do.
+# Lightning's names for what phalanx does otherwise: the name and what to use instead.
 _REFUSED = {
-    "transformer-engine": "phalanx has no NVIDIA Transformer Engine precision.",
-    "transformer-engine-float16": "phalanx has no NVIDIA Transformer Engine precision.",
+    "transformer-engine": "phalanx trains in float8 through torchao, not NVIDIA Transformer Engine: use "
+                          "precision='fp8-mixed' (float8 matmuls, bfloat16 elsewhere; see docs/fabric.md).",
+    "transformer-engine-float16": "phalanx trains in float8 through torchao, not NVIDIA Transformer Engine, and "
+                                  "keeps bfloat16 around the float8 matmuls: use precision='fp8-mixed'.",
 }
 
 
@@ -78,6 +82,7 @@ __all__ = [
     "PRECISIONS",
     "REGISTRY",
     "DoublePrecision",
+    "Float8Precision",
     "HalfPrecision",
     "MixedPrecision",
     "Placement",
