@@ -14,6 +14,8 @@ phalanx, and what do phalanx's paths cost next to raw torch and Lightning on a G
    the bytes per snapshot, the device-to-host rate of a pinned copy of that size, the stall per snapshot
    (every step minus none), and the cadence "auto" chose.
 4. **The CUDA tests** (``pytest -m gpu`` over the files that hold them).
+5. **fp8** (bench/gpu_fp8.py): a 0.9 B Llama-style model, 50 steps of 4 x 2048 tokens: bf16 eager, bf16 +
+   torch.compile, fp8 + torch.compile; ms/step, MFU and the loss after 50 steps.
 
 Each part runs in a fresh process (``--part``). Prints one table, then one JSON line with everything. Without a
 CUDA device it prints a skip line and exits 0. ``--cpu-smoke``: every part on the CPU with a tiny model (the
@@ -39,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests" / "support")]
 import gpu  # noqa: E402  (bench/gpu.py: the GPT-2 model and the raw contenders)
+import gpu_fp8  # noqa: E402  (bench/gpu_fp8.py: the fp8 rows)
 from host_reads import DeviceSyncs  # noqa: E402  (what the CUDA tests count with)
 
 FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
@@ -365,6 +368,8 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
         return speed(args)
     if kind == "snapshot":
         return snapshot_cost(args, name)
+    if kind == "fp8":
+        return gpu_fp8.run_variant(name, args.cpu_smoke)
     raise SystemExit(f"unknown part {args.part!r}")
 
 
@@ -397,7 +402,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--snapshot-steps", type=int, default=120)
     p.add_argument("--no-tests", action="store_true")
-    p.add_argument("--parts", default="syncs,speed,snapshots,tests", help="which parts, comma-separated")
+    p.add_argument("--parts", default="syncs,speed,snapshots,tests,fp8", help="which parts, comma-separated")
     p.add_argument("--snapshot-variants", default="none,1,20,auto", help="snapshot cadences to time")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
@@ -459,6 +464,9 @@ def report(args: argparse.Namespace) -> None:
                      f"ms ({r['drain_gbps']:.1f} GB/s); step cost {(r['ms_per_step'] / none - 1) * 100:+.1f} %, stall "
                      f"{stall:.1f} ms per snapshot ({stall / none * 100:.0f} % of a step), every {r['cadence']} steps")
         rows.append((f"GPT-2 small, Snapshot {every}", f"{r['ms_per_step']:.2f} ms/step", extra))
+    if "fp8" in parts:
+        results["fp8"], fp8_rows = gpu_fp8.rows(args, spawn)
+        rows.extend(fp8_rows)
     if not args.no_tests and "tests" in parts:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests" / "support"),
                                                             str(REPO)])}

@@ -3,6 +3,8 @@
 # (Fabric, Trainer, fsdp, model_parallel), GPT-2 small ms/step (raw, phalanx Fabric/Trainer/fsdp/ModelParallel,
 # Lightning where importable), the snapshot's bytes, stall, GB/s and chosen cadence, and the CUDA tests. Prints
 # one table (then one JSON line). Without a CUDA device it prints a skip line and exits 0.
+# The fp8 rows of issue 42 (bench/gpu_fp8.py: a 0.9 B Llama, bf16 eager / bf16 + compile / fp8 + compile) add about
+# 4 minutes; `--parts fp8` runs them alone, `--cpu-smoke --parts fp8` checks them on a CPU (needs torchao).
 #
 #   bash bench/gpu_check.sh [--reps 3] [--steps 20] [--no-tests]
 #
