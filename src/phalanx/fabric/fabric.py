@@ -48,7 +48,7 @@ from phalanx.utils.seed import seed_everything as _seed_everything
 from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.checkpoint.snapshot import Cadence
 
 
