@@ -36,11 +36,13 @@ from phalanx.fabric.collectives import Collectives
 from phalanx.fabric.connector import as_list, configured_strategy, refuse_plugins
 from phalanx.fabric.data import setup_dataloader
 from phalanx.fabric.job import Job
+from phalanx.fabric.logging import Logging
 from phalanx.fabric.models import Models
 from phalanx.fabric.persistence import Persistence
 from phalanx.fabric.preemption import Preemption
 from phalanx.fabric.snapshots import Snapshots
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer
+from phalanx.loggers import Logger
 from phalanx.strategies import Strategy
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import skipping_init
@@ -62,7 +64,7 @@ class Fabric:
         num_nodes: number of machines.
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or a Strategy instance.
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
-        loggers: a logger or a list of loggers (objects with ``log_metrics(metrics, step)``).
+        loggers: a logger or a list of loggers (``phalanx.loggers.Logger`` subclasses, e.g. ``CSVLogger``).
         callbacks: objects whose methods ``fabric.call(name, ...)`` invokes.
         lockstep: ``"default"`` (compare operation names and tensor shapes before each collective) or
             ``"strict"`` (also compare call sites); None keeps the strategy's choice (or the
@@ -109,9 +111,8 @@ class Fabric:
             "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
             "root_dir": root_dir,
         }
-        self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
-        loggers_root = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
-        self._run_root = Path(root_dir) if root_dir is not None else loggers_root
+        self._logging, self._callbacks = Logging(as_list(loggers), lambda: self.is_global_zero), as_list(callbacks)
+        self._run_root = Path(root_dir) if root_dir is not None else self._logging.root_dir
         self._strategy = strategy_ = configured_strategy(self._init_kwargs)
         self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
         self._snapshots = Snapshots(strategy_)
@@ -183,12 +184,12 @@ class Fabric:
         return self.global_rank == 0
 
     @property
-    def loggers(self) -> list[Any]:
-        return self._loggers
+    def loggers(self) -> list[Logger]:
+        return self._logging.loggers
 
     @property
-    def logger(self) -> Any:
-        return self._loggers[0] if self._loggers else None
+    def logger(self) -> Logger | None:
+        return self._logging.loggers[0] if self._logging.loggers else None
 
     # ------------------------------------------------------------------ setup
     def setup(
@@ -460,11 +461,16 @@ class Fabric:
 
     def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send metrics to every logger, on rank 0 only (reduce them first if you need global values)."""
-        if not self.is_global_zero or not self._loggers:
-            return
-        plain = {k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-        for logger in self._loggers:
-            logger.log_metrics(plain, step=step)
+        self._logging.log_metrics(metrics, step)
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Send hyperparameters to every logger, on rank 0 only."""
+        self._logging.log_hyperparams(params)
+
+    def finalize_loggers(self, status: str = "success") -> None:
+        """End every logger's run (rank 0; ``status`` "success" or "failed"): what the job's end does, and the
+        Trainer at the end of each stage. A logger may log again afterwards."""
+        self._logging.finalize(status)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name(*args, **kwargs)`` on every callback that defines it."""
@@ -486,11 +492,7 @@ class Fabric:
         the other ranks are told this rank ended with."""
         failed = error is not None or getattr(sys, "last_value", None) is not None
         self._backward.flush()
-        if self.is_global_zero:
-            for logger in self._loggers:
-                finalize = getattr(logger, "finalize", None)
-                if callable(finalize):
-                    finalize("failed" if failed else "success")
+        self._logging.finalize("failed" if failed else "success")
         self._preemption.signals.uninstall()
         self._snapshots.end(failed)
         self._strategy.teardown(error)

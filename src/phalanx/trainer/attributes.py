@@ -229,7 +229,7 @@ class TrainerAttributes:
         """The first logger's folder, or default_root_dir. Rank 0 decides and broadcasts it, so read
         it on every rank (it is a collective)."""
         logger = self.logger
-        local = str(logger.log_dir) if logger is not None and hasattr(logger, "log_dir") else str(self.default_root_dir)
+        local = str(logger.log_dir if logger is not None and logger.log_dir is not None else self.default_root_dir)
         return Path(self.fabric.broadcast(local if self.is_global_zero else None))
 
     @property

@@ -182,9 +182,7 @@ class Trainer(TrainerAttributes):
             if self.datamodule is not None and getattr(self.datamodule, "_log_hyperparams", True):
                 hparams.update(self.datamodule.hparams)
             if hparams:
-                for lg in self.loggers:
-                    if callable(getattr(lg, "log_hyperparams", None)):
-                        lg.log_hyperparams(hparams)
+                self.fabric.log_hyperparams(hparams)
         self.hooks.call("on_fit_start")
         module.on_fit_start()
         self._sanity_check()
@@ -406,13 +404,7 @@ class Trainer(TrainerAttributes):
             module.teardown(stage)
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
-            if self.is_global_zero:
-                status = "failed" if self.interrupted else "success"
-                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
-                    if callable(getattr(lg, "finalize", None)):
-                        lg.finalize(status)
-                    elif callable(getattr(lg, "save", None)):
-                        lg.save()
+            self.fabric.finalize_loggers("failed" if self.interrupted else "success")  # as in Lightning, per stage
             self.profiler.describe()
             self.profiler.teardown(stage)
             self.stage = None
