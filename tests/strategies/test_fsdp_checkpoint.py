@@ -48,6 +48,10 @@ def test_round_trip_restores_everything(saved: tuple[Path, dict[int, dict[str, A
         assert rep[name + ":counter"] == 2 and rep[name + ":step"] == 2
         assert rep[name + ":rest"] == ["note"] and rep[name + ":note"] == "hi"
         _close(rep[name + ":after"], rep["after"])
+        # fabric.load(path) without state, in the job: each rank reads the whole checkpoint (sharded: no collective).
+        _close(rep[name + ":whole"], rep["params"])
+        assert rep[name + ":whole_keys"] == ["counter", "model", "note", "optimizer", "scheduler", "step"]
+        assert rep[name + ":whole_opt"] == list(range(12))  # torch's index-keyed layout, as in a single file
 
 
 def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
