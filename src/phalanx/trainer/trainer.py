@@ -130,7 +130,7 @@ class Trainer(TrainerAttributes):
         settings = resolve(dict(locals()))
         fabric = Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-            precision=precision if precision is not None else "32-true",
+            precision=precision,
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
             warn_nonfinite_loss=False, max_restarts=max_restarts, root_dir=settings.default_root_dir,
@@ -338,7 +338,7 @@ class Trainer(TrainerAttributes):
         if self._module is not None and model is not self._module and self.model is not None:
             self._release_model()
         self._module = model
-        model._trainer = self
+        model.trainer = self
         if datamodule is not None:
             if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
                 raise MisconfigurationError(
@@ -365,7 +365,7 @@ class Trainer(TrainerAttributes):
         model and go with it; the old module keeps its trained weights and can still be used on its own."""
         self.fabric.release(self.model)
         if self._module is not None:
-            self._module._trainer = None
+            self._module.trainer = None
         self.model = None
         self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
 
