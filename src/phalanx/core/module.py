@@ -53,7 +53,8 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
         self._automatic_optimization = True
         self._strict_loading: bool | None = None
         self._example_input_array: Any = None
-        self._toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]] = {}
+        # The requires_grad flags toggle_optimizer changed (core/toggling.py), put back by untoggle_optimizer.
+        self.toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]] = {}
 
     # ------------------------------------------------------------------ links to the trainer
     @property
@@ -139,6 +140,11 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
     @strict_loading.setter
     def strict_loading(self, value: bool) -> None:
         self._strict_loading = bool(value)
+
+    @property
+    def strict_loading_set(self) -> bool:
+        """Whether ``strict_loading`` was set (``load_from_checkpoint(strict=...)`` may not contradict it)."""
+        return self._strict_loading is not None
 
     @property
     def example_input_array(self) -> Any:

@@ -291,7 +291,7 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
         if boundary:
             check_preemption()  # every rank, same step
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
-        if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
+        if boundary and (t.should_stop or 0 <= max_steps <= state.global_step):
             break
     del iterator
     if not seen and not mid:

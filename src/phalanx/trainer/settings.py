@@ -276,7 +276,7 @@ def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
     if not hasattr(callback, "best_model_path") or not hasattr(callback, "last_model_path"):
         return None
     return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
-            tuple(getattr(callback, "_kept", ())))
+            tuple(getattr(callback, "kept_model_paths", ())))
 
 
 @contextlib.contextmanager

@@ -165,7 +165,7 @@ class Trainer(TrainerAttributes):
             raise MisconfigurationError(
                 "trainer.fit() got both dataloaders and a datamodule; pass one source of data."
             )
-        self._run("fit", model, datamodule, self._fit, train_dataloaders, val_dataloaders, ckpt_path)
+        self.run_stage("fit", model, datamodule, self._fit, train_dataloaders, val_dataloaders, ckpt_path)
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         self.loop_state.stop_requested = False
@@ -177,9 +177,9 @@ class Trainer(TrainerAttributes):
             self.checkpoint_connector.restore(path)
         self.checkpoint_connector.announce_resume(path)
         module = self.lightning_module
-        if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
+        if self.enable_autolog_hparams and self.is_global_zero and module.hparams_to_loggers:
             hparams = dict(module.hparams)
-            if self.datamodule is not None and getattr(self.datamodule, "_log_hyperparams", True):
+            if self.datamodule is not None and self.datamodule.hparams_to_loggers:
                 hparams.update(self.datamodule.hparams)
             if hparams:
                 for lg in self.loggers:
@@ -207,7 +207,7 @@ class Trainer(TrainerAttributes):
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
         self.data.set_fit_sources(train_dataloaders, val_dataloaders)
-        self.data.prepare_train(self._module)
+        self.data.prepare_train(self.module)
         self.logger_connector.reset_results()
         self.setup_optimizers()
 
@@ -238,7 +238,8 @@ class Trainer(TrainerAttributes):
         """Run ``validation_step`` over the data; returns one dict of epoch metrics per dataloader."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        return self._run("validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
+        return self.run_stage(  # type: ignore[no-any-return]
+            "validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)
 
     def test(
         self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
@@ -247,11 +248,12 @@ class Trainer(TrainerAttributes):
         """Run ``test_step`` over the data; returns one dict of epoch metrics per dataloader."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        return self._run("test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
+        return self.run_stage(  # type: ignore[no-any-return]
+            "test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
         getter = "val_dataloader" if stage == "validate" else "test_dataloader"
-        loaders = self.data.eval_loaders(dataloaders, getter, self._module)
+        loaders = self.data.eval_loaders(dataloaders, getter, self.module)
         if not loaders:
             raise MisconfigurationError(
                 f"trainer.{stage}() needs data: pass dataloaders= or datamodule=, or implement the module's {getter}()."
@@ -260,7 +262,7 @@ class Trainer(TrainerAttributes):
             self.data.test_dataloaders = loaders
         else:
             self.data.val_dataloaders = loaders
-        self._wrap()
+        self.model_connector.setup()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
             self.checkpoint_connector.load_weights(path)
@@ -281,18 +283,18 @@ class Trainer(TrainerAttributes):
         ``trainer.fabric.all_gather`` if every rank needs all of them."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        out = self._run("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
+        out = self.run_stage("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
         return None if return_predictions is False else out
 
     def _predict(self, dataloaders: Any, ckpt_path: Any) -> list[Any]:
-        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self._module)
+        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self.module)
         if not loaders:
             raise MisconfigurationError(
                 "trainer.predict() needs data: pass dataloaders= or datamodule=, or implement the module's "
                 "predict_dataloader()."
             )
         self.data.predict_dataloaders = loaders
-        self._wrap()
+        self.model_connector.setup()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
             self.checkpoint_connector.load_weights(path)
@@ -327,18 +329,15 @@ class Trainer(TrainerAttributes):
     # ------------------------------------------------------------------ running a stage
     def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
         if model is None:
-            if self._module is None:
+            if self.model_connector.module is None:
                 raise MisconfigurationError(f"trainer.{stage}() needs a model: pass one (no earlier fit set one).")
-            model = self._module
+            model = self.model_connector.module
         if not isinstance(model, Module):
             raise MisconfigurationError(
                 f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
                 "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
             )
-        if self._module is not None and model is not self._module and self.model is not None:
-            self._release_model()
-        self._module = model
-        model.trainer = self
+        self.model_connector.attach(model)
         if datamodule is not None:
             if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
                 raise MisconfigurationError(
@@ -358,17 +357,6 @@ class Trainer(TrainerAttributes):
             self.datamodule.setup(stage)
         return model
 
-    def _release_model(self) -> None:
-        """Another model after an earlier stage (Lightning's ``trainer.test(other_model)`` after ``fit``): the
-        strategy frees what it built for the old one (DDP's reducer, DeepSpeed's engine), and the new model is
-        set up in the same processes on the same process group. Optimizers and schedulers belonged to the old
-        model and go with it; the old module keeps its trained weights and can still be used on its own."""
-        self.fabric.release(self.model)
-        if self._module is not None:
-            self._module.trainer = None
-        self.model = None
-        self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
-
     def _launch(self) -> None:
         """Start or join the processes (see the module docstring), then put per-process state on the
         device this rank got."""
@@ -376,7 +364,11 @@ class Trainer(TrainerAttributes):
             self.fabric.launch()
             self.logger_connector.reset_results()
 
-    def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+    def run_stage(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` as stage ``stage`` of this Trainer, as fit/validate/test/predict do: start or join
+        the processes, attach ``model`` (None: the one attached before) and ``datamodule``, and call the setup
+        and teardown hooks of the callbacks, the module and the datamodule around it (the loggers' runs end with
+        it). The tuner runs its searches through it (``stage="lr_find"``). Returns what ``fn`` returns."""
         if self.stage is not None:
             raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
         self._launch()

@@ -98,10 +98,10 @@ def _trial(trainer: Trainer, method: str, steps: int) -> None:
                     break
         return
     getter = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[method]
-    loaders = t.data.eval_loaders(None, getter, t._module)
+    loaders = t.data.eval_loaders(None, getter, t.module)
     if not loaders:
         raise MisconfigurationError(f"scale_batch_size(method={method!r}) needs the module's {getter}().")
-    t._wrap()
+    t.model_connector.setup()
     if method == "predict":
         t.data.predict_dataloaders = loaders
         loops.run_predict(t, loaders, steps)
@@ -205,13 +205,13 @@ def scale_batch_size(
         )
     t = trainer
     refuse_without_separate_optimizers(t, "scale_batch_size", "(it re-creates the optimizer for every trial)")
-    inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+    inside_fit = t.stage == "fit" and t.model is not None and t.module is model
 
     def run() -> int:
         if t.model is None and method == "fit":
             t.prepare_fit(None, None)
         elif t.model is None:
-            t._wrap()
+            t.model_connector.setup()
         point = TrainerRestorePoint(t)
         sources = (t.train_dataloader, t.train_sampler, t.num_training_batches, list(t.val_dataloaders),
                    t.optimizers, t.step_optimizers)
@@ -220,14 +220,14 @@ def scale_batch_size(
         finally:
             (t.data.train_dataloader, t.data.train_sampler, t.data.num_training_batches, t.data.val_dataloaders, opts,
              steps) = sources
-            t.optimizers, t.step_optimizers = opts, steps
+            t.model_connector.optimizers, t.model_connector.step_optimizers = opts, steps
             point.restore(t)
         set_size(t, batch_arg_name, found)
         if inside_fit:
-            t.data.prepare_train(t._module)  # the fit continues with loaders of the size found
+            t.data.prepare_train(t.module)  # the fit continues with loaders of the size found
         return found
 
     if inside_fit:
         return run()
-    found: int = t._run("scale_batch_size", model, datamodule, run)
+    found: int = t.run_stage("scale_batch_size", model, datamodule, run)
     return found

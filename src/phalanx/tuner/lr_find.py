@@ -182,7 +182,7 @@ class Tuner:
         t = self.trainer
         if update_attr:
             attr_name = lr_attribute(model, attr_name)
-        inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+        inside_fit = t.stage == "fit" and t.model is not None and t.module is model
         separate = t.fabric.strategy.sets_up_optimizers_separately
         if inside_fit:
             refuse_without_separate_optimizers(t, "lr_find", "inside a fit (the LearningRateFinder callback)")
@@ -190,10 +190,10 @@ class Tuner:
         elif not separate:
             if t.model is not None:
                 refuse_without_separate_optimizers(t, "lr_find", "after this Trainer set the model up")
-            result = t._run("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
+            result = t.run_stage("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
                             num_training, mode, early_stop_threshold, probe)
         else:
-            result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
+            result = t.run_stage("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
                             num_training, mode, early_stop_threshold, probe)
         if update_attr:
             lr = result.suggestion()
@@ -229,18 +229,10 @@ class Tuner:
     def _on_copy(self, train_dataloaders: Any, work: Callable[[Any], _T]) -> _T:
         """``work(optimizer)`` on a fresh copy of the module, set up with its optimizer, then released."""
         t = self.trainer
-        original = t.module
-        scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
-        t._module = scratch
-        try:
-            with preserved(t):
-                t.prepare_fit(train_dataloaders, None)
-                return work(t.optimizers[0])
-        finally:
-            if t.model is not None:
-                t.fabric.release(t.model)
-            t._module, t.model = original, None
-            t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
+        scratch = copy.deepcopy(t.module, memo={id(t): t, id(t.fabric): t.fabric})
+        with t.using_module(scratch), preserved(t):
+            t.prepare_fit(train_dataloaders, None)
+            return work(t.optimizers[0])
 
     def _in_place(self, work: Callable[[Any], _T]) -> _T:
         """``work(None)`` (a fresh optimizer of its own) on the module, put back exactly afterwards."""
