@@ -30,6 +30,7 @@ import torch
 from phalanx.core.accumulation import AccumulationSchedule
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module
+from phalanx.core.optimizers import SchedulerConfig
 from phalanx.core.toggling import Toggleable, untoggle_params
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import Profiler
@@ -39,7 +40,6 @@ from phalanx.trainer.hooks import HookDispatcher
 from phalanx.trainer.logger_connector import LoggerConnector
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.model_connector import ModelConnector
-from phalanx.trainer.optim import SchedulerConfig
 from phalanx.trainer.settings import ReadOnly, Settings
 from phalanx.trainer.state import LoopState
 from phalanx.trainer.stepping import StepOptimizer

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
+from phalanx.core.optimizers import step_schedulers
 from phalanx.trainer.data import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import Module
+from phalanx.core.optimizers import SchedulerConfig, parse_all_optimizers
 from phalanx.fabric.fabric import Fabric
-from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
 from phalanx.trainer.stepping import StepOptimizer
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
+    from phalanx.core.view import TrainerView
     from phalanx.trainer.hooks import HookDispatcher
     from phalanx.trainer.state import LoopState
 
@@ -29,7 +30,7 @@ class ModelConnector:
     """The module and its set-up model, optimizers and schedulers (see the module docstring). ``trainer``: what
     the module is attached to (``module.trainer``); ``sync_batchnorm``: convert BatchNorm layers at setup."""
 
-    def __init__(self, trainer: Any, fabric: Fabric, sync_batchnorm: bool, state: LoopState,
+    def __init__(self, trainer: TrainerView, fabric: Fabric, sync_batchnorm: bool, state: LoopState,
                  hooks: HookDispatcher) -> None:
         self.trainer, self.fabric, self.sync_batchnorm = trainer, fabric, sync_batchnorm
         self.state, self.hooks = state, hooks

@@ -34,19 +34,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
+from phalanx.core.optimizers import step_schedulers
 from phalanx.core.toggling import Toggleable, toggle_params, untoggle_params
 from phalanx.fabric.wrappers import FabricOptimizer
 from phalanx.profilers import PassThroughProfiler
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import step_schedulers
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
+    from phalanx.core.optimizers import SchedulerConfig
     from phalanx.fabric.fabric import Fabric
     from phalanx.profilers import Profiler
     from phalanx.trainer.hooks import HookDispatcher
-    from phalanx.trainer.optim import SchedulerConfig
     from phalanx.trainer.settings import Settings
     from phalanx.trainer.state import LoopState
 

@@ -16,8 +16,9 @@ original process only supervises them (it exits with the job's code when they fi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
@@ -32,6 +33,9 @@ from phalanx.trainer.settings import check_weights_only, deterministic, resolve,
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from phalanx.tuner.view import TunedTrainer
 
 
 class Trainer(TrainerAttributes):
@@ -225,7 +229,7 @@ class Trainer(TrainerAttributes):
                 self.hooks.call("on_sanity_check_start")
                 limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
                 limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
-                loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
+                self.run_evaluation("validate", self.val_dataloaders, limit)
                 self.hooks.call("on_sanity_check_end")
             finally:
                 self.sanity_checking = False
@@ -267,7 +271,7 @@ class Trainer(TrainerAttributes):
         if path is not None:
             self.checkpoint_connector.load_weights(path)
         limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-        out = loops.run_evaluation(self, stage, loaders, limit)
+        out = self.run_evaluation(stage, loaders, limit)
         if verbose:
             for i, metrics in enumerate(out):
                 shown = ", ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()))
@@ -299,7 +303,7 @@ class Trainer(TrainerAttributes):
         if path is not None:
             self.checkpoint_connector.load_weights(path)
         self.current_stage = "predict"
-        out = loops.run_predict(self, loaders, self.limit_predict_batches)
+        out = self.run_predict(loaders, self.limit_predict_batches)
         return out[0] if len(out) == 1 else out
 
     def save_checkpoint(
@@ -322,6 +326,31 @@ class Trainer(TrainerAttributes):
         folder = dirpath if isinstance(dirpath, Path) else Path(dirpath)
         return self.checkpoint_connector.snapshot(folder, keep, overlap, every_n_steps, max_overhead,
                                                   self._snapshot_rng)
+
+    # ------------------------------------------------------------------ loop pieces (what the tuners run)
+    def training_windows(self, epoch: int) -> Iterator[tuple[int, Any, int, bool]]:
+        """Epoch ``epoch`` of the training data from its first batch, as the fit reads it (sampler epoch, device
+        moves, accumulation windows): ``(batch_idx, batch, window size, whether the window's step follows)``."""
+        batches = loops.start_epoch(self.fabric, self.train_dataloader, epoch)
+        return loops.windows(batches, 0, self.num_training_batches, self.accumulate_grad_batches)
+
+    def training_micro_batch(self, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
+        """Forward and backward of one training micro-batch through the set-up model (gradient sync skipped
+        inside a window), without hooks; returns ``training_step``'s output and its loss."""
+        return loops.micro_batch(self, batch, batch_idx, window_size, boundary)
+
+    def optimizer_step_without_hooks(self, optimizer: Any) -> None:
+        """One real optimizer step without hooks or counting: the Trainer's clipping, ``step``, ``zero_grad``."""
+        loops.optimizer_step(self, optimizer)
+
+    def run_evaluation(self, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+        """The ``stage`` loop ("validate" or "test") over ``loaders`` (at most ``limit`` batches of each), with
+        its hooks; returns each loader's epoch metrics."""
+        return loops.run_evaluation(self, stage, loaders, limit)
+
+    def run_predict(self, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+        """The predict loop over ``loaders`` (at most ``limit`` batches of each), with its hooks."""
+        return loops.run_predict(self, loaders, limit)
 
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return self.checkpoint_connector.resolve(ckpt_path)
@@ -457,3 +486,9 @@ class Trainer(TrainerAttributes):
                 "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
                 "optimizer.step() and remove the Trainer argument."
             )
+
+
+if TYPE_CHECKING:
+    def _tuned(trainer: Trainer) -> TunedTrainer:
+        """Where mypy checks that the Trainer has every member the tuners use (``TunedTrainer``)."""
+        return trainer

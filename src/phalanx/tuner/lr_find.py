@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from phalanx.core.module_state import preserved
-from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
-from phalanx.trainer.optim import parse_optimizers
+from phalanx.core.optimizers import parse_optimizers
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.diagnostics import warn
@@ -32,7 +31,7 @@ from phalanx.utils.tensors import optional_module
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.tuner.view import TunedTrainer
 
 
 _T = TypeVar("_T")
@@ -125,7 +124,7 @@ class LRFinderResult:
 class Tuner:
     """Hyperparameter helpers that run on a Trainer without disturbing it."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TunedTrainer) -> None:
         self.trainer = trainer
 
     def scale_batch_size(
@@ -318,19 +317,17 @@ class Tuner:
                 t.train_sampler.skip = 0
             window_losses: list[torch.Tensor] = []
             progressed = False
-            batches = start_epoch(t.fabric, t.train_dataloader, epoch)
-            for batch_idx, batch, size, boundary in windows(batches, 0, t.num_training_batches,
-                                                           t.accumulate_grad_batches):
+            for batch_idx, batch, size, boundary in t.training_windows(epoch):
                 progressed = True
                 if not window_losses:
                     for group in optimizer.param_groups:
                         group["lr"] = lr_at(step)
                 t.logger_connector.set_batch("train", batch)
-                _, loss = micro_batch(t, batch, batch_idx, size, boundary)
+                _, loss = t.training_micro_batch(batch, batch_idx, size, boundary)
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
                     continue
-                optimizer_step(t, optimizer)
+                t.optimizer_step_without_hooks(optimizer)
                 mean = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
                 window_losses = []
                 step += 1
