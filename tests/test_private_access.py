@@ -181,9 +181,9 @@ def test_the_allowlist_holds_no_name_of_phalanx() -> None:
 
 def test_the_checks_see_every_form(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("import phalanx.checkpoint.format as fmt\nfrom phalanx.trainer.data import _hidden\n"
+    probe.write_text("import phalanx.checkpoint.format as fmt\nfrom phalanx.trainer.loaders import _hidden\n"
                      "from phalanx.checkpoint import format\n\nfmt._refused_global\nformat._x\nfmt.read_file\n")
-    assert private_imports(probe) == ["2: from phalanx.trainer.data import _hidden",
+    assert private_imports(probe) == ["2: from phalanx.trainer.loaders import _hidden",
                                       "5: phalanx.checkpoint.format._refused_global",
                                       "6: phalanx.checkpoint.format._x"]
     probe.write_text("import sys\nclass A:\n    def __init__(self):\n        self._mine = 1\n"

@@ -32,7 +32,7 @@ import torch
 
 from phalanx.core.module import overrides
 from phalanx.core.optimizers import step_schedulers
-from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.trainer.loaders import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics

@@ -29,7 +29,15 @@ from phalanx.trainer import loops
 from phalanx.trainer.attributes import TrainerAttributes
 from phalanx.trainer.checkpoint_connector import CheckpointConnector
 from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
-from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
+from phalanx.trainer.settings import (
+    TrainerArguments,
+    check_manual_optimization,
+    check_weights_only,
+    deterministic,
+    refuse_batch_transfer_hooks,
+    resolve_settings,
+    split_datamodule,
+)
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
@@ -66,7 +74,7 @@ class Trainer(TrainerAttributes):
         accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm ("norm" or "value").
         benchmark: ``torch.backends.cudnn.benchmark`` (None: leave it, False when deterministic).
         inference_mode: evaluate under ``torch.inference_mode`` (else ``torch.no_grad``).
-        use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
+        use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.loaders).
         profiler: "simple", "advanced", "pytorch" or a :class:`phalanx.profilers.Profiler`.
         barebones: turn off everything that costs time outside the steps (refuses arguments that need it).
         plugins: refused (see :func:`phalanx.trainer.settings.refuse_plugins` for each equivalent).
@@ -131,7 +139,22 @@ class Trainer(TrainerAttributes):
         model_registry: str | None = None,
         max_restarts: int = 0,
     ) -> None:
-        settings = resolve(dict(locals()))
+        settings = resolve_settings(TrainerArguments(
+            logger=logger, fast_dev_run=fast_dev_run, max_epochs=max_epochs, min_epochs=min_epochs,
+            max_steps=max_steps, min_steps=min_steps, limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches, limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches, overfit_batches=overfit_batches,
+            val_check_interval=val_check_interval, check_val_every_n_epoch=check_val_every_n_epoch,
+            num_sanity_val_steps=num_sanity_val_steps, log_every_n_steps=log_every_n_steps,
+            enable_checkpointing=enable_checkpointing, enable_progress_bar=enable_progress_bar,
+            enable_model_summary=enable_model_summary, accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+            deterministic=deterministic, benchmark=benchmark, inference_mode=inference_mode,
+            use_distributed_sampler=use_distributed_sampler, profiler=profiler, detect_anomaly=detect_anomaly,
+            barebones=barebones, plugins=plugins, sync_batchnorm=sync_batchnorm,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, default_root_dir=default_root_dir,
+            enable_autolog_hparams=enable_autolog_hparams, model_registry=model_registry,
+        ))
         fabric = Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
             precision=precision,
@@ -173,7 +196,7 @@ class Trainer(TrainerAttributes):
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         self.loop_state.stop_requested = False
-        self._check_manual_optimization()
+        check_manual_optimization(self.module, self.fabric.strategy, self.settings)
         self.prepare_fit(train_dataloaders, val_dataloaders)
         path = self._resolve_ckpt_path(self.checkpoint_connector.resume_after_restart(ckpt_path))
         self.ckpt_path = str(path) if path is not None else None
@@ -402,7 +425,7 @@ class Trainer(TrainerAttributes):
             raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
         self._launch()
         module = self._attach(model, datamodule, stage)
-        self._refuse_batch_transfer_hooks(module)
+        refuse_batch_transfer_hooks(module, self.datamodule)
         self.stage = stage
         self.interrupted = False
         self._add_module_callbacks(module)
@@ -439,21 +462,6 @@ class Trainer(TrainerAttributes):
             self.stage = None
             self.current_stage = None
 
-    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
-        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
-        batches to the device inside its data loaders."""
-        for owner in (module, self.datamodule):
-            if owner is None:
-                continue
-            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-                     if overrides(owner, h)]
-            if found:
-                raise MisconfigurationError(
-                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
-                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
-                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
-                )
-
     def _add_module_callbacks(self, module: Module) -> None:
         """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
         extra = module.configure_callbacks()
@@ -463,29 +471,6 @@ class Trainer(TrainerAttributes):
         types = {type(c) for c in extra}
         kept = [c for c in self.callbacks if type(c) not in types]
         self.callbacks = ordered(kept + extra)
-
-    def _check_manual_optimization(self) -> None:
-        if self.module.automatic_optimization:
-            return
-        strategy = self.fabric.strategy
-        if not strategy.supports_calls_outside_forward:
-            raise MisconfigurationError(
-                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
-                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
-                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
-                "automatic optimization, strategy='ddp', or a Fabric loop."
-            )
-        if self.settings.accumulate_grad_batches != 1:
-            raise MisconfigurationError(
-                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
-                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
-            )
-        if self.gradient_clip_val is not None:
-            raise MisconfigurationError(
-                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
-                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
-                "optimizer.step() and remove the Trainer argument."
-            )
 
 
 if TYPE_CHECKING:
