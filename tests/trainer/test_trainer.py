@@ -17,7 +17,7 @@ import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.errors import PhalanxWarning
 from phalanx.loggers import Logger
-from phalanx.trainer.data import EvalBatchSampler, TrainSampler
+from phalanx.trainer.loaders import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
 from phalanx.utils.errors import MisconfigurationError
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, find_unsafe, read_file
 from phalanx.checkpoint.layer import load, load_raw, remove, save
 from phalanx.checkpoint.newest import finished_at, latest
+from phalanx.checkpoint.protocol import Wrapper
 from phalanx.checkpoint.sources import Found, find, read_everything
 from phalanx.checkpoint.state import load_into_module
 
@@ -35,6 +36,7 @@ __all__ = [
     "META_KEY",
     "AsyncCheckpoint",
     "Found",
+    "Wrapper",
     "check_plain",
     "find",
     "find_unsafe",

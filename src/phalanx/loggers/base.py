@@ -115,7 +115,7 @@ class FolderLogger(Logger):
 
     def __init__(self, root_dir: str | Path, name: str, version: int | str | None,
                  sub_dir: str | Path | None = None) -> None:
-        self._root, self._name, self._version, self._sub_dir = Path(root_dir), name, version, sub_dir
+        self._root, self._name, self._version_given, self._sub_dir = Path(root_dir), name, version, sub_dir
         self._log_dir: Path | None = None
 
     @property
@@ -124,7 +124,7 @@ class FolderLogger(Logger):
 
     @property
     def version(self) -> int | str:
-        return version_of(self._root, self._name, self.log_dir) if self._version is None else self._version
+        return version_of(self._root, self._name, self.log_dir) if self._version_given is None else self._version_given
 
     @property
     def root_dir(self) -> Path:
@@ -138,7 +138,7 @@ class FolderLogger(Logger):
     @property
     def log_dir(self) -> Path:
         if self._log_dir is None:
-            folder = log_dir_of(self._root, self._name, self._version)
+            folder = log_dir_of(self._root, self._name, self._version_given)
             self._log_dir = folder / self._sub_dir if self._sub_dir is not None else folder
         return self._log_dir
 
