@@ -111,9 +111,10 @@ def locate(path: Path, complete: bool = True) -> Found:
     return found
 
 
-def read_marker(directory: Path, weights_only: bool) -> dict[str, Any]:
-    """The marker of a directory checkpoint: ``{META_KEY: meta, "extras": entries the shards do not hold}``."""
-    marker = read_file(directory / MARKER, weights_only, what="Checkpoint marker")
+def read_marker(directory: Path, weights_only: bool, mmap: bool = False) -> dict[str, Any]:
+    """The marker of a directory checkpoint: ``{META_KEY: meta, "extras": entries the shards do not hold}``
+    (which may be large: an optimizer state the shards could not name); ``mmap``: as :func:`format.read_file`."""
+    marker = read_file(directory / MARKER, weights_only, what="Checkpoint marker", mmap=mmap)
     meta = marker.get(META_KEY)
     if not isinstance(meta, dict) or "layout" not in meta or not isinstance(marker.get("extras"), dict):
         raise CheckpointError(
@@ -368,7 +369,7 @@ def open_source(path: str | Path, weights_only: bool = True, full: bool = False,
         if (target / ".metadata").is_file():
             return _open_dcp(target, weights_only, None, verify)  # written by torch.distributed.checkpoint directly
         raise CheckpointError(found.problem or f"{target} is not a checkpoint.")
-    marker = read_marker(target, weights_only)
+    marker = read_marker(target, weights_only, mmap)
     meta = marker[META_KEY]
     if meta["layout"] == DCP_LAYOUT:
         return _open_dcp(target, weights_only, marker, verify)
