@@ -14,6 +14,7 @@ from typing import Any
 
 from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
+from phalanx.distributed.replica_groups import FaultTolerance, from_launcher
 from phalanx.precision import canonical_precision
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.strategies.parallel import running_job_world_size
@@ -70,7 +71,22 @@ def configured_strategy(args: dict[str, Any]) -> Strategy:
     )
     if args.get("lockstep") is not None:
         strategy.set_lockstep(args["lockstep"])
+    fault_tolerance = None if _local_inside_job(args) else resolve_fault_tolerance(args.get("fault_tolerance"))
+    if fault_tolerance is not None:
+        strategy.set_fault_tolerance(fault_tolerance)
     return strategy
+
+
+def resolve_fault_tolerance(given: Any) -> FaultTolerance | None:
+    """``fault_tolerance=``: a :class:`FaultTolerance`, True (the defaults) or None/False; ``phalanx run
+    --replica-groups N`` turns it on for a script that does not (its settings then come from the launcher)."""
+    if isinstance(given, FaultTolerance):
+        return given
+    if given is True:
+        return from_launcher() or FaultTolerance()
+    if given not in (None, False):
+        raise MisconfigurationError(f"fault_tolerance={given!r}: pass phalanx.FaultTolerance(...), True or None.")
+    return None if given is False else from_launcher()
 
 
 def _local_inside_job(args: dict[str, Any]) -> bool:
