@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from phalanx.distributed import restarts
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
 from phalanx.utils.late_reads import LateRead
@@ -335,10 +336,10 @@ class ReplicaGroups:
         step = self.manager.current_step()
         source = int(payload["replica_group"])
         self.healed = (step, source, int(transport.received_bytes), float(transport.received_seconds))
-        if self.rank == 0:
-            mb = transport.received_bytes / 2**20
-            diagnostics.notice(f"replica group {self.env.group} {'rejoined' if step else 'joined'} at step {step}, "
-                               f"healed from group {source} ({mb:.2f} MB in {transport.received_seconds:.2f} s)")
+        mb = transport.received_bytes / 2**20
+        restarts.healed(f"replica group {self.env.group} {'rejoined' if restarts.pending() else 'joined'} at step "
+                        f"{step}, healed from group {source} ({mb:.2f} MB in {transport.received_seconds:.2f} s)",
+                        self.rank)
 
     def drew(self, samples: int) -> None:
         """A set-up dataloader drew a batch of ``samples`` on this rank."""

@@ -243,7 +243,8 @@ class Fabric:
         if not modules:
             self._backward.run_unmanaged(tensor, self.world_size, args, kwargs)
             return
-        if restarts.pending():  # a restarted attempt that did not say where it resumed says so now
+        # A restarted attempt that did not say where it resumed says so now (a replica group says it when it heals).
+        if restarts.pending() and self._strategy.replica_groups is None:
             self._persistence.say_started_over()
         self._backward.run(tensor, [model] if model is not None else modules, args, kwargs)
 

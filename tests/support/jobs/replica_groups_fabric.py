@@ -5,7 +5,7 @@ jump when the group heals). Each rank appends one JSON line per committed step t
 
 Arguments: --steps N, --strategy single|ddp|fsdp, --accumulate K, --sleep S (seconds per step: leaves time to kill a
 process at a chosen step), --kill-at STEP (this group's rank 0 kills itself once, on its first attempt, with
-SIGKILL at that step)."""
+SIGKILL at that step), --kill-group G (the group that does: default 1)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-group", type=int, default=1)
     args = parser.parse_args()
     out = Path(os.environ["PHALANX_TEST_OUT"])
     torch.manual_seed(int(os.environ.get("REPLICA_GROUP_ID", "0")))  # groups seed differently: init_sync unifies
@@ -62,7 +63,7 @@ def main() -> None:
         for batch in loader:
             if state["step"] >= args.steps:
                 break
-            if state["step"] == args.kill_at and attempt == 0 and rank == 0:
+            if state["step"] == args.kill_at and attempt == 0 and rank == 0 and group == args.kill_group:
                 os.kill(os.getpid(), signal.SIGKILL)
             x_, y_ = batch
             optimizer.zero_grad()
@@ -76,7 +77,7 @@ def main() -> None:
             scheduler.step()
             state["step"] += 1
             trace.write(json.dumps({"pid": os.getpid(), "attempt": attempt, "step": state["step"],
-                                    "loss": float(loss), "time": time.time()}) + "\n")
+                                    "loss": float(loss.detach()), "time": time.time()}) + "\n")
             trace.flush()
             if args.sleep:
                 time.sleep(args.sleep)
