@@ -1,11 +1,12 @@
-"""A Fabric loop run as one replica group of a fault-tolerant job (``phalanx run --replica-groups N``): an MLP on a
-fixed synthetic regression set, ``--steps`` optimizer steps, the loop written over the counters in ``state`` (they
-jump when the group heals). Each rank appends one JSON line per committed step to ``$PHALANX_TEST_OUT/trace-g<group>
--r<rank>.jsonl`` (pid, step, loss, participants) and, at the end, its weights' CRC to ``final-g<group>-r<rank>.json``.
+"""A Fabric loop run as one replica group of a fault-tolerant job (``phalanx run --replica-groups N``): the model and
+data of tests/support/replica_models.py, ``--steps`` optimizer steps, the loop written over the counters in ``state``
+(they jump when the group heals). Each rank appends one JSON line per step to ``$PHALANX_TEST_OUT/trace-g<group>
+-r<rank>.jsonl`` (pid, attempt, step) and, at the end, writes ``final-g<group>-r<rank>.json`` (its weights' CRC, the
+loss over the whole data set, the tally of trained and skipped samples).
 
-Arguments: --steps N, --strategy single|ddp|fsdp, --accumulate K, --sleep S (seconds per step: leaves time to kill a
-process at a chosen step), --kill-at STEP (this group's rank 0 kills itself once, on its first attempt, with
-SIGKILL at that step), --kill-group G (the group that does: default 1)."""
+Arguments: --steps N, --strategy single|ddp|fsdp, --sleep S (seconds per step: leaves time to act at a chosen step),
+--kill-at STEP and --kill-group G (that group's rank 0 kills itself with SIGKILL at that step, on its first attempt).
+"""
 
 from __future__ import annotations
 
@@ -14,76 +15,70 @@ import json
 import os
 import signal
 import time
-import zlib
 from pathlib import Path
 
 import torch
+from replica_models import BATCH, crc, dataset, full_loss, make_model, make_optimizer
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import phalanx as L
 
 
-def crc(model: nn.Module) -> int:
-    value = 0
-    for tensor in model.state_dict().values():
-        value = zlib.crc32(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes(), value)
-    return value
+def started() -> float:
+    """When this process began (the kernel's record: /proc/self/stat's start time after boot)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    lines = Path("/proc/stat").read_text().splitlines()
+    boot = next(int(line.split()[1]) for line in lines if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--strategy", default="single")
-    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-group", type=int, default=1)
     args = parser.parse_args()
     out = Path(os.environ["PHALANX_TEST_OUT"])
-    torch.manual_seed(int(os.environ.get("REPLICA_GROUP_ID", "0")))  # groups seed differently: init_sync unifies
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    torch.manual_seed(group)  # the groups start from different weights: torchft's init_sync gives them group 0's
     fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=args.strategy)
     fabric.launch()
-    data = torch.Generator().manual_seed(0)
-    x = torch.randn(1536, 16, generator=data)
-    y = x @ torch.randn(16, 1, generator=data) + 0.1 * torch.randn(1536, 1, generator=data)
-    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    model = make_model()
+    optimizer, _ = make_optimizer(model)
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0}
     fabric.join_replica_groups(state)
-    groups = fabric.replica_groups
-    group = groups.env.group if groups is not None else 0
     rank = fabric.global_rank
-    trace = (out / f"trace-g{group}-r{rank}.jsonl").open("a")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    (out / f"start-g{group}-r{rank}-a{attempt}.json").write_text(json.dumps({"time": started()}))
+    trace = (out / f"trace-g{group}-r{rank}.jsonl").open("a")
     while state["step"] < args.steps:
-        for batch in loader:
+        for x, y in loader:
             if state["step"] >= args.steps:
                 break
             if state["step"] == args.kill_at and attempt == 0 and rank == 0 and group == args.kill_group:
                 os.kill(os.getpid(), signal.SIGKILL)
-            x_, y_ = batch
             optimizer.zero_grad()
-            for micro in range(args.accumulate):
-                chunk = slice(micro * len(x_) // args.accumulate, (micro + 1) * len(x_) // args.accumulate)
-                with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                    loss = nn.functional.mse_loss(model(x_[chunk]), y_[chunk])
-                    fabric.backward(loss / args.accumulate)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
             scheduler.step()
             state["step"] += 1
             trace.write(json.dumps({"pid": os.getpid(), "attempt": attempt, "step": state["step"],
-                                    "loss": float(loss.detach()), "time": time.time()}) + "\n")
+                                    "time": time.time()}) + "\n")
             trace.flush()
             if args.sleep:
                 time.sleep(args.sleep)
-    (out / f"final-g{group}-r{rank}.json").write_text(json.dumps(
-        {"crc": crc(model), "step": state["step"], "pid": os.getpid(),
-         "tally": groups.tally.state_dict() if groups is not None else None}))
+    groups = fabric.replica_groups
+    (out / f"final-g{group}-r{rank}.json").write_text(json.dumps({
+        "crc": crc(model.module), "loss": full_loss(model.module), "step": state["step"], "pid": os.getpid(),
+        "tally": groups.tally.state_dict() if groups is not None else None,
+    }))
 
 
 if __name__ == "__main__":
