@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +48,9 @@ def crc(model: nn.Module) -> int:
 def _batches(groups: int, seed: int) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per step, each group's batch: group g reads shard g of a DistributedSampler over every group."""
     data = dataset()
-    samplers = [DistributedSampler(data, num_replicas=groups, rank=g, shuffle=True, seed=seed) for g in range(groups)]
+    samplers: list[DistributedSampler[Any]] = [
+        DistributedSampler(data, num_replicas=groups, rank=g, shuffle=True, seed=seed) for g in range(groups)
+    ]
     epoch = 0
     while True:
         orders = []
@@ -74,7 +77,7 @@ def reference(steps: int, groups: int, absent: dict[int, set[int]]) -> nn.Module
             model.zero_grad()
             x, y = per_group[g]
             nn.functional.mse_loss(model(x), y).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
         for i, p in enumerate(model.parameters()):
             p.grad = torch.stack([g[i] for g in grads]).sum(0) / len(present)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
