@@ -165,11 +165,25 @@ def torchft_logs(folder: Path | None, group: int, rank: int) -> None:
     logger.setLevel(logging.INFO)
 
 
+class _WritableReads(io.BytesIO):
+    """A stream whose reads are ``bytearray``: torch's streaming loader makes each tensor's storage from the bytes
+    it reads, and a tensor on an immutable ``bytes`` object must never be written to (an optimizer's state is)."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        return bytearray(super().read(size))  # type: ignore[return-value]
+
+
+def load_payload(data: bytes) -> Any:
+    """A payload as a peer sent it (torch's streaming format), opened with ``weights_only=True``."""
+    from torch.distributed._serialization import _streaming_load
+
+    return _streaming_load(_WritableReads(data), weights_only=True)
+
+
 def _peer_transport(torchft: ModuleType, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, opened with ``weights_only=True`` (torchft opens with False: its
     payloads may hold any object). phalanx's payload holds tensors and plain values only
     (:func:`phalanx.checkpoint.peer.build`), so nothing a peer sends can run code here."""
-    from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing import HTTPTransport
 
     class PeerTransport(HTTPTransport):  # type: ignore[misc]
@@ -183,7 +197,7 @@ def _peer_transport(torchft: ModuleType, timeout: timedelta) -> Any:
             start = time.perf_counter()
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 data = f.read()
-            value = _streaming_load(io.BytesIO(data), weights_only=True)
+            value = load_payload(data)
             cls.received_bytes, cls.received_seconds = len(data), time.perf_counter() - start
             return value
 
@@ -245,6 +259,9 @@ class ReplicaGroups:
         self.received: Callable[[dict[str, Any]], None] | None = None
         self.tally = Tally()
         self._drawn = 0  # samples this rank drew since the last step
+        #: Samples one group trains per step, where the loop knows it (the Trainer); else counted from what the
+        #: set-up dataloaders drew (:meth:`drew`).
+        self.samples_per_step: int | None = None
         self.healed: tuple[int, int, int, float] | None = None  # (step, source group, bytes, seconds)
         self._contributors: set[int] | None = None
         self._pending: tuple[LateRead, int] | None = None
@@ -306,7 +323,8 @@ class ReplicaGroups:
         read, step = pending
         flags = read.values()
         present = {g for g in range(self.env.groups) if float(flags[g]) > 0}
-        self.tally.add(committed, len(present), self.env.groups, self._drawn * self.world_size)
+        share = self.samples_per_step if self.samples_per_step is not None else self._drawn * self.world_size
+        self.tally.add(committed, len(present), self.env.groups, share)
         self._drawn = 0
         previous, self._contributors = self._contributors, present
         speaker = min(present) if present else None
@@ -374,4 +392,4 @@ def _hostname() -> str:
 
 
 __all__ = ["FaultTolerance", "GroupEnvironment", "LighthouseError", "ReplicaGroups", "Tally", "environment",
-           "from_launcher", "require_torchft"]
+           "from_launcher", "load_payload", "require_torchft"]

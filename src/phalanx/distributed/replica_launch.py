@@ -47,6 +47,8 @@ _TORCHFT_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \[\w+\] \[torchft|^\[?torc
                            r'|"GET /checkpoint/')  # the last: the access log of torchft's checkpoint server
 #: Seconds to wait for the groups after passing a signal on (their agents wait for the ranks to save).
 SHUTDOWN_SECONDS = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) + 10
+#: Seconds the other groups get to finish once one group finished the job.
+FINISH_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -234,10 +236,23 @@ def _wait(started: list[_Group], lighthouse: Lighthouse, received: list[int], te
     codes: dict[int, int] = {}
     lighthouse_gone: float | None = None
     signalled: float | None = None
+    finished: float | None = None
     while len(codes) < len(started):
         for g in started:
             if g.group not in codes and g.process.poll() is not None:
                 codes[g.group] = int(g.process.returncode)
+                if codes[g.group] == 0 and finished is None:
+                    finished = time.monotonic()
+        # The job is done once a group finished: the others finish at the same step. A group still there after
+        # FINISH_SECONDS was restarting: alone, it would train again from its start.
+        if finished is not None and time.monotonic() - finished > FINISH_SECONDS:
+            for g in started:
+                if g.group not in codes:
+                    terminal.write(f"[phalanx] replica group {g.group} was still joining when the job finished "
+                                   "(another group completed it); it was stopped.\n")
+                    terminal.flush()
+                    _end(g.process, signal.SIGTERM, 5.0)
+                    codes[g.group] = 0
         if lighthouse_gone is None and lighthouse.process.poll() is not None and len(codes) < len(started):
             lighthouse_gone = time.monotonic()
             terminal.write(f"[phalanx] the torchft lighthouse at {lighthouse.address} exited (code "

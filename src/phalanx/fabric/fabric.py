@@ -387,16 +387,20 @@ class Fabric:
         return self._persistence.latest([Path(directory), *map(Path, more)])
 
     # ------------------------------------------------------------------ replica groups
-    def join_replica_groups(self, state: dict[str, Any]) -> None:
+    def join_replica_groups(self, state: dict[str, Any] | Callable[[], dict[str, Any]],
+                            on_heal: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Share ``state`` with the job's other replica groups (``fault_tolerance=``; does nothing without it).
 
         ``state`` is what ``fabric.save`` would take: modules, optimizers, schedulers, set-up dataloaders, counters.
         A group that (re)joins, or fell behind, receives it from a live group at its next ``optimizer.step()``,
         in place and checked (checksums, format version: :mod:`phalanx.checkpoint.peer`); from then on it is
         what this group sends. Call it once on every rank, before the loop; write the loop over the counters in
-        ``state`` (``while state["step"] < total``), since they jump when a group heals."""
+        ``state`` (``while state["step"] < total``), since they jump when a group heals.
+
+        ``state`` may be a function that builds the dict when it is needed (the Trainer's way); ``on_heal(state)``
+        is then called with the dict it built and filled, after a heal."""
         self._job.ensure_launched()
-        self._strategy.share_state_with_groups(state)
+        self._strategy.share_state_with_groups(state, on_heal)
 
     @property
     def replica_groups(self) -> Any:

@@ -8,7 +8,7 @@ I/O.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -118,17 +118,27 @@ class Strategy:
         self.replica_groups = ReplicaGroups(self.fault_tolerance, self._group_env, self.global_rank, self.world_size,
                                             self.root_device, self.broadcast, log_folder)
 
-    def share_state_with_groups(self, state: dict[str, Any]) -> None:
-        """``state`` is what this group sends a group that (re)joins, and what it receives in place when it is the
-        one behind (checked first: :mod:`phalanx.checkpoint.peer`). A no-op without replica groups."""
+    def share_state_with_groups(self, state: dict[str, Any] | Callable[[], dict[str, Any]],
+                                on_heal: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """``state`` (or the dict a function builds) is what this group sends a group that (re)joins, and what it
+        receives in place when it is the one behind (checked first: :mod:`phalanx.checkpoint.peer`), after which
+        ``on_heal(state)`` runs. A no-op without replica groups."""
         groups = self.replica_groups
         if groups is None:
             return
         from phalanx.checkpoint import peer
 
-        groups.sent = lambda: peer.build(self, state, self.local_state)
-        groups.received = lambda payload: peer.apply(self, state, payload,
-                                                     f"replica group {payload.get('replica_group', '?')}")
+        def build() -> dict[str, Any]:
+            return state() if callable(state) else state
+
+        def receive(payload: dict[str, Any]) -> None:
+            target = build()
+            peer.apply(self, target, payload, f"replica group {payload.get('replica_group', '?')}")
+            if on_heal is not None:
+                on_heal(target)
+
+        groups.sent = lambda: peer.build(self, build(), self.local_state)
+        groups.received = receive
 
     def stop_replica_groups(self, failed: bool) -> None:
         """Leave the fault-tolerant job: torchft's manager stops; the count of what was trained is said once."""

@@ -126,6 +126,7 @@ class Trainer(TrainerAttributes):
         enable_autolog_hparams: bool = True,
         model_registry: str | None = None,
         max_restarts: int = 0,
+        fault_tolerance: Any = None,
     ) -> None:
         settings = resolve(dict(locals()))
         fabric = Fabric(
@@ -134,6 +135,7 @@ class Trainer(TrainerAttributes):
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
             warn_nonfinite_loss=False, max_restarts=max_restarts, root_dir=settings.default_root_dir,
+            fault_tolerance=fault_tolerance,
         )
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
@@ -176,6 +178,7 @@ class Trainer(TrainerAttributes):
         if path is not None:
             self.checkpoint_connector.restore(path)
         self.checkpoint_connector.announce_resume(path)
+        self.checkpoint_connector.share_with_replica_groups()
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
             hparams = dict(module.hparams)
