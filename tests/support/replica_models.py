@@ -41,7 +41,8 @@ def full_loss(model: nn.Module) -> float:
 def crc(model: nn.Module) -> int:
     value = 0
     for tensor in model.state_dict().values():
-        value = zlib.crc32(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes(), value)
+        local = tensor.to_local() if callable(getattr(tensor, "to_local", None)) else tensor  # FSDP: this rank's shard
+        value = zlib.crc32(local.detach().contiguous().view(torch.uint8).numpy().tobytes(), value)
     return value
 
 

@@ -29,7 +29,11 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
+import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +44,7 @@ from typing import Any
 import torch
 
 from phalanx.distributed import restarts
+from phalanx.distributed.launch import record_failure
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
 from phalanx.utils.late_reads import LateRead
@@ -265,7 +270,13 @@ class ReplicaGroups:
         self.healed: tuple[int, int, int, float] | None = None  # (step, source group, bytes, seconds)
         self._contributors: set[int] | None = None
         self._pending: tuple[LateRead, int] | None = None
-        self._reduced: set[int] = set()
+        host_port = _host_port(env.lighthouse)
+        try:  # torchft would retry for its connect timeout; a lighthouse that is not there is said at once
+            socket.create_connection(host_port, timeout=min(config.timeout, 10.0)).close()
+        except OSError as err:
+            raise self._lighthouse_error(err) from None
+        self._in_quorum = False
+        self._watch = threading.Thread(target=self._watch_lighthouse, name="phalanx-lighthouse-watch", daemon=True)
         try:
             self.manager = torchft.Manager(
                 pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=config.min_replica_groups,
@@ -276,6 +287,31 @@ class ReplicaGroups:
             )
         except Exception as err:
             raise self._lighthouse_error(err) from None
+        self._closed = threading.Event()
+        self._watch.start()
+
+    def _watch_lighthouse(self) -> None:
+        """While this group waits for a quorum, ask the lighthouse's port every second: a quorum cannot form without
+        it, and torchft would wait its whole quorum timeout. Two failed asks in a row end this rank with the error
+        (the main thread is blocked inside torchft's wait, which nothing can interrupt; as phalanx's watchdog does for
+        a collective that will never complete)."""
+        host, port = _host_port(self.env.lighthouse)
+        failures = 0
+        while not self._closed.wait(1.0):
+            if not self._in_quorum:
+                failures = 0
+                continue
+            try:
+                socket.create_connection((host, port), timeout=2.0).close()
+                failures = 0
+            except OSError as err:
+                failures += 1
+                if failures >= 2 and self._in_quorum:
+                    fatal = self._lighthouse_error(err)
+                    record_failure(fatal)
+                    sys.stderr.write(f"[phalanx] {fatal}\n")
+                    sys.stderr.flush()
+                    os._exit(1)
 
     # ------------------------------------------------------------------ the step
     def average(self, grads: list[torch.Tensor]) -> None:
@@ -283,10 +319,14 @@ class ReplicaGroups:
         over the groups that take part in it, in place. A healing group contributes nothing; the count of groups
         that contributed travels in the same buffer."""
         manager = self.manager
+        self._in_quorum = True
         try:
             manager.start_quorum()
+            manager.wait_quorum()
         except Exception as err:
             raise self._lighthouse_error(err) from None
+        finally:
+            self._in_quorum = False
         groups = self.env.groups
         flat = [g.reshape(-1) for g in grads]
         dtype = grads[0].dtype if grads else torch.float32
@@ -359,6 +399,15 @@ class ReplicaGroups:
                         f"{step}, healed from group {source} ({mb:.2f} MB in {transport.received_seconds:.2f} s)",
                         self.rank)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the job (``fabric.save`` adds it): torchft's manager state (its step and batch
+        counts) and the tally."""
+        return {"manager": dict(self.manager.state_dict()), "tally": self.tally.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state["manager"])
+        self.tally.load_state_dict(state["tally"])
+
     def drew(self, samples: int) -> None:
         """A set-up dataloader drew a batch of ``samples`` on this rank."""
         self._drawn += samples
@@ -375,6 +424,7 @@ class ReplicaGroups:
         present = self._contributors or set()
         if not failed and self.rank == 0 and present and min(present) == self.env.group:
             diagnostics.notice(self.summary())
+        self._closed.set()
         self.manager.shutdown(wait=False)
 
     def _lighthouse_error(self, err: BaseException) -> LighthouseError:
@@ -386,9 +436,13 @@ class ReplicaGroups:
 
 
 def _hostname() -> str:
-    import socket
-
     return socket.gethostname()
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``http://host:port`` (or ``host:port``) -> (host, port)."""
+    parsed = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    return parsed.hostname or "127.0.0.1", parsed.port or 29510
 
 
 __all__ = ["FaultTolerance", "GroupEnvironment", "LighthouseError", "ReplicaGroups", "Tally", "environment",

@@ -47,6 +47,9 @@ _TORCHFT_LINE = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \[\w+\] \[torchft|^\[?torc
                            r'|"GET /checkpoint/')  # the last: the access log of torchft's checkpoint server
 #: Seconds to wait for the groups after passing a signal on (their agents wait for the ranks to save).
 SHUTDOWN_SECONDS = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) + 10
+#: Seconds the groups get to stop by themselves once the lighthouse is gone (they notice within a few seconds, and
+#: a restarted group fails to reach it at start-up): then the launcher stops what is left.
+LIGHTHOUSE_SECONDS = 15.0
 #: Seconds the other groups get to finish once one group finished the job.
 FINISH_SECONDS = 15.0
 
@@ -260,7 +263,7 @@ def _wait(started: list[_Group], lighthouse: Lighthouse, received: list[int], te
             terminal.flush()
         if received and signalled is None:
             signalled = time.monotonic()
-        late = (lighthouse_gone is not None and time.monotonic() - lighthouse_gone > SHUTDOWN_SECONDS) or (
+        late = (lighthouse_gone is not None and time.monotonic() - lighthouse_gone > LIGHTHOUSE_SECONDS) or (
             signalled is not None and time.monotonic() - signalled > SHUTDOWN_SECONDS)
         if late:
             for g in started:

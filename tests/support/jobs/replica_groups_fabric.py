@@ -5,7 +5,10 @@ data of tests/support/replica_models.py, ``--steps`` optimizer steps, the loop w
 loss over the whole data set, the tally of trained and skipped samples).
 
 Arguments: --steps N, --strategy single|ddp|fsdp, --sleep S (seconds per step: leaves time to act at a chosen step),
---kill-at STEP and --kill-group G (that group's rank 0 kills itself with SIGKILL at that step, on its first attempt).
+--kill-at STEP and --kill-group G (that group's rank 0 kills itself with SIGKILL at that step, on its first attempt),
+--timeout S (FaultTolerance.timeout), --ckpt DIR (resume from the newest checkpoint there; on a preemption signal save
+one and exit with code 75), --ready-at STEP (group 0's rank 0 writes ``ready`` once at that step, and each rank its pid
+to ``pid-g<group>-r<rank>``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-group", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--ready-at", type=int, default=-1)
     args = parser.parse_args()
     out = Path(os.environ["PHALANX_TEST_OUT"])
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     torch.manual_seed(group)  # the groups start from different weights: torchft's init_sync gives them group 0's
-    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=args.strategy)
+    groups_min = int(os.environ.get("PHALANX_MIN_REPLICA_GROUPS", "1"))
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=args.strategy,
+                      fault_tolerance=L.FaultTolerance(min_replica_groups=groups_min, timeout=args.timeout))
     fabric.launch()
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     model = make_model()
@@ -52,8 +60,14 @@ def main() -> None:
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0}
+    if args.ckpt is not None:
+        found = fabric.latest_checkpoint(args.ckpt)
+        if found is not None:
+            fabric.load(found, state)
+        fabric.stop_requested()  # start listening
     fabric.join_replica_groups(state)
     rank = fabric.global_rank
+    (out / f"pid-g{group}-r{rank}").write_text(str(os.getpid()))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     (out / f"start-g{group}-r{rank}-a{attempt}.json").write_text(json.dumps({"time": started()}))
     trace = (out / f"trace-g{group}-r{rank}.jsonl").open("a")
@@ -72,11 +86,19 @@ def main() -> None:
             trace.write(json.dumps({"pid": os.getpid(), "attempt": attempt, "step": state["step"],
                                     "time": time.time()}) + "\n")
             trace.flush()
+            if state["step"] == args.ready_at and group == 0 and rank == 0:
+                (out / "ready").write_text(str(state["step"]))
+            if args.ckpt is not None and fabric.stop_requested():
+                path = f"{args.ckpt}/step-{state['step']}.ckpt"
+                fabric.save(path, state)
+                fabric.exit_preempted(path, step=state["step"])
             if args.sleep:
                 time.sleep(args.sleep)
     groups = fabric.replica_groups
     (out / f"final-g{group}-r{rank}.json").write_text(json.dumps({
         "crc": crc(model.module), "loss": full_loss(model.module), "step": state["step"], "pid": os.getpid(),
+        "params": [float(v) for p in model.module.parameters() for v in p.detach().reshape(-1)]
+        if args.strategy != "fsdp" else None,
         "tally": groups.tally.state_dict() if groups is not None else None,
     }))
 
