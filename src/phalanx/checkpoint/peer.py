@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint import checksums
+import phalanx.checkpoint.checksums as checksums
 from phalanx.checkpoint.format import FORMAT_VERSION, check_plain
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, StateOwner
 from phalanx.checkpoint.snapshot.format import LocalShard, plain_values
