@@ -4,8 +4,10 @@ their mean-loss gradients, one AdamW step after clipping, as ``phalanx run --rep
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,14 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 BATCH = 8
 LR = 1e-2
+
+
+def started() -> float:
+    """When this process began (the kernel's record: /proc/self/stat's start time after boot)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    lines = Path("/proc/stat").read_text().splitlines()
+    boot = next(int(line.split()[1]) for line in lines if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def dataset() -> TensorDataset:

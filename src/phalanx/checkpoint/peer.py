@@ -21,7 +21,8 @@ import torch
 import phalanx.checkpoint.checksums as checksums
 from phalanx.checkpoint.format import FORMAT_VERSION, check_plain
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, StateOwner
-from phalanx.checkpoint.snapshot.format import LocalShard, plain_values
+from phalanx.checkpoint.snapshot import place
+from phalanx.checkpoint.snapshot.format import LocalShard
 from phalanx.checkpoint.state import sort_state
 from phalanx.utils.errors import CheckpointError, CorruptCheckpointError
 
@@ -126,15 +127,8 @@ def apply(owner: StateOwner, state: dict[str, Any], payload: dict[str, Any], sou
     """Check ``payload`` (:func:`check`), then put it into ``state`` in place: modules and optimizers through the
     strategy's ``load_local_state`` (no collective), objects with ``load_state_dict``, plain values replaced."""
     check(owner, state, payload, source)
-    entries = payload["entries"]
-    for e in sort_state(state):
-        value = _shards(entries[e.key])
-        if e.kind in (MODULE, OPTIMIZER):
-            owner.load_local_state(e.kind, e.obj, value, True)
-        elif e.kind == STATEFUL:
-            e.obj.load_state_dict(plain_values(value))
-        else:
-            state[e.key] = plain_values(value)
+    entries = sort_state(state)
+    place(owner, entries, state, {e.key: _shards(payload["entries"][e.key]) for e in entries}, True)
     if payload.get("precision"):
         owner.precision.load_state_dict(payload["precision"])
 

@@ -262,14 +262,17 @@ class ReplicaGroups:
         self._transport = _peer_transport(torchft, timeout)
         self.sent: Callable[[], dict[str, Any]] | None = None
         self.received: Callable[[dict[str, Any]], None] | None = None
-        self.tally = Tally()
+        self._tally = Tally()
         self._drawn = 0  # samples this rank drew since the last step
         #: Samples one group trains per step, where the loop knows it (the Trainer); else counted from what the
         #: set-up dataloaders drew (:meth:`drew`).
         self.samples_per_step: int | None = None
         self.healed: tuple[int, int, int, float] | None = None  # (step, source group, bytes, seconds)
         self._contributors: set[int] | None = None
+        # The last step's contributions, read at the next step's start (a step later: no host wait for them), then
+        # whether it committed and the samples a group drew for it.
         self._pending: tuple[LateRead, int] | None = None
+        self._last: tuple[LateRead, int, bool, int] | None = None
         host_port = _host_port(env.lighthouse)
         try:  # torchft would retry for its connect timeout; a lighthouse that is not there is said at once
             socket.create_connection(host_port, timeout=min(config.timeout, 10.0)).close()
@@ -318,6 +321,7 @@ class ReplicaGroups:
         """Start this step's quorum and average ``grads`` (this rank's gradients, a shard's local part under FSDP)
         over the groups that take part in it, in place. A healing group contributes nothing; the count of groups
         that contributed travels in the same buffer."""
+        self._account()  # the previous step, before this one's quorum: what a healing peer receives includes it
         manager = self.manager
         self._in_quorum = True
         try:
@@ -353,19 +357,21 @@ class ReplicaGroups:
             ok = bool(self.manager.should_commit())
         except Exception as err:
             raise self._lighthouse_error(err) from None
-        self._account(ok)
+        if self._pending is not None:
+            read, step = self._pending
+            share = self.samples_per_step if self.samples_per_step is not None else self._drawn * self.world_size
+            self._last, self._pending, self._drawn = (read, step, ok, share), None, 0
         return ok
 
-    def _account(self, committed: bool) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def _account(self) -> None:
+        """Count the last step (its contributing groups, read late) and say which groups left."""
+        last, self._last = self._last, None
+        if last is None:
             return
-        read, step = pending
+        read, step, committed, share = last
         flags = read.values()
         present = {g for g in range(self.env.groups) if float(flags[g]) > 0}
-        share = self.samples_per_step if self.samples_per_step is not None else self._drawn * self.world_size
-        self.tally.add(committed, len(present), self.env.groups, share)
-        self._drawn = 0
+        self._tally.add(committed, len(present), self.env.groups, share)
         previous, self._contributors = self._contributors, present
         speaker = min(present) if present else None
         if self.rank != 0 or previous is None or speaker != self.env.group:
@@ -381,7 +387,7 @@ class ReplicaGroups:
                                "fabric.join_replica_groups(state) before the loop.")
         payload = self.sent()
         payload["replica_group"] = self.env.group
-        payload["tally"] = self.tally.state_dict()
+        payload["tally"] = self._tally.state_dict()
         return payload
 
     def _load(self, payload: dict[str, Any]) -> None:
@@ -389,7 +395,8 @@ class ReplicaGroups:
             raise PhalanxError("This group must heal from a peer, but no state was registered to receive it: call "
                                "fabric.join_replica_groups(state) before the loop.")
         self.received(payload)
-        self.tally.load_state_dict(payload["tally"])
+        self._last = None  # what this group did before it was behind is not the job's: the peer's tally is
+        self._tally.load_state_dict(payload["tally"])
         transport = type(self._transport)
         step = self.manager.current_step()
         source = int(payload["replica_group"])
@@ -406,7 +413,14 @@ class ReplicaGroups:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state["manager"])
-        self.tally.load_state_dict(state["tally"])
+        self._last = None
+        self._tally.load_state_dict(state["tally"])
+
+    @property
+    def tally(self) -> Tally:
+        """What the job trained and skipped so far (every step counted, the last one included)."""
+        self._account()
+        return self._tally
 
     def drew(self, samples: int) -> None:
         """A set-up dataloader drew a batch of ``samples`` on this rank."""
@@ -421,6 +435,7 @@ class ReplicaGroups:
     def close(self, failed: bool) -> None:
         """Stop torchft's manager; the group that speaks for the job (the lowest that took part in the last step)
         says what was trained, once, after a run that did not fail."""
+        self._account()
         present = self._contributors or set()
         if not failed and self.rank == 0 and present and min(present) == self.env.group:
             diagnostics.notice(self.summary())

@@ -21,19 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from replica_models import BATCH, crc, dataset, full_loss, make_model, make_optimizer
+from replica_models import BATCH, crc, dataset, full_loss, make_model, make_optimizer, started
 from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx as L
-
-
-def started() -> float:
-    """When this process began (the kernel's record: /proc/self/stat's start time after boot)."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    lines = Path("/proc/stat").read_text().splitlines()
-    boot = next(int(line.split()[1]) for line in lines if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

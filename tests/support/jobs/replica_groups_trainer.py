@@ -17,18 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from replica_models import BATCH, LR, crc, dataset, full_loss, make_model
+from replica_models import BATCH, LR, crc, dataset, full_loss, make_model, started
 from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx as L
-
-
-def started() -> float:
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    lines = Path("/proc/stat").read_text().splitlines()
-    boot = next(int(line.split()[1]) for line in lines if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Regression(L.LightningModule):
