@@ -50,7 +50,7 @@ if groups is not None and trainer.global_rank == 0:
 def _clock(path: Path) -> list[tuple[int, int, float]]:
     if not path.exists():
         return []
-    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]  # type: ignore[misc]
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _wait(path: Path, proc: subprocess.Popen[bytes], step: int, attempt: int = 0) -> float:
@@ -99,7 +99,8 @@ def main() -> None:
     p.add_argument("--large-hidden", type=int, default=1536)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kill-after", type=int, default=10)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", default="main=3000,mlp=500",
+                   help="steps per case: the live group must still be training when the killed one is back")
     args = p.parse_args()
     cases = {"main": ("main job (examples/train_digits.py)", 0),
              "mlp": (f"larger MLP (64-{args.large_hidden}-{args.large_hidden}-10, Adam, batch 32)", args.large_hidden)}
@@ -111,7 +112,8 @@ def main() -> None:
     for key in args.cases.split(","):
         name, hidden = cases[key.strip()]
         today = [survival.restart_to_first_step(hidden) for _ in range(args.reps)]
-        ft = [replica_groups(hidden, args.steps, args.kill_after) for _ in range(args.reps)]
+        steps = int(dict(pair.split("=") for pair in args.steps.split(","))[key.strip()])
+        ft = [replica_groups(hidden, steps, args.kill_after) for _ in range(args.reps)]
         med = {k: statistics.median(r[k] for r in ft) for k in ft[0]}
         print(f"| {name} | {statistics.median(today):.2f} | <= 1 (a snapshot every step) | {med['lost']:.2f} | "
               f"{med['recomputed']:.0f} | {med['back']:.2f} | {med['skipped']:.0f} of "

@@ -402,7 +402,7 @@ class ReplicaGroups:
         source = int(payload["replica_group"])
         self.healed = (step, source, int(transport.received_bytes), float(transport.received_seconds))
         mb = transport.received_bytes / 2**20
-        restarts.healed(f"replica group {self.env.group} {'rejoined' if restarts.pending() else 'joined'} at step "
+        restarts.healed(f"replica group {self.env.group} {'rejoined' if step else 'joined'} at step "
                         f"{step}, healed from group {source} ({mb:.2f} MB in {transport.received_seconds:.2f} s)",
                         self.rank)
 
