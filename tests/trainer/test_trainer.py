@@ -16,7 +16,7 @@ from trainer_support import CountingSGD, Regressor, dataset, flat, loader, quiet
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.errors import PhalanxWarning
-from phalanx.trainer.data import EvalBatchSampler, TrainSampler
+from phalanx.trainer.loaders import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
 from phalanx.utils.errors import MisconfigurationError
 

@@ -34,6 +34,21 @@ class Entry(NamedTuple):
     module: nn.Module | None = None
 
 
+class Wrapper:
+    """Base of the objects that stand in a ``state`` dict for another whose state it is: Fabric's set-up module
+    and optimizer (:mod:`phalanx.fabric.wrappers`). The checkpoint layer saves and loads
+    :meth:`checkpoint_target` in their place. A base class, not a structural protocol, so that no user object is
+    unwrapped for happening to have the same method names."""
+
+    def checkpoint_target(self) -> Any:
+        """The object whose state a checkpoint holds for this entry."""
+        raise NotImplementedError
+
+    def checkpoint_module(self) -> nn.Module | None:
+        """For an optimizer: the module set up together with it (None where unknown, and for a module)."""
+        return None
+
+
 def of_kind(entries: Iterable[Entry], *kinds: str) -> list[Entry]:
     return [e for e in entries if e.kind in kinds]
 

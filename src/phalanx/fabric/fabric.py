@@ -34,7 +34,8 @@ from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAcceler
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
 from phalanx.fabric.backward import Backward
 from phalanx.fabric.collectives import Collectives
-from phalanx.fabric.connector import as_list, configured_strategy, refuse_plugins
+from phalanx.fabric.config import FabricConfig, as_tuple
+from phalanx.fabric.connector import configured_strategy, refuse_plugins
 from phalanx.fabric.data import setup_dataloader
 from phalanx.fabric.job import Job
 from phalanx.fabric.models import Models
@@ -88,37 +89,35 @@ class Fabric:
 
     def __init__(
         self,
-        accelerator: str | Accelerator = "auto",
-        devices: int | str = "auto",
-        num_nodes: int = 1,
-        strategy: str | Strategy = "auto",
-        precision: str | int | None = "32-true",
+        accelerator: str | Accelerator = FabricConfig.accelerator,
+        devices: int | str = FabricConfig.devices,
+        num_nodes: int = FabricConfig.num_nodes,
+        strategy: str | Strategy = FabricConfig.strategy,
+        precision: str | int | None = FabricConfig.precision,
         loggers: Any = None,
         callbacks: Any = None,
-        lockstep: str | None = None,
-        detect_anomaly: bool = False,
+        lockstep: str | None = FabricConfig.lockstep,
+        detect_anomaly: bool = FabricConfig.detect_anomaly,
         plugins: Any = None,
-        warn_nonfinite_loss: bool = True,
-        max_restarts: int = 0,
-        preemption_signals: Any = None,
-        root_dir: str | Path | None = None,
-        fault_tolerance: FaultTolerance | bool | None = None,
+        warn_nonfinite_loss: bool = FabricConfig.warn_nonfinite_loss,
+        max_restarts: int = FabricConfig.max_restarts,
+        preemption_signals: Any = FabricConfig.preemption_signals,
+        root_dir: str | Path | None = FabricConfig.root_dir,
+        fault_tolerance: FaultTolerance | bool | None = FabricConfig.fault_tolerance,
     ) -> None:
         refuse_plugins(plugins)
-        if precision is None:
-            precision = "32-true"
-        accelerator = accelerator_name(accelerator)
-        self._init_kwargs: dict[str, Any] = {
-            "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
-            "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
-            "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
-            "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
-            "root_dir": root_dir, "fault_tolerance": fault_tolerance,
-        }
-        self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
+        self.config = config = FabricConfig(
+            accelerator=accelerator_name(accelerator), devices=devices, num_nodes=num_nodes, strategy=strategy,
+            precision=FabricConfig.precision if precision is None else precision, loggers=as_tuple(loggers),
+            callbacks=as_tuple(callbacks), lockstep=lockstep, detect_anomaly=detect_anomaly,
+            warn_nonfinite_loss=warn_nonfinite_loss, max_restarts=launcher.check_max_restarts(max_restarts),
+            preemption_signals=preemption_signals, root_dir=Path(root_dir) if root_dir is not None else None,
+            fault_tolerance=fault_tolerance,
+        )
+        self._loggers, self._callbacks = list(config.loggers), list(config.callbacks)
         loggers_root = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
-        self._run_root = Path(root_dir) if root_dir is not None else loggers_root
-        self._strategy = strategy_ = configured_strategy(self._init_kwargs)
+        self._run_root = config.root_dir if config.root_dir is not None else loggers_root
+        self._strategy = strategy_ = configured_strategy(config)
         self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
         self._snapshots = Snapshots(strategy_)
         self._persistence = Persistence(strategy_, self._snapshots)
@@ -138,9 +137,8 @@ class Fabric:
         (this process only supervises them and exits with the job's code), and ``launch(fn, *args)``
         runs ``fn(fabric, *args)`` in N processes and returns rank 0's result.
         """
-        factory = functools.partial(Fabric, **self._init_kwargs)
-        return self._job.launch(self, function, args, kwargs, factory, self._init_kwargs["max_restarts"],
-                                self._run_root)
+        factory = functools.partial(Fabric, **self.config.arguments())
+        return self._job.launch(self, function, args, kwargs, factory, self.config.max_restarts, self._run_root)
 
     @property
     def launched(self) -> bool:
@@ -506,13 +504,11 @@ class Fabric:
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         return _seed_everything(seed, bool(workers), verbose=verbose)
 
-    def teardown(self) -> None:
-        """Flush loggers and leave the process group now (otherwise both happen at interpreter exit)."""
-        self._leave_job(None)
-
-    def _leave_job(self, error: BaseException | None) -> None:
-        """Finalize loggers and leave the job; ``error`` (or the exception ending the interpreter) is what
-        the other ranks are told this rank ended with."""
+    def teardown(self, error: BaseException | None = None) -> None:
+        """Finalize the loggers and leave the job now (otherwise both happen at interpreter exit). ``error``:
+        what this rank ends with, which its peers are told at once instead of waiting for it in a collective
+        (the launcher's ``launch(fn)`` passes the exception ``fn`` raised); an exception ending the
+        interpreter counts too."""
         failed = error is not None or getattr(sys, "last_value", None) is not None
         self._backward.flush()
         if self.is_global_zero:

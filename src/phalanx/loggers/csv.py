@@ -26,7 +26,7 @@ class CSVLogger:
         # save_dir / flush_logs_every_n_steps: Lightning's names for root_dir / flush_every.
         root_dir = save_dir if save_dir is not None else root_dir
         flush_every = flush_logs_every_n_steps if flush_logs_every_n_steps is not None else flush_every
-        self._root, self._name, self._version = Path(root_dir), name, version
+        self._root, self._name, self._version_given = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []  # every key logged so far, in order of appearance
@@ -42,7 +42,7 @@ class CSVLogger:
     def log_dir(self) -> Path:
         # Resolved lazily, so only the rank that logs (rank 0) creates the folder.
         if self._log_dir is None:
-            self._log_dir = log_dir_of(self._root, self._name, self._version)
+            self._log_dir = log_dir_of(self._root, self._name, self._version_given)
         return self._log_dir
 
     @property

@@ -23,7 +23,7 @@ class TensorBoardLogger:
         # inside the version folder for the event files.
         root_dir = save_dir if save_dir is not None else root_dir
         self._prefix, self._sub_dir = prefix, sub_dir
-        self._root, self._name, self._version = Path(root_dir), name, version
+        self._root, self._name, self._version_given = Path(root_dir), name, version
         self._log_dir: Path | None = None
         self._writer: SummaryWriter | None = None
 
@@ -35,7 +35,7 @@ class TensorBoardLogger:
     @property
     def log_dir(self) -> Path:
         if self._log_dir is None:
-            self._log_dir = log_dir_of(self._root, self._name, self._version)
+            self._log_dir = log_dir_of(self._root, self._name, self._version_given)
             if self._sub_dir is not None:
                 self._log_dir = self._log_dir / self._sub_dir
         return self._log_dir
