@@ -236,7 +236,7 @@ def test_a_frozen_group_is_dropped_and_the_others_go_on(tmp_path: Path) -> None:
     assert re.search(r"\[phalanx\] replica group 1 left at step \d+; 2 of 3 groups continue", out), out[-3000:]
     # Woken up, it is behind: it heals in the same process (never restarted) and finishes with the others.
     healed = re.search(r"\[phalanx\] replica group 1 rejoined at step (\d+), healed from group [02]", out)
-    assert healed and int(healed[1]) > after[0], out[-3000:]
+    assert healed and int(healed[1]) >= after[0], out[-3000:]
     rows = traces(tmp_path)[1, 0]
     assert {r["pid"] for r in rows} == {frozen} and rows[-1]["step"] == 400
     assert any(r["step"] > int(healed[1]) for r in rows) and stopped_at < int(healed[1])
