@@ -39,6 +39,8 @@ JOB = survival.JOB.replace('open(f"pid{trainer.global_rank}", "w")',
                            f'open(f"pid{{trainer.global_rank}}-g{{{GROUP}}}", "w")')
 JOB = JOB.replace('open("clock.jsonl", "a")', f'open(f"clock-g{{{GROUP}}}.jsonl", "a")')
 JOB = JOB.replace('default_root_dir="run")', 'default_root_dir="run-g" + os.environ.get("REPLICA_GROUP_ID", "0"))')
+# Each group keeps its own checkpoint folder (one run per folder: docs/faults.md, replica groups' limits).
+JOB = JOB.replace('dirpath="ckpts"', 'dirpath="ckpts-g" + os.environ.get("REPLICA_GROUP_ID", "0")')
 JOB += '''
 groups = trainer.fabric.replica_groups
 if groups is not None and trainer.global_rank == 0:
@@ -97,14 +99,14 @@ def replica_groups(hidden: int, steps: int, kill_after: int) -> dict[str, float]
         proc = subprocess.Popen(
             [sys.executable, "-m", "phalanx.cli", "run", "--replica-groups", "2", "--max-restarts", "1", "job.py",
              str(hidden), str(steps), "0", "0", str(REPO / "examples"), "1"],
-            cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            cwd=folder, env=env, stdout=(folder / "launcher.log").open("w"), stderr=subprocess.STDOUT)
         _wait(folder / "clock-g1.jsonl", proc, kill_after)
         killed = time.time()
         os.kill(_pid(folder / "pid0-g1"), signal.SIGKILL)
         back = _wait(folder / "clock-g1.jsonl", proc, 0, attempt=1)
         code = proc.wait(timeout=900)
         if code != 0:
-            raise RuntimeError(f"exit {code}: {proc.stderr.read().decode()[-3000:] if proc.stderr else ''}")
+            raise RuntimeError(f"exit {code}: {(folder / 'launcher.log').read_text()[-4000:]}")
         survivor = _clock(folder / "clock-g0.jsonl")
         times = [t for _, _, t in survivor]
         steps_seen = [s for _, s, _ in survivor]
