@@ -37,6 +37,8 @@ class FabricConfig:
     max_restarts: int = 0
     preemption_signals: Any = None
     root_dir: Path | None = None
+    #: ``FaultTolerance`` (phalanx.distributed.replica_groups), True or None.
+    fault_tolerance: Any = None
 
     def arguments(self) -> dict[str, Any]:
         """``Fabric(**config.arguments())`` builds a Fabric with this configuration. Shallow: the loggers,

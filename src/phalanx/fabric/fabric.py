@@ -29,6 +29,7 @@ from phalanx.distributed import launch as launcher
 from phalanx.distributed import restarts
 from phalanx.distributed.launch import restart_count
 from phalanx.distributed.preemption import PreemptionSignals, Stop
+from phalanx.distributed.replica_groups import FaultTolerance
 from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator, accelerator_name
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
 from phalanx.fabric.backward import Backward
@@ -82,6 +83,10 @@ class Fabric:
             ``PHALANX_PREEMPTION_SIGNALS``); ``[]`` turns preemption handling off.
         root_dir: the folder the launcher's run logs go under (``<root_dir>/phalanx_logs/<run id>``); None: the
             first logger's ``root_dir``, else the working directory.
+        fault_tolerance: run as one of several fault-tolerant replica groups (torchft, ``pip install
+            'phalanx[ft]'``): a :class:`~phalanx.distributed.replica_groups.FaultTolerance`, or True for its
+            defaults. A group that dies stops no other; it restarts and heals from a live one
+            (:meth:`join_replica_groups`). ``phalanx run --replica-groups N`` turns it on too. See docs/faults.md.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class Fabric:
         max_restarts: int = FabricConfig.max_restarts,
         preemption_signals: Any = FabricConfig.preemption_signals,
         root_dir: str | Path | None = FabricConfig.root_dir,
+        fault_tolerance: FaultTolerance | bool | None = FabricConfig.fault_tolerance,
     ) -> None:
         refuse_plugins(plugins)
         self.config = config = FabricConfig(
@@ -108,6 +114,7 @@ class Fabric:
             callbacks=as_tuple(callbacks), lockstep=lockstep, detect_anomaly=detect_anomaly,
             warn_nonfinite_loss=warn_nonfinite_loss, max_restarts=launcher.check_max_restarts(max_restarts),
             preemption_signals=preemption_signals, root_dir=Path(root_dir) if root_dir is not None else None,
+            fault_tolerance=fault_tolerance,
         )
         self._logging = Logging(list(config.loggers), lambda: self.is_global_zero)
         self._callbacks = list(config.callbacks)
@@ -236,7 +243,8 @@ class Fabric:
         if not modules:
             self._backward.run_unmanaged(tensor, self.world_size, args, kwargs)
             return
-        if restarts.pending():  # a restarted attempt that did not say where it resumed says so now
+        # A restarted attempt that did not say where it resumed says so now (a replica group says it when it heals).
+        if restarts.pending() and self._strategy.replica_groups is None:
             self._persistence.say_started_over()
         self._backward.run(tensor, [model] if model is not None else modules, args, kwargs)
 
@@ -378,6 +386,28 @@ class Fabric:
             self._job.ensure_launched()
         return self._persistence.latest([Path(directory), *map(Path, more)])
 
+    # ------------------------------------------------------------------ replica groups
+    def join_replica_groups(self, state: dict[str, Any] | Callable[[], dict[str, Any]],
+                            on_heal: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Share ``state`` with the job's other replica groups (``fault_tolerance=``; does nothing without it).
+
+        ``state`` is what ``fabric.save`` would take: modules, optimizers, schedulers, set-up dataloaders, counters.
+        A group that (re)joins, or fell behind, receives it from a live group at its next ``optimizer.step()``,
+        in place and checked (checksums, format version: :mod:`phalanx.checkpoint.peer`); from then on it is
+        what this group sends. Call it once on every rank, before the loop; write the loop over the counters in
+        ``state`` (``while state["step"] < total``), since they jump when a group heals.
+
+        ``state`` may be a function that builds the dict when it is needed (the Trainer's way); ``on_heal(state)``
+        is then called with the dict it built and filled, after a heal."""
+        self._job.ensure_launched()
+        self._strategy.share_state_with_groups(state, on_heal)
+
+    @property
+    def replica_groups(self) -> Any:
+        """This process's part of the fault-tolerant job (:class:`~phalanx.distributed.replica_groups.ReplicaGroups`:
+        its group, the count of what was trained and skipped), or None without ``fault_tolerance``."""
+        return self._strategy.replica_groups
+
     # ------------------------------------------------------------------ preemption, restarts, snapshots
     def stop_requested(self) -> bool:
         """True on every rank, at the same call, once any rank received a preemption signal (SIGTERM or
@@ -491,5 +521,6 @@ class Fabric:
         self._logging.finalize("failed" if failed else "success")
         self._preemption.signals.uninstall()
         self._snapshots.end(failed)
+        self._strategy.stop_replica_groups(failed)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

@@ -138,6 +138,7 @@ class Trainer(TrainerAttributes):
         enable_autolog_hparams: bool = True,
         model_registry: str | None = None,
         max_restarts: int = 0,
+        fault_tolerance: Any = None,
     ) -> None:
         settings = resolve_settings(TrainerArguments(
             logger=logger, fast_dev_run=fast_dev_run, max_epochs=max_epochs, min_epochs=min_epochs,
@@ -161,6 +162,7 @@ class Trainer(TrainerAttributes):
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
             warn_nonfinite_loss=False, max_restarts=max_restarts, root_dir=settings.default_root_dir,
+            fault_tolerance=fault_tolerance,
         )
         if settings.fast_dev_run:
             diagnostics.info(f"Running in fast_dev_run mode: each loop runs {settings.fast_dev_run} batch(es); "
@@ -203,6 +205,7 @@ class Trainer(TrainerAttributes):
         if path is not None:
             self.checkpoint_connector.restore(path)
         self.checkpoint_connector.announce_resume(path)
+        self.checkpoint_connector.share_with_replica_groups()
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and module.hparams_to_loggers:
             hparams = dict(module.hparams)
