@@ -166,10 +166,10 @@ class Float8Precision(MixedPrecision):
     def _precompute_scales(self) -> None:
         # One all-reduce for every float8 weight's scale, instead of one per weight inside each all-gather.
         float8 = import_float8()
-        for module in self._modules():
+        for module in self._gathered_modules():
             float8.precompute_float8_dynamic_scale_for_fsdp(module)
 
-    def _modules(self) -> list[nn.Module]:
+    def _gathered_modules(self) -> list[nn.Module]:
         return [m for m in (ref() for ref in self._gathered_in_float8) if m is not None]
 
     def _drop_scales(self) -> None:
@@ -178,7 +178,7 @@ class Float8Precision(MixedPrecision):
         one, the all-gather computes each scale from the weight itself (torchao's dynamic path, the same value)."""
         from torch.distributed.tensor import DTensor
 
-        for module in self._modules():
+        for module in self._gathered_modules():
             for param in module.parameters():
                 # torch's attribute: to_local() of a parameter is a fresh view, not the tensor torchao annotates.
                 local = param._local_tensor if isinstance(param, DTensor) else None
