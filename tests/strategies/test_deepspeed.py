@@ -14,7 +14,6 @@ from job_runner import JOBS, REPO, run_job
 from run_if import run_if
 
 import phalanx
-from phalanx.precision import resolve_precision
 from phalanx.strategies import DeepSpeedStrategy, resolve_strategy
 from phalanx.strategies.deepspeed.strategy import build_zero_config, import_deepspeed
 from phalanx.utils.errors import MisconfigurationError
@@ -153,7 +152,7 @@ def test_validate_with_a_sharded_checkpoint_loads_the_fitted_weights(tmp_path: P
 # ---------------------------------------------------------------------- configuration (no processes)
 def _configured(precision: str = "32-true", **kwargs: Any) -> DeepSpeedStrategy:
     strategy = DeepSpeedStrategy(**kwargs)
-    strategy.configure(device_type="cpu", devices=1, num_nodes=1, precision=resolve_precision(precision))
+    strategy.configure(device_type="cpu", devices=1, num_nodes=1, precision=precision)
     return strategy
 
 

@@ -16,7 +16,7 @@ from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
 from phalanx.distributed.replica_groups import FaultTolerance, from_launcher
 from phalanx.fabric.config import FabricConfig
-from phalanx.precision import Precision, resolve_precision
+from phalanx.precision import Precision
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.strategies.parallel import running_job_world_size
 from phalanx.utils.diagnostics import warn
@@ -69,7 +69,7 @@ def configured_strategy(config: FabricConfig) -> Strategy:
         raise MisconfigurationError(f"num_nodes must be >= 1, got {n_nodes}.")
     strategy = resolve_strategy(config.strategy, n_devices * n_nodes)
     strategy.configure(
-        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=resolve_precision(config.precision)
+        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=config.precision
     )
     if config.lockstep is not None:
         strategy.set_lockstep(config.lockstep)

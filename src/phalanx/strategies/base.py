@@ -21,7 +21,7 @@ from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO, plain_shapes
 from phalanx.checkpoint.snapshot import load_module_local, load_optimizer_local
 from phalanx.distributed.launch import ClusterEnvironment, check_environment
 from phalanx.distributed.replica_groups import FaultTolerance, GroupEnvironment, ReplicaGroups, environment
-from phalanx.precision import PRECISIONS, Placement, Precision
+from phalanx.precision import PRECISIONS, Placement, Precision, resolve_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.late_reads import LateRead
@@ -76,10 +76,11 @@ class Strategy:
         self._averaged: set[int] = set()  # optimizers whose gradients were averaged across groups this step
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
-        """Called once by Fabric before anything else; validates the combination."""
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str | int | Precision) -> None:
+        """Called once by Fabric before anything else; validates the combination. ``precision``: a name (a new
+        precision) or a precision object (used as given)."""
         self.device_type, self.devices, self.num_nodes = device_type, devices, num_nodes
-        self.precision = self.select_precision(precision)
+        self.precision = self.select_precision(resolve_precision(precision))
 
     def select_precision(self, precision: Precision) -> Precision:
         """Check that this backend runs ``precision`` and tell it where (``precision_placement``)."""

@@ -162,7 +162,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ configuration and mesh
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str | int | Precision) -> None:
         # The shape is checked here, before any process starts, so a wrong size fails at Fabric(...).
         self._shape = resolve_mesh_shape(self.data_parallel_size_arg, self.tensor_parallel_size_arg, devices, num_nodes)
         super().configure(device_type=device_type, devices=devices, num_nodes=num_nodes, precision=precision)

@@ -141,7 +141,7 @@ class ShardedStrategy(FSDPCheckpointing):
         self._stale: dict[int, weakref.ref[nn.Parameter]] = {}
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: Precision) -> None:
+    def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str | int | Precision) -> None:
         if device_type == "cpu" and not FSDP_ON_CPU:
             raise MisconfigurationError(
                 f"strategy='fsdp' on CPU needs torch >= 2.7 (torch {torch.__version__}'s FSDP2 cannot run on CPU). "
