@@ -1,12 +1,12 @@
-"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 12 families.
+"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 25 families.
 
     .venv/bin/python bench/lr_finder.py                    # both halves, 3 seeds, num_training 30 and 100
     .venv/bin/python bench/lr_finder.py --half tuning      # only the half the rule was tuned on
     .venv/bin/python bench/lr_finder.py --details          # and every case: learning rates and losses
     .venv/bin/python bench/lr_finder.py --quick            # smoke run: 2 families, 1 seed, a coarse grid
 
-The families are in ``_lr_families.py``: ``TUNING`` (the rule was chosen and tuned on these) and
-``HELD_OUT`` (never looked at while tuning). For every family and seed, an LR range test runs once
+The families are in ``_lr_families.py``: ``TUNING`` (13; the rule was chosen and tuned on these) and
+``HELD_OUT`` (12; never looked at while tuning). For every family and seed, an LR range test runs once
 per ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
 Trainer: ``Tuner(trainer).lr_find``, or for seed 002's script the ``LearningRateFinder`` callback and
 the fit after it, as its user ran it. Every rule in ``_lr_rules.py`` is applied to that same curve:
