@@ -1,7 +1,7 @@
 """The probe fits ``lr_find`` runs after its search (phalanx.tuner.suggest): four short fits a third of a decade
 apart, from the top of the curve's bracket down, and the suggestion is the one whose loss ends lowest. Pinned on
 linear regressions with plain SGD, whose edge of stability is set by the features' scale: on features of scales
-0.1 to 1 the curve is still falling at max_lr and the best probe is the top, twice the steepest point; on features
+0.1 to 1 the curve is still falling at max_lr and the best probe is the top, its steepest point; on features
 of scale 1 the edge lies near max_lr, and the best probe is below. A curve that turned up is probed below half its
 lowest point (the guard), never near it. The fits run from the state the search started from and leave no trace.
 """
