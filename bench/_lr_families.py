@@ -13,14 +13,14 @@ synthetic), initialisation and order from the seed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from _lr_problems import EPOCHS, Problem, Supervised, optimizer
+from _lr_problems import EPOCHS, Problem, Supervised
 from _lr_seed002 import Seed002, seed002_data
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -38,6 +38,18 @@ def _split(x: torch.Tensor, y: torch.Tensor, n_train: int) -> tuple[TensorDatase
 
 def _standardised(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean(0)) / x.std(0)
+
+
+def _mlp(*widths: int, act: type[nn.Module] = nn.ReLU, norm: type[nn.Module] | None = None,
+         dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers of these widths, each but the last followed by ``norm`` (if any), ``act`` and dropout."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers += [norm(b)] if norm is not None else []
+            layers += [act()] + ([nn.Dropout(dropout)] if dropout else [])
+    return nn.Sequential(*layers)
 
 
 def _digits() -> tuple[TensorDataset, TensorDataset]:
@@ -66,8 +78,7 @@ def mlp_4class(seed: int) -> Problem:
     train, val = _split(x, (torch.tanh(x @ teacher[0]) @ teacher[1]).argmax(1), 1024)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-        return Supervised(net, nn.functional.cross_entropy, "adam", lr)
+        return Supervised(_mlp(10, 64, 64, 4), nn.functional.cross_entropy, "adam", lr)
 
     return Problem("4-class teacher MLP, Adam", make, train, val)
 
@@ -93,9 +104,7 @@ def tanh_regression_bn(seed: int) -> Problem:
     train, val = _split(x, y, 1536)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.BatchNorm1d(32),
-                            nn.Tanh(), nn.Linear(32, 1))
-        return Supervised(net, nn.functional.mse_loss, "momentum", lr)
+        return Supervised(_mlp(8, 32, 32, 1, act=nn.Tanh, norm=nn.BatchNorm1d), nn.functional.mse_loss, "momentum", lr)
 
     return Problem("tanh MLP regression + BatchNorm, momentum", make, train, val, batch_size=128)
 
@@ -143,7 +152,7 @@ def main_job(seed: int) -> Problem:
 # Issue 33's other problems and variants, added to the tuning side after the first run on the six above (the
 # rule's refusals on noisy curves and momentum's short-probe bias showed there).
 def _tanh_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return _mlp(8, 32, 32, 1, act=nn.Tanh)
 
 
 def tanh_regression(seed: int) -> Problem:
@@ -166,8 +175,8 @@ def tanh_regression_momentum(seed: int) -> Problem:
 
 def _digits_mlp(name: str, optimizer_name: str) -> Problem:
     train, val = _digits()
-    return Problem(name, lambda lr: Supervised(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)),
-                                               nn.functional.cross_entropy, optimizer_name, lr), train, val)
+    return Problem(name, lambda lr: Supervised(_mlp(64, 64, 10), nn.functional.cross_entropy, optimizer_name, lr),
+                   train, val)
 
 
 def digits_mlp(seed: int) -> Problem:
@@ -218,37 +227,24 @@ def spirals_dropout(seed: int) -> Problem:
     train, val = _split(x, arm, 1024)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(2, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 128), nn.ReLU(),
-                            nn.Dropout(0.2), nn.Linear(128, 3))
-        return Supervised(net, nn.functional.cross_entropy, "momentum", lr)
+        return Supervised(_mlp(2, 128, 128, 3, dropout=0.2), nn.functional.cross_entropy, "momentum", lr)
 
     return Problem("spirals MLP + dropout, momentum", make, train, val, batch_size=16)
 
 
-class RecurrentLM(phalanx.Module):
-    """A one-layer recurrent language model: embedding 32, an LSTM or GRU of ``hidden`` units."""
+class RecurrentLM(nn.Module):
+    """A one-layer recurrent language model's network: embedding 32, an LSTM or GRU of ``hidden`` units."""
 
-    def __init__(self, vocab: int, lr: float, rnn: type[nn.RNNBase] = nn.LSTM, hidden: int = 64,
-                 optimizer_name: str = "adam") -> None:
+    def __init__(self, vocab: int, rnn: type[nn.RNNBase] = nn.LSTM, hidden: int = 64) -> None:
         super().__init__()
-        self.lr, self.optimizer_name = lr, optimizer_name
         self.embed = nn.Embedding(vocab, 32)
         self.rnn = rnn(32, hidden, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
-    def step_loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.rnn(self.embed(x))
-        return token_cross_entropy(self.head(hidden), y)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.step_loss(batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.step_loss(batch))
-
-    def configure_optimizers(self) -> Any:
-        return optimizer(self.optimizer_name, self.parameters(), self.lr)
+        out: torch.Tensor = self.head(hidden)
+        return out
 
 
 def markov_lstm(seed: int) -> Problem:
@@ -265,7 +261,9 @@ def markov_lstm(seed: int) -> Problem:
     for t in range(2, length):
         seqs[:, t] = torch.multinomial(probs[seqs[:, t - 2], seqs[:, t - 1]], 1, generator=g).squeeze(1)
     train, val = _split(seqs[:, :-1], seqs[:, 1:], 1024)
-    return Problem("Markov-chain LSTM LM, Adam", lambda lr: RecurrentLM(vocab, lr), train, val, batch_size=64)
+    return Problem("Markov-chain LSTM LM, Adam",
+                   lambda lr: Supervised(RecurrentLM(vocab), token_cross_entropy, "adam", lr), train, val,
+                   batch_size=64)
 
 
 def digits_cnn_bn(seed: int) -> Problem:
@@ -295,8 +293,7 @@ def tabular_binary(seed: int) -> Problem:
     train, val = _split(x, (score > score.median()).float(), 3072)
 
     def make(lr: float) -> phalanx.Module:
-        return Supervised(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 1)), _binary_cross_entropy,
-                          "adam", lr)
+        return Supervised(_mlp(20, 64, 1), _binary_cross_entropy, "adam", lr)
 
     return Problem("tabular binary MLP, Adam", make, train, val, batch_size=256)
 
@@ -312,9 +309,7 @@ def diabetes_dropout(seed: int) -> Problem:
     train, val = _split(x, y, 342)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(),
-                            nn.Dropout(0.1), nn.Linear(64, 1))
-        return Supervised(net, nn.functional.mse_loss, "momentum", lr)
+        return Supervised(_mlp(10, 64, 64, 1, dropout=0.1), nn.functional.mse_loss, "momentum", lr)
 
     return Problem("diabetes MLP + dropout, momentum", make, train, val, batch_size=16)
 
@@ -329,9 +324,7 @@ def friedman_bn(seed: int) -> Problem:
     train, val = _split(x, _standardised(y.unsqueeze(1)), 1536)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(10, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64),
-                            nn.ReLU(), nn.Linear(64, 1))
-        return Supervised(net, nn.functional.mse_loss, "adamw", lr)
+        return Supervised(_mlp(10, 64, 64, 1, norm=nn.BatchNorm1d), nn.functional.mse_loss, "adamw", lr)
 
     return Problem("Friedman regression MLP + BatchNorm, AdamW", make, train, val, batch_size=128)
 
@@ -351,8 +344,7 @@ def breast_cancer_momentum(seed: int) -> Problem:
     train, val = _split(x, y, 455)
 
     def make(lr: float) -> phalanx.Module:
-        return Supervised(nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 1)), _binary_cross_entropy,
-                          "momentum", lr)
+        return Supervised(_mlp(30, 64, 1), _binary_cross_entropy, "momentum", lr)
 
     return Problem("breast cancer MLP, momentum", make, train, val)
 
@@ -380,9 +372,7 @@ def digits_autoencoder(seed: int) -> Problem:
     train, val = (TensorDataset(d.tensors[0], d.tensors[0]) for d in _digits())
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 32), nn.ReLU(),
-                            nn.Linear(32, 64))
-        return Supervised(net, nn.functional.mse_loss, "adamw", lr)
+        return Supervised(_mlp(64, 32, 8, 32, 64), nn.functional.mse_loss, "adamw", lr)
 
     return Problem("digits autoencoder, AdamW", make, train, val, batch_size=128)
 
@@ -391,7 +381,9 @@ def gru_lm(seed: int) -> Problem:
     """A GRU character LM on Python's help pages (1,024 training windows of 32 characters drawn by the seed, 128
     validation windows from the tail), SGD with momentum 0.9, batch 32."""
     train, val, vocab = _help_windows(seed, 32)
-    return Problem("GRU char LM, momentum", lambda lr: RecurrentLM(vocab, lr, nn.GRU, 96, "momentum"), train, val)
+    return Problem("GRU char LM, momentum",
+                   lambda lr: Supervised(RecurrentLM(vocab, nn.GRU, 96), token_cross_entropy, "momentum", lr),
+                   train, val)
 
 
 def wine_bn(seed: int) -> Problem:
@@ -405,8 +397,7 @@ def wine_bn(seed: int) -> Problem:
     train, val = _split(x, torch.tensor(data.target)[order], 142)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(13, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 3))
-        return Supervised(net, nn.functional.cross_entropy, "adam", lr)
+        return Supervised(_mlp(13, 64, 3, norm=nn.BatchNorm1d), nn.functional.cross_entropy, "adam", lr)
 
     return Problem("wine MLP + BatchNorm, Adam", make, train, val, batch_size=16)
 
@@ -421,8 +412,8 @@ def poly_regression(seed: int) -> Problem:
     train, val = _split(x, _standardised(y.unsqueeze(1)), 3072)
 
     def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.Linear(6, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 1))
-        return Supervised(net, nn.functional.mse_loss, "sgd", lr)
+        return Supervised(_mlp(6, 128, 1, act=nn.GELU, norm=nn.LayerNorm, dropout=0.1), nn.functional.mse_loss, "sgd",
+                          lr)
 
     return Problem("polynomial regression MLP + LayerNorm + dropout, SGD", make, train, val, batch_size=256)
 

@@ -47,16 +47,11 @@ class Supervised(phalanx.Module):
         self.log("val_loss", self.step_loss(batch))
 
     def configure_optimizers(self) -> Any:
-        return optimizer(self.optimizer_name, self.parameters(), self.lr)
-
-
-def optimizer(name: str, parameters: Any, lr: float) -> torch.optim.Optimizer:
-    """"adam", "adamw" (weight decay 0.01), "sgd" or "momentum" (SGD, momentum 0.9) at ``lr``."""
-    if name == "adam":
-        return torch.optim.Adam(parameters, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01)
-    return torch.optim.SGD(parameters, lr=lr, momentum=0.9 if name == "momentum" else 0)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9 if self.optimizer_name == "momentum" else 0)
 
 
 @dataclass
