@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from phalanx.cli.config import LightningCLI
     from phalanx.core.datamodule import DataModule
     from phalanx.core.module import Module
+    from phalanx.distributed.replica_groups import FaultTolerance
     from phalanx.trainer.trainer import Trainer
 
     LightningModule = Module
@@ -37,6 +38,7 @@ _LAZY = {
     "LightningModule": ("phalanx.core.module", "Module"),
     "LightningDataModule": ("phalanx.core.datamodule", "DataModule"),
     "Callback": ("phalanx.callbacks", "Callback"),
+    "FaultTolerance": ("phalanx.distributed.replica_groups", "FaultTolerance"),
     "LightningCLI": ("phalanx.cli.config", "LightningCLI"),
 }
 _SUBMODULES = ("errors", "callbacks", "loggers", "profilers", "tuner", "utilities", "cli", "strategies", "trainer",
@@ -58,6 +60,7 @@ __all__ = [
     "Callback",
     "DataModule",
     "Fabric",
+    "FaultTolerance",
     "LightningCLI",
     "LightningDataModule",
     "LightningModule",

@@ -40,6 +40,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="print every rank's stderr (tracebacks included) here, as torchrun does, instead of "
                         "writing it to $PHALANX_LOG_DIR (default ./phalanx_logs) and showing it without "
                         "tracebacks (also PHALANX_SHOW_TRACEBACKS=1)")
+    p.add_argument("--replica-groups", type=int, default=None, metavar="N",
+                   help="run N fault-tolerant replica groups of --devices processes each (torchft: pip install "
+                        "'phalanx[ft]'); a group that dies restarts alone (--max-restarts) and heals from a live one")
+    p.add_argument("--min-replica-groups", type=int, default=1, metavar="K",
+                   help="with --replica-groups: a step commits only when at least K groups took part (default 1)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_run)
@@ -55,6 +60,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         print(f"phalanx run: no such script: {args.script}", file=sys.stderr)
         return 2
+    if args.replica_groups is not None:
+        return _run_replica_groups(args)
     env = {
         "PHALANX_DEVICES": str(args.devices),
         "PHALANX_NUM_NODES": str(args.num_nodes),
@@ -99,6 +106,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except SignalException as err:  # passed on to the ranks, which saved and said so (a preemption)
         return logs.report_signal(err.sigval)
     return 0
+
+
+def _run_replica_groups(args: argparse.Namespace) -> int:
+    """``--replica-groups N``: the lighthouse and one ``phalanx run`` per group (phalanx.distributed.replica_launch)."""
+    from phalanx.distributed.replica_launch import run_groups
+    from phalanx.utils.errors import MisconfigurationError
+
+    if args.num_nodes != 1:
+        print("phalanx run: --replica-groups runs every group on this machine; on several machines start one "
+              "`phalanx run` (or torchrun) per group with the variables of docs/faults.md.", file=sys.stderr)
+        return 2
+    passed = [flag for name, flag in (("accelerator", "--accelerator"), ("strategy", "--strategy"),
+                                      ("precision", "--precision")) for value in [getattr(args, name)] if value]
+    extra = [arg for flag in passed for arg in (flag, getattr(args, flag[2:]))]
+    extra += ["--show-tracebacks"] if args.show_tracebacks else []
+    script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
+    try:
+        return run_groups(args.replica_groups, args.devices, args.max_restarts, args.min_replica_groups,
+                          args.script, list(script_args), extra)
+    except MisconfigurationError as err:
+        print(f"phalanx run: {err}", file=sys.stderr)
+        return 2
 
 
 def _add_config_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -69,4 +69,10 @@ def started_over(why: str, rank: int) -> None:
         _say(why, rank)
 
 
-__all__ = ["logs_named", "pending", "resumed", "started_over"]
+def healed(what: str, rank: int) -> None:
+    """Say (rank 0) that this replica group took its state from a live peer (``what``): on a restarted attempt with
+    the restart's cause in front, as :func:`resumed` does."""
+    _say(what, rank)
+
+
+__all__ = ["healed", "logs_named", "pending", "resumed", "started_over"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +65,29 @@ def shared_seed(broadcast: Callable[[int], int]) -> int:
     return int(broadcast(torch.initial_seed() % 2**32))
 
 
-def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int, seed: int = 0) -> DataLoader[Any]:
+class ResumableSampler(Sampler[int]):
+    """A sampler whose next pass starts ``skip`` indices in (the indices only: no sample is read to skip it)."""
+
+    def __init__(self, inner: DistributedSampler[Any]) -> None:
+        self.inner, self.skip = inner, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.inner), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int, seed: int = 0,
+                          resumable: bool = False) -> DataLoader[Any]:
     """A copy of ``loader`` that reads this rank's shard (every sample once per epoch across ranks,
     padded by DistributedSampler to equal length unless ``drop_last``). ``seed`` must be the same on
-    every rank (see :func:`shared_seed`), or the shards overlap."""
+    every rank (see :func:`shared_seed`), or the shards overlap. ``resumable``: the sampler can start a pass
+    part of the way in (:class:`ResumableSampler`)."""
     if isinstance(loader.sampler, DistributedSampler) or isinstance(loader.dataset, IterableDataset):
         return loader
     shuffle = _sampler_shuffle(loader)
@@ -79,7 +99,8 @@ def distribute_dataloader(loader: DataLoader[Any], num_replicas: int, rank: int,
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs
+        loader.dataset, batch_size=loader.batch_size, sampler=ResumableSampler(sampler) if resumable else sampler,
+        drop_last=loader.drop_last, **kwargs
     )
 
 
@@ -120,13 +141,21 @@ class FabricDataLoader:
     loader read on one rank only) is not checked."""
 
     def __init__(
-        self, loader: DataLoader[Any], device: torch.device | None, strategy: Strategy | None = None
+        self, loader: DataLoader[Any], device: torch.device | None, strategy: Strategy | None = None,
+        drew: Callable[[int], None] | None = None,
     ) -> None:
         self._loader = loader
         self._device = device
         self._epoch = 0
         self._open = False  # a pass has begun and not run to its end
         self._strategy = strategy
+        # Replica groups (a ResumableSampler): the position inside a pass is part of the state, and a healed
+        # group jumps to its peer's at the next batch.
+        sampler = loader.sampler
+        self._resumable: ResumableSampler | None = sampler if isinstance(sampler, ResumableSampler) else None
+        self._drawn = 0  # batches drawn in the open pass
+        self._seek: tuple[int, int] | None = None
+        self._drew = drew  # told how many samples each batch holds (replica groups count what was trained)
 
     @property
     def loader(self) -> DataLoader[Any]:
@@ -153,13 +182,40 @@ class FabricDataLoader:
         strategy = self._strategy
         issued = strategy.collectives_issued() if strategy is not None else 0
         count = 0
-        for batch in self._loader:
-            count += 1
-            yield batch if self._device is None else move_to_device(batch, self._device)
+        if self._resumable is not None:
+            yield from self._resumable_pass()
+            count = self._drawn
+        else:
+            for batch in self._loader:
+                count += 1
+                yield batch if self._device is None else move_to_device(batch, self._device)
         self._open = False
         # Only a pass that ran to its end (a `break` never gets here) and that communicated is checked.
         if strategy is not None and strategy.collectives_issued() != issued:
             check_pass_length(strategy, count)
+
+    def _resumable_pass(self) -> Iterator[Any]:
+        """One pass that follows a seek (:meth:`load_state_dict` while the pass is open) at its next batch."""
+        while True:
+            for batch in self._loader:
+                self._drawn += 1
+                if self._drew is not None:
+                    self._drew(_batch_size(batch, self._loader.batch_size))
+                yield batch if self._device is None else move_to_device(batch, self._device)
+                if self._seek is not None:
+                    break
+            else:
+                return
+            epoch, drawn = self._seek
+            self._seek = None
+            self._position(epoch, drawn)
+
+    def _position(self, epoch: int, drawn: int) -> None:
+        """The next batch drawn is batch ``drawn`` of pass ``epoch``."""
+        assert self._resumable is not None
+        self._resumable.set_epoch(epoch)
+        self._resumable.skip = drawn * int(self._loader.batch_size or 1)
+        self._epoch, self._drawn = epoch + 1, drawn
 
     def state_dict(self) -> dict[str, Any]:
         """What ``fabric.save`` keeps of the loader (as for any object with ``state_dict``): the epoch
@@ -168,6 +224,10 @@ class FabricDataLoader:
         state too. A plain ``DataLoader`` has no position to save, so a run resumed from a mid-pass
         checkpoint begins that pass again (Lightning pickles the loader object itself and restores no
         position either)."""
+        if self._resumable is not None:  # replica groups: the exact position, inside a pass too
+            # The seed too: a group that joins takes its peers' permutation, whatever it seeded itself.
+            return {"epoch": self._epoch - 1 if self._open else self._epoch,
+                    "batches": self._drawn if self._open else 0, "seed": int(self._resumable.inner.seed)}
         state: dict[str, Any] = {"epoch": self._epoch - 1 if self._open else self._epoch}
         loader: Any = self._loader
         if _stateful(loader):
@@ -175,6 +235,14 @@ class FabricDataLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._resumable is not None and "batches" in state:
+            self._resumable.inner.seed = int(state.get("seed", self._resumable.inner.seed))
+            if self._open:  # a group healed mid-pass: it goes on from its peer's position at the next batch
+                self._seek = (int(state["epoch"]), int(state["batches"]))
+                return
+            self._epoch, self._drawn = int(state["epoch"]), int(state["batches"])
+            self._resumable.skip = self._drawn * int(self._loader.batch_size or 1)
+            return
         self._epoch, self._open = int(state["epoch"]), False
         loader: Any = self._loader
         if "loader" in state and _stateful(loader):
@@ -191,11 +259,30 @@ def setup_dataloader(strategy: Strategy, loader: Any, use_distributed_sampler: b
     if not isinstance(loader, DataLoader):
         raise MisconfigurationError(f"setup_dataloaders expects DataLoaders, got {type(loader).__name__}.")
     several = strategy.world_size > 1
-    sampler_kwargs = strategy.distributed_sampler_kwargs()
-    if use_distributed_sampler and sampler_kwargs is not None and several:
+    sampler_kwargs = strategy.train_sampler_kwargs()
+    groups = strategy.fault_tolerance is not None
+    if use_distributed_sampler and sampler_kwargs is not None and (several or groups):
         warn_iterable(loader, strategy.global_rank)
-        loader = distribute_dataloader(loader, **sampler_kwargs, seed=shared_seed(broadcast))
-    return FabricDataLoader(loader, strategy.root_device if move_to_device else None, strategy if several else None)
+        # Replica groups: each group seeds its own sampler; a group that joins takes its peers' seed with the state.
+        seed = shared_seed(broadcast) if several else torch.initial_seed() % 2**32
+        loader = distribute_dataloader(loader, **sampler_kwargs, seed=seed, resumable=groups)
+    replicas = strategy.replica_groups
+    return FabricDataLoader(loader, strategy.root_device if move_to_device else None, strategy if several else None,
+                            replicas.drew if replicas is not None else None)
+
+
+def _batch_size(batch: Any, default: int | None) -> int:
+    """The number of samples in ``batch``: the first dimension of its first tensor."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor) and item.dim() > 0:
+            return int(item.shape[0])
+        if isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return int(default or 1)
 
 
 def _stateful(loader: Any) -> bool:

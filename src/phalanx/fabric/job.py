@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.distributed import launch as launcher
+from phalanx.distributed.runlogs import RUN_VARIABLE
 from phalanx.utils import exiting
 from phalanx.utils.errors import MisconfigurationError
 
@@ -58,6 +60,8 @@ class Job:
         if self.launched:
             return
         self._strategy.setup_environment(env)
+        folder = os.environ.get(RUN_VARIABLE)
+        self._strategy.start_replica_groups(Path(folder) if folder else None)
         self.launched = True
         atexit.register(self._leave)
         exiting.freeze_at_exit()

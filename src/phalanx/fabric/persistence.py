@@ -22,9 +22,13 @@ from phalanx.offline.summary import counters
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.fabric.snapshots import Snapshots
     from phalanx.strategies import Strategy
+
+
+#: The entry a checkpoint of a replica group holds torchft's manager state (its step count) and the tally under.
+REPLICA_GROUPS_KEY = "replica_groups"
 
 
 class Persistence:
@@ -44,12 +48,19 @@ class Persistence:
             )
         if not isinstance(state, Mapping):
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
-        return self._strategy.save_checkpoint(path, dict(state))
+        state = dict(state)
+        groups = self._strategy.replica_groups
+        if groups is not None:  # torchft's step counter goes with the weights: a rerun's groups agree on where they are
+            state.setdefault(REPLICA_GROUPS_KEY, groups)
+        return self._strategy.save_checkpoint(path, state)
 
     def load(self, path: str | Path, state: dict[str, Any] | None, strict: bool,
              weights_only: bool | None) -> dict[str, Any]:
         self._snapshots.settle()  # a snapshot copied in the background is complete before anything is loaded
         rest = self._strategy.load_checkpoint(path, state, strict, weights_only is not False)
+        groups = self._strategy.replica_groups
+        if groups is not None and REPLICA_GROUPS_KEY in rest and (state is None or REPLICA_GROUPS_KEY not in state):
+            groups.load_state_dict(rest.pop(REPLICA_GROUPS_KEY))
         if self._latest is not None and Path(path) == self._latest:
             found = counters({**rest, **(state or {})})
             restarts.resumed(path, found.get("step"), found.get("epoch"), self._strategy.global_rank)

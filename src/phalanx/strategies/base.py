@@ -8,7 +8,7 @@ I/O.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -20,6 +20,7 @@ from phalanx import checkpoint
 from phalanx.checkpoint.protocol import MODULE, Shapes, ShardIO, plain_shapes
 from phalanx.checkpoint.snapshot import load_module_local, load_optimizer_local
 from phalanx.distributed.launch import ClusterEnvironment, check_environment
+from phalanx.distributed.replica_groups import FaultTolerance, GroupEnvironment, ReplicaGroups, environment
 from phalanx.precision import PRECISIONS, Precision, make_precision
 from phalanx.strategies._transforms import apply_activation_checkpointing, compile_in_place
 from phalanx.utils.errors import MisconfigurationError
@@ -57,6 +58,10 @@ class Strategy:
     activation_checkpointing_policy: tuple[type[nn.Module], ...] = ()
     #: ``torch.compile`` keyword arguments, applied in place after wrapping; None: no compile.
     compile_options: dict[str, Any] | None = None
+    #: Whether this backend can be one replica group of a fault-tolerant job (``fault_tolerance=``): its
+    #: gradients after backward are this rank's part of the group's average (whole, or a shard's local part) and
+    #: its ``local_state`` is what the rank with its number in another group holds.
+    supports_replica_groups: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -64,6 +69,11 @@ class Strategy:
         self.num_nodes = 1
         self.precision: Precision = Precision()
         self._root_device = torch.device("cpu")
+        self.fault_tolerance: FaultTolerance | None = None
+        self._group_env: GroupEnvironment | None = None
+        #: This process's part of the fault-tolerant job, once launched (None without ``fault_tolerance``).
+        self.replica_groups: ReplicaGroups | None = None
+        self._averaged: set[int] = set()  # optimizers whose gradients were averaged across groups this step
 
     # ------------------------------------------------------------------ configuration
     def configure(self, *, device_type: str, devices: int, num_nodes: int, precision: str) -> None:
@@ -85,6 +95,81 @@ class Strategy:
         devices=1 and devices=N unchanged)."""
         if mode not in LOCKSTEP_MODES:
             raise MisconfigurationError(f"lockstep={mode!r} is not a mode; choose one of {LOCKSTEP_MODES}.")
+
+    def set_fault_tolerance(self, config: FaultTolerance) -> None:
+        """``fault_tolerance=``: this job is one of several replica groups (torchft), checked before any process
+        starts: the backend, torchft and the environment naming the lighthouse and this group."""
+        if not self.supports_replica_groups:
+            raise MisconfigurationError(
+                f"fault_tolerance is not supported with strategy={self.name!r}: a replica group runs one device, "
+                "'ddp' or 'fsdp' inside (FSDP inside with torchft across groups is HSDP)."
+            )
+        from phalanx.distributed.replica_groups import require_torchft
+
+        require_torchft()
+        self._group_env = environment(config)
+        self.fault_tolerance = config
+
+    def start_replica_groups(self, log_folder: Path | None) -> None:
+        """Join the fault-tolerant job (after ``setup_environment``): torchft's manager for this process. A no-op
+        without ``fault_tolerance``."""
+        if self.fault_tolerance is None or self._group_env is None or self.replica_groups is not None:
+            return
+        self.replica_groups = ReplicaGroups(self.fault_tolerance, self._group_env, self.global_rank, self.world_size,
+                                            self.root_device, self.broadcast, log_folder)
+
+    def share_state_with_groups(self, state: dict[str, Any] | Callable[[], dict[str, Any]],
+                                on_heal: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """``state`` (or the dict a function builds) is what this group sends a group that (re)joins, and what it
+        receives in place when it is the one behind (checked first: :mod:`phalanx.checkpoint.peer`), after which
+        ``on_heal(state)`` runs. A no-op without replica groups."""
+        groups = self.replica_groups
+        if groups is None:
+            return
+        from phalanx.checkpoint import peer
+
+        def build() -> dict[str, Any]:
+            return state() if callable(state) else state
+
+        def receive(payload: dict[str, Any]) -> None:
+            target = build()
+            peer.apply(self, target, payload, f"replica group {payload.get('replica_group', '?')}")
+            if on_heal is not None:
+                on_heal(target)
+
+        groups.sent = lambda: peer.build(self, build(), self.local_state)
+        groups.received = receive
+
+    def stop_replica_groups(self, failed: bool) -> None:
+        """Leave the fault-tolerant job: torchft's manager stops; the count of what was trained is said once."""
+        groups, self.replica_groups = self.replica_groups, None
+        if groups is not None:
+            groups.close(failed)
+
+    def train_sampler_kwargs(self) -> dict[str, int] | None:
+        """:meth:`distributed_sampler_kwargs` for training data: with replica groups, each group reads its own
+        shard (split as ``torchft.DistributedSampler`` does: shard ``rank + ranks_per_group * group``)."""
+        kwargs = self.distributed_sampler_kwargs()
+        env = self._group_env
+        if env is None:
+            return kwargs
+        within = kwargs or {"num_replicas": 1, "rank": 0}
+        n = int(within["num_replicas"])
+        return {"num_replicas": n * env.groups, "rank": int(within["rank"]) + n * env.group}
+
+    def average_across_groups(self, optimizer: Optimizer) -> None:
+        """Average the gradients ``optimizer`` steps with across the replica groups taking part in this step (once
+        per step: the first of ``clip_gradients`` and ``optimizer_step`` does it). A no-op without replica groups."""
+        if self.replica_groups is None or id(optimizer) in self._averaged:
+            return
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    to_local = getattr(p.grad, "to_local", None)
+                    grads.append(to_local() if callable(to_local) else p.grad)
+        self.replica_groups.average(grads)
+        self._averaged.add(id(optimizer))
 
     @property
     def num_processes(self) -> int:
@@ -181,6 +266,11 @@ class Strategy:
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> float | None:
         self.check_ready_to_step(optimizer)
+        if self.replica_groups is not None:
+            self.average_across_groups(optimizer)
+            self._averaged.discard(id(optimizer))
+            if not self.replica_groups.commit():  # torchft's should_commit: the groups did not agree on this step
+                return None
         return self.precision.optimizer_step(optimizer, **kwargs)
 
     def optimizer_zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
@@ -195,6 +285,7 @@ class Strategy:
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
+        self.average_across_groups(optimizer)  # clipping must see the gradients every group steps with
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if clip_val is not None:

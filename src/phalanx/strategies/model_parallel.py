@@ -106,6 +106,8 @@ class ModelParallelStrategy(ShardedStrategy):
     """
 
     name: ClassVar[str] = "model_parallel"
+    #: Not offered yet: a tensor-parallel group's ranks hold different shards of one replica (untested with torchft).
+    supports_replica_groups: ClassVar[bool] = False
 
     def __init__(
         self,

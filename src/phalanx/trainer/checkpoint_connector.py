@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from phalanx import checkpoint
-from phalanx.checkpoint.format import find_unsafe
+from phalanx.checkpoint import find_unsafe
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.distributed import restarts
@@ -277,6 +277,12 @@ class CheckpointConnector:
             ) from err
         if rest.get("phalanx_trainer") != FORMAT or "loops" not in rest:
             raise CheckpointError(f"{path} was not written by phalanx.Trainer.save_checkpoint; it cannot resume a fit.")
+        self._restore_rest(rest)
+
+    def _restore_rest(self, rest: dict[str, Any]) -> None:
+        """Everything but the model, optimizer and schedulers: counters, callbacks, datamodule, this rank's RNG and
+        metric state, and where the next epoch starts."""
+        t = self.trainer
         loops = rest["loops"]
         t.loop_state.load_state_dict(loops)
         saved = rest.get("callbacks", {})
@@ -314,6 +320,36 @@ class CheckpointConnector:
                 hook(t, t.module, rest)
         t.module.on_load_checkpoint(rest)
 
+    def share_with_replica_groups(self) -> None:
+        """Under fault tolerance: what a group that (re)joins receives from this one is everything a snapshot holds
+        (no collective: each rank its own part), and the sampler's seed. A no-op without replica groups."""
+        t = self.trainer
+        groups = t.fabric.replica_groups
+        if groups is None:
+            return
+        groups.samples_per_step = t.train_samples_per_batch * t.accumulate_grad_batches // groups.env.groups
+
+        def state() -> dict[str, Any]:
+            out = self._state(False, gather=False, what="A replica group's state")
+            out["train_sampler_seed"] = t.train_sampler.seed if t.train_sampler is not None else 0
+            return out
+
+        t.fabric.join_replica_groups(state, self._healed)
+
+    def _healed(self, rest: dict[str, Any]) -> None:
+        """A live group's state arrived (model, optimizer and schedulers are in place): take its counters and data
+        position. It was captured inside the step both groups are taking, before the loop counted that batch, so
+        this group goes on after it; the epoch in progress ends at this step (``LoopState.healed``)."""
+        t = self.trainer
+        if t.train_sampler is not None:
+            t.train_sampler.seed = int(rest["train_sampler_seed"])
+        loops = dict(rest["loops"])
+        loops["batches_done"] = int(loops["batches_done"]) + 1
+        loops["samples_consumed"] = int(loops["samples_consumed"]) + int(loops["data_replicas"]) * int(
+            loops["batch_size"])
+        self._restore_rest({**rest, "loops": loops})
+        t.loop_state.healed = True
+
     def preemption_path(self) -> Path:
         """Where the preemption checkpoint goes: ``last.ckpt`` where ``fit(ckpt_path="last")`` looks first."""
         t = self.trainer
@@ -346,7 +382,7 @@ class CheckpointConnector:
             diagnostics.notice(f"No snapshot in {', '.join(gone)} (this node's shared memory was cleared, or the node "
                                "is "
                                f"another one): resuming from the disk checkpoint {found or '(none)'} instead.")
-        if found is None:
+        if found is None and t.fabric.replica_groups is None:  # a replica group heals from a peer and says so
             where = ", ".join(str(d) for d in self.checkpoint_dirs())
             restarts.started_over(
                 f"No checkpoint to resume from in {where}: training starts again from step 0 (add "

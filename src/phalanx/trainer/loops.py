@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.core.optimizers import step_schedulers
+from phalanx.trainer.loaders import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
@@ -275,11 +275,15 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
             break
         steps_before = state.global_step
         output = train_batch(plan, batch, batch_idx, size, boundary)
-        state.batches_done = batch_idx + 1
+        # A replica group that took a live peer's state in this step goes on from the peer's position (its counters
+        # are the peer's already): the epoch in progress ends after this batch's hooks.
+        healed = state.healed
+        if not healed:
+            state.batches_done = batch_idx + 1
         logging.train_batch_end(batch_idx, state.global_step, state.global_step > steps_before)
         # Validation before the batch-end hooks: a checkpoint they write then already reflects it
         # (its metrics, and the RNG draws it made), so resuming from it does not replay it.
-        if boundary and val_due and _val_due_mid_epoch(t, batch_idx, total):
+        if boundary and val_due and not healed and _val_due_mid_epoch(t, batch_idx, total):
             run_evaluation(t, "validate", t.val_dataloaders, settings.limit_val_batches)
         if batch_end or cb_end:
             out = detached(as_outputs(output))
@@ -291,9 +295,12 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
         if boundary:
             check_preemption()  # every rank, same step
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
-        if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
+        if healed or (boundary and (t.should_stop or 0 <= max_steps <= state.global_step)):
             break
     del iterator
+    if state.healed:
+        state.healed = False
+        return
     if not seen and not mid:
         raise empty_loader_error("training", t.train_dataloader, "limit_train_batches", settings.limit_train_batches,
                                  t.world_size)

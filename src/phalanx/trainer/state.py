@@ -29,6 +29,9 @@ class LoopState:
     # Samples consumed minus batches_done x this run's global batch: nonzero only in an epoch resumed from
     # a checkpoint of another batch size at a sample that is no multiple of this one (loops.resume_start).
     samples_offset: int = 0
+    # This replica group took a live peer's state in the step that just ran (fault tolerance): the epoch in
+    # progress ends there and the loop goes on from the peer's position (loops.run_train_epoch).
+    healed: bool = False
 
     def state_dict(
         self, world_size: int, samples_per_batch: int, composition: tuple[int, int, int] = (0, 0, 1)

@@ -119,6 +119,16 @@ def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) 
     absent = [e.key for e in entries if e.key not in saved]
     if strict and absent:
         raise CheckpointError(f"The snapshot {path} has no {absent}; it holds {sorted(saved)}.")
+    place(owner, entries, state, saved, strict)
+    if extra.get("precision"):
+        owner.precision.load_state_dict(extra["precision"])
+    return {k: plain_values(v) for k, v in saved.items() if k not in state}
+
+
+def place(owner: StateOwner, entries: list[Any], state: dict[str, Any], saved: dict[str, Any], strict: bool) -> None:
+    """Put this rank's ``saved`` parts into ``state``'s ``entries`` (``sort_state(state)``) in place: modules and
+    optimizers through the owner's ``load_local_state`` (no collective), objects with ``load_state_dict``, plain
+    values replaced. Shared by snapshots and the state a replica group receives from a peer (:mod:`..peer`)."""
     for e in entries:
         if e.key not in saved:
             continue
@@ -129,10 +139,8 @@ def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) 
             e.obj.load_state_dict(plain_values(value))
         else:
             state[e.key] = plain_values(value)
-    if extra.get("precision"):
-        owner.precision.load_state_dict(extra["precision"])
-    return {k: plain_values(v) for k, v in saved.items() if k not in state}
 
 
 __all__ = ["Cadence", "FolderClaim", "RankSnapshots", "complete_steps", "default_dir", "finished_at", "is_reference",
-           "load_module_local", "load_optimizer_local", "problem_with", "reference", "restore", "usable", "write"]
+           "load_module_local", "load_optimizer_local", "place", "problem_with", "reference", "restore", "usable",
+           "write"]

@@ -138,6 +138,7 @@ class DeepSpeedStrategy(ParallelStrategy):
     syncs_gradients: ClassVar[bool] = True
     supports_inference_mode: ClassVar[bool] = False  # ZeRO-3 gathers parameters into reused buffers
     supports_calls_outside_forward: ClassVar[bool] = False  # the engine owns backward and the step
+    supports_replica_groups: ClassVar[bool] = False  # the engine steps its own partitions: torchft cannot gate it
     sets_up_optimizers_separately: ClassVar[bool] = False  # one engine from the model and its optimizer
     supported_precisions: ClassVar[tuple[str, ...]] = tuple(PRECISION_SECTIONS)
 

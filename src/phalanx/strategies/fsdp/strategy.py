@@ -395,6 +395,7 @@ class ShardedStrategy(FSDPCheckpointing):
     ) -> torch.Tensor | None:
         if max_norm is None:  # by value: each shard clamps its own elements, nothing to communicate
             return super().clip_gradients(optimizer, max_norm, clip_val, norm_type, error_if_nonfinite)
+        self.average_across_groups(optimizer)
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # The norm of DTensor gradients is a partial result per rank; full_tensor() all-reduces it.

@@ -165,7 +165,9 @@ def prepare_train_loader(
         if use_distributed_sampler and fabric.world_size > 1:
             raise _custom_sampler_error(loader, "training")
         return fabric.setup_dataloaders(loader, use_distributed_sampler=False), None
-    world, rank = data_split(fabric) if use_distributed_sampler else (1, 0)
+    # Training data is split over every replica group too (each group reads its own shard).
+    split = fabric.strategy.train_sampler_kwargs() if use_distributed_sampler else None
+    world, rank = (int(split["num_replicas"]), int(split["rank"])) if split is not None else (1, 0)
     seed = shared_seed(fabric.broadcast)
     sampler = TrainSampler(len(loader.dataset), world, rank, isinstance(loader.sampler, RandomSampler), seed)  # type: ignore[arg-type]
     rebuilt = rebuild_loader(loader, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
