@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import phalanx
-from phalanx.tuner import LearningRateFinder, LRFinderResult, Tuner
+from phalanx.callbacks import LearningRateFinder
+from phalanx.tuner import LRFinderResult, Tuner
 
 GRID = [10 ** (-4 + k / 3) for k in range(13)]
 EPOCHS = 3

@@ -18,9 +18,9 @@ from run_if import run_if
 from trainer_support import quiet
 
 import phalanx
+from phalanx.callbacks import LearningRateFinder
 from phalanx.trainer import logger_connector
 from phalanx.trainer.logger_connector import LoggerConnector
-from phalanx.tuner import LearningRateFinder
 from phalanx.utils.late_reads import DEFER_VARIABLE
 
 META = torch.device("meta")

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from trainer_support import quiet
 
 import phalanx
-from phalanx.tuner import LearningRateFinder
+from phalanx.callbacks import LearningRateFinder
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 GRID = [10 ** (-4 + k / 3) for k in range(13)]
