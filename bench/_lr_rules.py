@@ -37,11 +37,6 @@ class Curve:
         return self.result.raw_losses
 
 
-def passes(loss: float, best: float, num_training: int) -> bool:
-    """The issue's bar: within 1.5x of the grid's best at the default num_training, 3x at 30 steps."""
-    return math.isfinite(loss) and loss <= (1.5 if num_training >= 100 else 3.0) * best
-
-
 def phalanx_before(curve: Curve, skip_begin: int = 10, skip_end: int = 1) -> float | None:
     """phalanx before issue 33: the steepest slope of the moving average against log(lr)."""
     end = len(curve.average) - skip_end
@@ -88,27 +83,6 @@ def lightning(curve: Curve, skip_begin: int = 10, skip_end: int = 1) -> float | 
     return pairs[int(gradient.argmin())][0]
 
 
-def valley(curve: Curve) -> float | None:
-    """fastai's "valley": the longest run of decreasing losses (not necessarily consecutive steps) on the
-    moving average without its first tenth and last 5 points, and the point half way down it."""
-    n = len(curve.average)
-    begin, end = n // 10, n - 5
-    losses = [x if math.isfinite(x) else math.inf for x in curve.average[begin:end]]
-    if len(losses) < 2:
-        return None
-    length = [1] * len(losses)
-    last = 0
-    for i in range(1, len(losses)):
-        for j in range(i):
-            if losses[i] < losses[j] and length[i] < length[j] + 1:
-                length[i] = length[j] + 1
-        if length[i] > length[last]:
-            last = i
-    first = max(last - length[last], 0)
-    third = (last - first) / 3
-    return curve.lrs[begin + first + int(third) + int(third / 2)]
-
-
 def minimum_over_10(curve: Curve) -> float | None:
     """fastai's "minimum": the learning rate of the lowest moving average, divided by 10."""
     finite = [(loss, lr) for lr, loss in zip(curve.lrs, curve.average) if math.isfinite(loss)]
@@ -130,8 +104,9 @@ def lowest_over_2(curve: Curve) -> float | None:
 
 
 def steepest_centred(curve: Curve) -> float | None:
-    """phalanx's rule without its refusal: the steepest slope of the centred curve against log(lr)
-    before its lowest point, whatever the noise."""
+    """Issue 33's rule on a curve that turned up (it ran probe fits only on curves still falling at their
+    end), without its refusal: the steepest slope of the centred curve against log(lr) before its lowest
+    point, whatever the noise."""
     lrs, centred = _centred(curve)
     low = int(centred.argmin())
     if low < 1:
@@ -140,24 +115,18 @@ def steepest_centred(curve: Curve) -> float | None:
     return lrs[int(torch.gradient(centred[:low + 1], spacing=(x,))[0].argmin())]
 
 
-def steepest_to_lowest(curve: Curve) -> float | None:
-    """Half way (in log(lr)) from the centred curve's steepest point to its lowest point halved: the
-    combination that brings the linear regression's late optimum within reach, with phalanx's refusal."""
-    steepest = phalanx_curve_only(curve)
-    lrs, centred = _centred(curve)
-    return None if steepest is None else math.sqrt(steepest * lrs[int(centred.argmin())] / 2)
-
-
 def phalanx_curve_only(curve: Curve) -> float | None:
     """phalanx's rule on the curve alone (``lr_find(probe=False)``): the steepest slope of the centred
-    curve before its lowest point; none when that point is not 4 standard errors below the start."""
+    curve before its lowest point, at most half the lowest point's learning rate (the guard); none when
+    that point is not 4 standard errors below the start."""
     return suggest(curve.lrs, curve.raw, curve.result.mode).lr
 
 
 def phalanx_now(curve: Curve) -> float | None:
-    """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the curve-only rule; where the
-    curve was still falling at its end, the best of the probe fits at 1/2, 1 and 2 times its steepest
-    point (mean loss of their last quarter after max(15, num_training // 3) steps each)."""
+    """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the best of the probe fits the
+    search ran inside the curve's bracket (4, a third of a decade apart, max(15, num_training // 3)
+    steps each, the highest at half the lowest point's learning rate, or at the steepest point where
+    the curve was still falling; a quarter of the last learning rate where it never fell clearly)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a refusal is counted, its message is for users
         return curve.result.suggestion()
@@ -165,13 +134,11 @@ def phalanx_now(curve: Curve) -> float | None:
 
 # Short names for the tables; each function's docstring says what it does.
 RULES: dict[str, Callable[[Curve], float | None]] = {
-    "phalanx before": phalanx_before,
     "Lightning 2.6.6": lightning,
-    "fastai valley": valley,
+    "phalanx before issue 33": phalanx_before,
     "fastai minimum": minimum_over_10,
     "lowest / 2": lowest_over_2,
-    "steepest, centred": steepest_centred,
-    "steepest to lowest / 2": steepest_to_lowest,
+    "issue 33 (steepest, centred)": steepest_centred,
     "phalanx, curve only": phalanx_curve_only,
     "phalanx now": phalanx_now,
 }

@@ -1,25 +1,28 @@
-"""Does the LR finder's suggestion train well? Each rule against a learning-rate grid, on six problems.
+"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 25 families.
 
-    .venv/bin/python bench/lr_finder.py             # 6 problems x 3 seeds x num_training 30 and 100
-    .venv/bin/python bench/lr_finder.py --extra     # and 6 variants of them (a rule must not fit only the 6)
-    .venv/bin/python bench/lr_finder.py --quick     # smoke run: 2 problems, 1 seed, a coarse grid
+    .venv/bin/python bench/lr_finder.py                    # both halves, 3 seeds, num_training 30 and 100
+    .venv/bin/python bench/lr_finder.py --half tuning      # only the half the rule was tuned on
+    .venv/bin/python bench/lr_finder.py --details          # and every case: learning rates and losses
+    .venv/bin/python bench/lr_finder.py --quick            # smoke run: 2 families, 1 seed, a coarse grid
 
-For every problem and seed, ``phalanx.tuner.Tuner(trainer).lr_find(...)`` runs once per
-``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
-Trainer. Every rule in ``_lr_rules.py`` is applied to that same curve: phalanx's rule before issue
-33, Lightning 2.6.6's (with Lightning's smoothing and early stop, rebuilt from the step losses),
-fastai's "valley" and "minimum", three candidates on the centred curve phalanx's rule uses,
-phalanx's rule on the curve alone (``lr_find(probe=False)``) and phalanx's rule as it is now
-(``LRFinderResult.suggestion``: on a curve still falling at its end, the probe fits the search ran
-decide). The run also counts the searches that ran probe fits and the optimizer steps they cost.
+The families are in ``_lr_families.py``: ``TUNING`` (13; the rule was chosen and tuned on these) and
+``HELD_OUT`` (12; never looked at while tuning). For every family and seed, an LR range test runs once
+per ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
+Trainer: ``Tuner(trainer).lr_find``, or for seed 002's script the ``LearningRateFinder`` callback and
+the fit after it, as its user ran it. Every rule in ``_lr_rules.py`` is applied to that same curve:
+Lightning 2.6.6's (rebuilt from the step losses with its smoothing and early stop), fastai's
+"minimum", the rules phalanx had before, phalanx's rule on the curve alone (``lr_find(probe=False)``)
+and phalanx's rule as it is now (``LRFinderResult.suggestion``: the probe fits the search ran decide).
 
 Each suggestion is then trained the way the reference grid is: 3 epochs from the same
 initialisation and the same data order (the seed), scored on the validation set. The reference is
-the best of 13 learning rates, 1e-4 ... 1 (3 per decade). A suggestion passes when its validation
-loss is within 1.5x of the grid's best at num_training=100, within 3x at 30. A rule that refuses
-(returns None) does not pass; it is counted apart. Fits are cached per learning rate, so rules that
-agree cost one fit. Problems are in ``_lr_problems.py``; the run needs scikit-learn (phalanx's test
-extras) for the digits. Threads: 1 (``OMP_NUM_THREADS=1`` is set before torch is imported).
+the best of 13 learning rates, 1e-4 ... 1 (3 per decade). The bar, per half, for phalanx's rule:
+within 1.5x of the grid's best at num_training=100 and 3x at 30 on at least 90 % of the half's cases
+(both num_training together; each is also shown alone); on every case, a finite fit that ends below
+the initialisation's validation loss and within 1.5x of the fit at Lightning's suggestion. A refusal
+(None) fails the case. Fits are cached per learning rate, so rules that agree cost one fit. Needs
+scikit-learn (phalanx's test extras) and torchmetrics. Threads: 1 (``OMP_NUM_THREADS=1`` is set
+before torch is imported).
 """
 
 from __future__ import annotations
@@ -32,101 +35,151 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, table
-from _lr_problems import EPOCHS, EXTRA, GRID, PROBLEMS, find, fit, linear_regression, mlp_4class
+from _lr_families import HELD_OUT, TUNING, Family, linear_regression, seed002_script
+from _lr_problems import EPOCHS, GRID, find, fit, initial_loss
 from _lr_rules import RULES, Curve
 
 from phalanx.tuner.suggest import probe_steps
 
 STEPS = (100, 30)
 TOLERANCE = {100: 1.5, 30: 3.0}
+NOW = "phalanx now"
+SHARE = 0.9  # of a half's cases within TOLERANCE of the grid's best
+VERSUS_LIGHTNING = 1.5
 
 
-Counts = dict[str, dict[str, dict[int, int]]]  # rule -> problem -> num_training -> seeds
+@dataclass
+class Case:
+    """One family, seed and num_training: each rule's learning rate and validation loss, the references."""
+
+    family: str
+    seed: int
+    n: int
+    best_lr: float
+    best: float
+    initial: float
+    lrs: dict[str, float | None] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)  # inf where the rule refused or the fit diverged
+    probe_steps: int = 0  # steps of the probe fits this search ran (at most: a diverging one stops early)
+
+    def within_grid(self, rule: str) -> bool:
+        return self.losses[rule] <= TOLERANCE[self.n] * self.best
+
+    def sound(self) -> bool:
+        """phalanx's fit is finite, ends below the initial loss and within 1.5x of Lightning's."""
+        loss = self.losses[NOW]
+        return math.isfinite(loss) and loss < self.initial and loss <= VERSUS_LIGHTNING * self.losses["Lightning 2.6.6"]
 
 
-def summary(passed: Counts, refused: Counts, problems: list[str], cases: int) -> str:
-    """The issue's table: per rule, the suggestions that pass at each num_training, and the refusals."""
+def run(build: Family, seed: int, grid: list[float]) -> list[Case]:
+    problem = build(seed)
+    losses = {lr: fit(problem, seed, lr).val_loss for lr in grid}
+    best_lr = min(losses, key=lambda lr: losses[lr])
+    initial = initial_loss(problem, seed)
+    cases = []
+    for n in STEPS:
+        search = find(problem, seed, n)
+        curve = Curve(search.result)
+        case = Case(problem.name, seed, n, best_lr, losses[best_lr], initial,
+                    probe_steps=len(search.result.probe_lrs) * probe_steps(n))
+        for rule_name, rule in RULES.items():
+            lr = case.lrs[rule_name] = rule(curve)
+            if lr is None:
+                case.losses[rule_name] = math.inf
+                continue
+            if rule_name == NOW and search.fit_loss is not None:  # the script's own fit, after the callback
+                losses.setdefault(lr, search.fit_loss)
+            if lr not in losses:
+                losses[lr] = fit(problem, seed, lr).val_loss
+            case.losses[rule_name] = losses[lr]
+        cases.append(case)
+    return cases
 
-    def total(counts: Counts, rule: str, n: int) -> int:
-        return sum(counts[rule][p][n] for p in problems)
 
-    return table(["rule", "within 1.5x (n=100)", "within 3x (n=30)", "suggestions that train within 1.5x / 3x",
-                  "refused"],
-                 [[rule, f"{total(passed, rule, 100)} / {cases}", f"{total(passed, rule, 30)} / {cases}",
-                   f"{total(passed, rule, 100) + total(passed, rule, 30)} / {2 * cases}",
-                   str(total(refused, rule, 100) + total(refused, rule, 30))] for rule in RULES])
+def half_tables(title: str, cases: list[Case]) -> str:
+    """The rules' passes on one half, then phalanx's bar and what its probe fits cost."""
+    count = {n: [c for c in cases if c.n == n] for n in STEPS}
+
+    def refused(rule: str) -> int:
+        return sum(c.lrs[rule] is None for c in cases)
+
+    rules = table(["rule", "within 1.5x (n=100)", "within 3x (n=30)", "refused"],
+                  [[rule, *(f"{sum(c.within_grid(rule) for c in count[n])} / {len(count[n])}" for n in STEPS),
+                    str(refused(rule))] for rule in RULES])
+    rows = []
+    for n, group in [*count.items(), ("both", cases)]:
+        within = sum(c.within_grid(NOW) for c in group)
+        # Over the suggestions (a refusal fails the column before); a diverged Lightning fit counts 0.
+        worst = max((c.losses[NOW] / c.losses["Lightning 2.6.6"] if math.isfinite(c.losses["Lightning 2.6.6"])
+                     else 0.0 for c in group if c.lrs[NOW] is not None), default=0.0)
+        steps = [c.probe_steps for c in group]
+        rows.append([str(n), f"{within} / {len(group)} ({within / len(group):.0%})",
+                     f"{sum(c.sound() for c in group)} / {len(group)}", f"{worst:.2f}x",
+                     f"{sum(s > 0 for s in steps)} / {len(steps)}, at most {max(steps)} steps"])
+    bar = table(["n", f"within {TOLERANCE[100]}x (n=100) / {TOLERANCE[30]}x (n=30) of the grid's best",
+                 "finite, below initial, <= 1.5x Lightning", "worst suggestion vs Lightning",
+                 "searches with probe fits"], rows)
+    met = sum(c.within_grid(NOW) for c in cases) >= SHARE * len(cases) and all(c.sound() for c in cases)
+    verdict = "meets the bar" if met else "does NOT meet the bar"
+    return f"\n{title}: phalanx now {verdict}\n{rules}\n{bar}"
+
+
+def details(cases: list[Case]) -> str:
+    def cell(case: Case, rule: str) -> str:
+        lr = case.lrs[rule]
+        if lr is None:
+            return "refused"
+        loss = case.losses[rule]
+        return f"{lr:.3g}: {loss / case.best:.2f}x" if case.best > 0 else f"{lr:.3g}: {loss:.3g} (best 0)"
+
+    return table(["family", "seed", "n", "grid best", "initial", "Lightning 2.6.6", "phalanx now", "curve only",
+                  "probe steps"],
+                 [[c.family, str(c.seed), str(c.n), f"{c.best:.3g} at {c.best_lr:.3g}", f"{c.initial:.3g}",
+                   cell(c, "Lightning 2.6.6"), cell(c, NOW) + ("" if c.within_grid(NOW) and c.sound() else " (!)"),
+                   cell(c, "phalanx, curve only"), str(c.probe_steps)] for c in cases])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 problems, 1 seed, every other grid point")
-    parser.add_argument("--extra", action="store_true", help="add 6 variants of the problems")
+    parser.add_argument("--half", choices=["tuning", "held-out", "both"], default="both")
+    parser.add_argument("--quick", action="store_true", help="2 tuning families, 1 seed, every other grid point")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--details", action="store_true", help="print every suggestion and its validation loss")
+    parser.add_argument("--details", action="store_true", help="print every case's suggestions and losses")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    problems = PROBLEMS + (EXTRA if args.extra else [])
+    halves = {"tuning": TUNING, "held-out": HELD_OUT}
+    if args.half != "both":
+        halves = {args.half: halves[args.half]}
     seeds, grid = range(args.seeds), GRID
     if args.quick:
-        problems, seeds, grid = [mlp_4class, linear_regression], range(1), GRID[::2]
+        halves, seeds, grid = {"tuning": [seed002_script, linear_regression]}, range(1), GRID[::2]
     start = time.time()
-    passed: Counts = {rule: {b.__name__: dict.fromkeys(STEPS, 0) for b in problems} for rule in RULES}
-    refused: Counts = {rule: {b.__name__: dict.fromkeys(STEPS, 0) for b in problems} for rule in RULES}
-    names: dict[str, str] = {}
-    details: list[list[str]] = []
-    probed = {n: [0, 0] for n in STEPS}  # num_training -> [searches that ran probe fits, their steps]
-    for build in problems:
-        for seed in seeds:
-            problem = build(seed)
-            names[build.__name__] = problem.name
-            losses = {lr: fit(problem, seed, lr) for lr in grid}
-            best_lr = min(losses, key=lambda lr: losses[lr])
-            best = losses[best_lr]
-            for n in STEPS:
-                curve = Curve(find(problem, seed, n))
-                if curve.result.probe_lrs:
-                    probed[n][0] += 1
-                    probed[n][1] += len(curve.result.probe_lrs) * probe_steps(n)
-                for rule_name, rule in RULES.items():
-                    lr = rule(curve)
-                    if lr is None:
-                        refused[rule_name][build.__name__][n] += 1
-                        details.append([problem.name, str(seed), str(n), rule_name, "refused", "", ""])
-                        continue
-                    if lr not in losses:
-                        losses[lr] = fit(problem, seed, lr)
-                    ok = math.isfinite(losses[lr]) and losses[lr] <= TOLERANCE[n] * best
-                    passed[rule_name][build.__name__][n] += ok
-                    details.append([problem.name, str(seed), str(n), rule_name, f"{lr:.3g}",
-                                    f"{losses[lr] / best:.3g}", "yes" if ok else "no"])
-            print(f"  {problem.name}, seed {seed}: grid best {best:.4g} at lr {best_lr:.3g} "
-                  f"({time.time() - start:.0f} s)", flush=True)
+    results: dict[str, list[Case]] = {}
+    for half, families in halves.items():
+        results[half] = []
+        for build in families:
+            for seed in seeds:
+                cases = run(build, seed, grid)
+                results[half] += cases
+                print(f"  [{half}] {cases[0].family}, seed {seed}: grid best {cases[0].best:.4g} at lr "
+                      f"{cases[0].best_lr:.3g} ({time.time() - start:.0f} s)", flush=True)
     print(f"\n{machine_line()} | {time.time() - start:.0f} s")
-    print(f"{len(problems)} problems x {len(seeds)} seeds; grid of {len(grid)} learning rates "
-          f"{grid[0]:.0e} ... {grid[-1]:.0e}; {EPOCHS}-epoch fits; passes: within 1.5x of the grid's best "
-          "validation loss at num_training=100, within 3x at 30")
+    print(f"{len(seeds)} seeds; grid of {len(grid)} learning rates {grid[0]:.0e} ... {grid[-1]:.0e}; {EPOCHS}-epoch "
+          f"fits; probe fits: {probe_steps(100)} steps each after a 100-step search, {probe_steps(30)} after 30")
     for rule_name, rule in RULES.items():
         print(f"  {rule_name}: {' '.join((rule.__doc__ or '').split())}")
-    for n, (searches, steps) in probed.items():
-        print(f"  probe fits at num_training={n}: in {searches} of {len(problems) * len(seeds)} searches, "
-              f"{steps / max(searches, 1):.0f} optimizer steps each")
-    if args.details:
-        print(table(["problem", "seed", "n", "rule", "lr", "val / grid best", "passes"], details))
-    for title, group in (("the problems", [b.__name__ for b in problems if b not in EXTRA]),
-                         ("the variants (--extra)", [b.__name__ for b in problems if b in EXTRA])):
-        if group:
-            print(f"\n{title}:\n{summary(passed, refused, group, len(group) * len(seeds))}")
-    print("\nPer problem: seeds passing at n=100 / at n=30, refusals in brackets")
-    print(table(["problem", *RULES], [[name, *(
-        f"{passed[rule][key][100]} / {passed[rule][key][30]}"
-        + (f" ({refused[rule][key][100]} / {refused[rule][key][30]})" if refused[rule][key][100]
-           + refused[rule][key][30] else "") for rule in RULES)] for key, name in names.items()]))
+    for half, cases in results.items():
+        print(half_tables({"tuning": "Tuning half (the rule was chosen on it)",
+                           "held-out": "Held-out half (never seen while tuning)"}[half], cases))
+        if args.details:
+            print(details(cases))
 
 
 if __name__ == "__main__":

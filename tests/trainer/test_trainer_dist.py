@@ -112,6 +112,7 @@ def test_lr_finder_then_ddp_fit_via_phalanx_run(tmp_path: Path) -> None:
         assert r["suggestion"] is not None and r["lr"] == r["suggestion"] == r0["suggestion"]
         assert r["opt_lr"] == r["lr"]  # the fit's optimizer was rebuilt with the suggestion
         assert r["devices"] == [r["device"]]  # accumulators on fabric.device after the search
+        assert r["metric_devices"] == [r["device"]]  # callback_metrics too, synced step and epoch values alike
     assert r0["val_mae"] == r1["val_mae"]
     assert (tmp_path / "lr_find.png").stat().st_size > 1000
     # Probe fits on every rank, in step: the same learning rates, scores and verdict, and no trace.

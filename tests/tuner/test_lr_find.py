@@ -1,9 +1,9 @@
-"""The probe fits ``lr_find`` runs when its curve is still falling at the end of the search: the curve
-does not show where training turns unstable, so short fits at 1/2, 1 and 2 times its steepest point
-decide (phalanx.tuner.suggest). Pinned on linear regressions with plain SGD, whose edge of stability
-is set by the features' scale: on features of scale 1 the edge lies just past max_lr and the best
-probe is below the steepest point; on features of scales 0.1 to 1 it lies far beyond and the best
-probe is above it. The fits run from the state the search started from and leave no trace.
+"""The probe fits ``lr_find`` runs after its search (phalanx.tuner.suggest): four short fits a third of a decade
+apart, from the top of the curve's bracket down, and the suggestion is the one whose loss ends lowest. Pinned on
+linear regressions with plain SGD, whose edge of stability is set by the features' scale: on features of scales
+0.1 to 1 the curve is still falling at max_lr and the best probe is the top, its steepest point; on features
+of scale 1 the edge lies near max_lr, and the best probe is below. A curve that turned up is probed below half its
+lowest point (the guard), never near it. The fits run from the state the search started from and leave no trace.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.tuner import LRFinderResult, Tuner
-from phalanx.tuner.suggest import decide, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 
 
@@ -71,13 +71,13 @@ def curve_only(result: LRFinderResult) -> Any:
     return suggest(result.lrs, result.raw_losses, result.mode)
 
 
-def test_a_still_falling_curve_whose_best_probe_is_above_its_steepest_point(tmp_path: Path) -> None:
+def test_a_still_falling_curve_is_probed_at_and_below_its_steepest_point(tmp_path: Path) -> None:
     result, _ = search(0, scaled=True)
     found = curve_only(result)
-    assert found.still_falling and result.probed_around == found.lr
-    assert result.probe_lrs == pytest.approx([found.lr / 2, found.lr, 2 * found.lr])
-    assert result.probe_scores[2] < result.probe_scores[1] / 2  # the larger learning rate trains clearly faster
-    assert result.suggestion() == result.probe_lrs[2]
+    assert found.still_falling and found.lr == found.steepest == found.top
+    assert result.probe_lrs == pytest.approx([found.lr / 10 ** (k / 3) for k in (3, 2, 1, 0)])
+    assert result.probe_scores == sorted(result.probe_scores, reverse=True)  # the larger, the faster it trains
+    assert result.suggestion() == result.probe_lrs[3]
     result.plot().savefig(tmp_path / "lr.png")  # the probes' scores are marked
     assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
     # Without probes the curve alone decides: its steepest point.
@@ -85,21 +85,49 @@ def test_a_still_falling_curve_whose_best_probe_is_above_its_steepest_point(tmp_
     assert search(0, scaled=True, probe=False)[0].probe_lrs == []
 
 
-def test_a_still_falling_curve_whose_best_probe_is_below_and_a_diverging_probe_is_out() -> None:
+def test_a_still_falling_curve_whose_best_probe_is_below_its_steepest_point() -> None:
     result, _ = search(1, scaled=False, max_lr=1.5)
     found = curve_only(result)
-    assert found.still_falling and len(result.probe_lrs) == 3
-    assert result.probe_scores[2] == math.inf  # twice the steepest point is past the edge of stability
-    assert result.probe_scores[0] < result.probe_scores[1]
-    assert result.suggestion() == result.probe_lrs[0] == pytest.approx(found.lr / 2)
+    assert found.still_falling and len(result.probe_lrs) == 4 and result.probe_lrs[3] == pytest.approx(found.lr)
+    assert result.suggestion() == result.probe_lrs[2] < found.lr  # the edge of stability lies just above
+    assert result.probe_scores[2] == min(result.probe_scores)
 
 
-def test_a_curve_that_turned_up_runs_no_probes() -> None:
+def test_a_curve_that_turned_up_is_probed_below_half_its_lowest_point() -> None:
     result, _ = search(0, scaled=False, max_lr=3.0)
     found = curve_only(result)
-    assert found.lr is not None and not found.still_falling
-    assert result.probe_lrs == result.probe_scores == [] and result.probed_around is None
-    assert result.suggestion() == found.lr
+    assert found.lr is not None and found.lowest is not None and found.steepest is not None
+    assert not found.still_falling and found.lr == min(found.steepest, found.lowest / 2)  # capped by the guard
+    assert result.probe_lrs == pytest.approx([found.lowest / 2 / 10 ** (k / 3) for k in (3, 2, 1, 0)])
+    assert result.suggestion() in result.probe_lrs and all(math.isfinite(s) for s in result.probe_scores)
+    assert result.suggestion() == result.probe_lrs[result.probe_scores.index(min(result.probe_scores))]
+
+
+class TanhRegressor(Linear):
+    """A tanh MLP 8-32-32-1 on y = sin(x.a) + cos(x.b) / 2, plain SGD: in batches of 32 its loss varies so much from
+    batch to batch that a 30-step search never shows a clear fall, until the last points."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def test_a_curve_that_never_fell_clearly_is_probed_below_a_quarter_of_where_the_search_ended() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1024, 8, generator=g)
+    y = torch.sin(x @ torch.randn(8, 1, generator=g) / 2) + torch.cos(x @ torch.randn(8, 1, generator=g) / 2) / 2
+    phalanx.seed_everything(1, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data loader's worker hint
+        result = Tuner(trainer(max_epochs=1)).lr_find(
+            TanhRegressor(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
+            num_training=30, update_attr=False)
+    found = curve_only(result)
+    assert found.lr is None and "never fell clearly" in found.reason and found.below is not None
+    assert result.probe_lrs == pytest.approx([result.lrs[-1] / 4 / 10 ** (k / 3) for k in (3, 2, 1, 0)])
+    best = min(result.probe_scores)
+    assert best < found.below  # the probes show the fall the curve could not
+    assert result.suggestion() == result.probe_lrs[result.probe_scores.index(best)]
 
 
 def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() -> None:
@@ -118,7 +146,7 @@ def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() 
         warnings.simplefilter("ignore")
         result = Tuner(trainer(max_epochs=2)).lr_find(model, train_dataloaders=regression(0, scaled=True),
                                                       num_training=30, update_attr=False)
-    assert len(result.probe_lrs) == 3  # the probes ran
+    assert len(result.probe_lrs) == 4  # the probes ran
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and model.steps == 0
     draws = torch.rand(4).tolist(), random.random(), numpy.random.rand()
     restore_rng_state(rng)  # every generator where it was before the search: the same draws
@@ -131,15 +159,26 @@ def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() 
 
 
 def test_the_probe_rule() -> None:
-    assert probe_ladder(0.2, max_lr=1.0) == pytest.approx([0.1, 0.2, 0.4])
-    assert probe_ladder(0.8, max_lr=1.0) == pytest.approx([0.4, 0.8, 1.0])  # capped at the searched range
-    assert probe_steps(100) == 33 and probe_steps(30) == 15  # together about the search again, at least 15 each
+    assert probe_ladder(Suggestion(0.1, top=0.1)) == pytest.approx([0.1 / 10 ** (k / 3) for k in (3, 2, 1, 0)])
+    assert probe_ladder(Suggestion(None)) == []  # too few points: no probe can help
+    turned = suggest([10 ** (-4 + k / 10) for k in range(41)], [2.0 - math.tanh(k / 4 - 5) + (k > 30) * (k - 30) / 4
+                                                                 for k in range(41)], "exponential")
+    assert turned.lowest is not None and turned.top == turned.lowest / 2 and not turned.still_falling
+    falling = suggest([10 ** (-4 + k / 10) for k in range(41)], [2.0 - k / 40 for k in range(41)], "exponential")
+    assert falling.still_falling and falling.top == falling.lr == falling.steepest
+    assert probe_steps(100) == 33 and probe_steps(30) == 15  # a third of the search's, at least 15 each
     assert probe_score([4.0, 3.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5]) == 0.5  # the mean of the last quarter
     assert probe_score([1.0, 2.0, 3.0, math.nan]) == math.inf  # not finite: out
     assert probe_score([1.0, 0.5, 1.5, 2.0]) == math.inf  # ended above where it started: out
-    found = suggest([10 ** (-4 + k / 10) for k in range(41)], [2.0 - k / 40 for k in range(41)], "exponential")
-    assert found.still_falling
-    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4 and not found.probed
-    assert decide(found, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).probed
-    refused = decide(found, [0.1, 0.2, 0.4], [math.inf] * 3)
-    assert refused.lr is None and "every probe fit around its steepest point (0.1, 0.2, 0.4) diverged" in refused.reason
+    assert decide(falling, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4 and not falling.probed
+    assert decide(falling, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).probed
+    refused = decide(falling, [0.1, 0.2, 0.4], [math.inf] * 3)
+    assert refused.lr is None
+    assert "every probe fit below the loss curve's edge (0.1, 0.2, 0.4) diverged" in refused.reason
+    # A curve that never fell clearly: the best probe must end below ``below``, or the curve's refusal stands.
+    flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=1.0)
+    assert decide(flat, [0.1, 0.25], [0.9, 1.2]).lr == 0.1
+    still = decide(flat, [0.1, 0.25], [1.05, math.inf])
+    assert still.lr is None and still.reason == (
+        "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of the last learning "
+        "rate or below (0.1, 0.25) fell clearly either.")

@@ -92,6 +92,18 @@ def test_a_curve_still_falling_at_max_lr_gets_its_steepest_point_not_the_end(oth
     assert other_rules.lowest_over_2(other_rules.Curve(result)) == 0.5  # the lowest point is lr 1, the end
 
 
+def test_the_guard_keeps_a_suggestion_below_half_the_lowest_point(other_rules: ModuleType) -> None:
+    """Seed 002's shape on a 30-step search: the descent runs into the edge of stability, so the steepest point
+    (0.079) lies within a factor 2 of the lowest (0.15), where the search's loss has stopped falling and a fit
+    trains badly. On the curve alone the suggestion is capped at half the lowest point; issue 33's rule took the
+    steepest point (lr_find's probe fits then decide below the cap: test_lr_find.py)."""
+    result = range_test(30, noise=0.05, seed=0, centre=-1.0, edge=-0.8, steepness=5.0)
+    found = suggest(result.lrs, result.raw_losses, result.mode)
+    assert found.steepest is not None and found.lowest is not None and not found.still_falling
+    assert found.steepest > found.lowest / 2 and found.lr == result.suggestion() == found.lowest / 2
+    assert other_rules.steepest_centred(other_rules.Curve(result)) == found.steepest
+
+
 def test_a_noise_free_curve_gets_its_steepest_point_and_the_plot_saves(tmp_path: Path) -> None:
     lrs = [10 ** (-6 + 6 * i / 59) for i in range(60)]
     # Flat, then falling fastest around 1e-3, then exploding: every rule agrees here.
@@ -143,6 +155,7 @@ def test_without_a_suggestion_lr_find_and_the_callback_keep_the_learning_rate() 
         result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 8), min_lr=1e-8, max_lr=1e-6,
                                         num_training=24)
     assert result.suggestion() is None and model.lr == 0.05
+    assert len(result.probe_lrs) == 4  # the probe fits below the range's end fell no more than the curve
     assert len([w for w in caught if issubclass(w.category, PhalanxWarning)]) == 1
 
     finder = LearningRateFinder(min_lr=1e-8, max_lr=1e-6, num_training_steps=24)

@@ -120,11 +120,12 @@ def test_lr_find_where_the_optimizer_comes_with_its_model_searches_on_a_copy() -
     assert len(result.lrs) >= 10 and model.lr == result.suggestion()
     assert torch.equal(flat(model), before_params) and model.counts["train_batches"] == 0
     assert torch.equal(capture_rng_state()["torch"], before_rng["torch"])
-    scratch = strategy.set_up[0]
-    assert scratch is not model and isinstance(scratch, Regressor)
-    assert strategy.released == [scratch] and trainer.model is None and trainer.optimizers == []
+    copies = list(strategy.set_up)  # the search's, then one per probe fit
+    assert len(copies) == 1 + len(result.probe_lrs) and len(result.probe_lrs) > 0
+    assert all(c is not model and isinstance(c, Regressor) for c in copies)
+    assert strategy.released == copies and trainer.model is None and trainer.optimizers == []
     trainer.fit(model, loader(64, 4, shuffle=True))
-    assert strategy.set_up[1] is model and trainer.optimizer.param_groups[0]["initial_lr"] == model.lr
+    assert strategy.set_up[-1] is model and trainer.optimizer.param_groups[0]["initial_lr"] == model.lr
     # Once the model is set up with its optimizer, a search would need another: refused with the way out.
     with pytest.raises(MisconfigurationError, match=r"Tuner.lr_find is not supported on OneSetupStrategy after this "
                        r"Trainer set the model up: .* Call Tuner\(trainer\).lr_find\(model, ...\) before trainer.fit"):

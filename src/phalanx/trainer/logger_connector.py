@@ -12,7 +12,8 @@ The path of a value:
 3. The host reads step values only in batches: one read per logger flush (every ``log_every_n_steps``
    optimizer steps, training only; evaluation step values are logged per batch), and for the progress bar
    a copy in the background that the bar shows once it has arrived (it never waits for it).
-4. At an epoch's end the stage's epoch values are synced (read once) and published to all three.
+4. At an epoch's end the stage's epoch values are synced (read once) and published to all three;
+   ``callback_metrics`` keeps them on the device they were computed on, the one the step values are on.
 
 Published values are identical on every rank. A restore point (:meth:`LoggerConnector.restore_point`) puts
 back what was published and which accumulators are in use, so a tuning phase or the sanity check leaves no
@@ -37,7 +38,7 @@ _STAGES = ("train", "validate", "test")  # the stages that log metrics (each has
 
 class LoggerConnector:
     """The per-stage :class:`Results` and what the loops publish from them (see the module docstring):
-    ``callback_metrics`` (step values as device tensors, epoch values as CPU tensors), the progress bar's and
+    ``callback_metrics`` (step and epoch values alike as 0-d tensors on the device), the progress bar's and
     the loggers' values, and the training step values synced since the last logger flush."""
 
     def __init__(self, fabric: Fabric, log_every_n_steps: int) -> None:
@@ -123,7 +124,7 @@ class LoggerConnector:
         if stepped and (log_due or self._unlogged):
             if log_due:
                 flag = results.names_differ
-                values = _host_floats({**self._unlogged, **({"": flag} if flag is not None else {})})
+                values = host_floats({**self._unlogged, **({"": flag} if flag is not None else {})})
                 if flag is not None:
                     results.check_names(values.pop(""))
                 self._log_now(values, step)
@@ -136,19 +137,22 @@ class LoggerConnector:
         if results.pending:
             values = self._publish_step(results.sync_step(self.fabric), results)
             if log:
-                self._log_now(_host_floats(values), step)
+                self._log_now(host_floats(values), step)
 
     def end_epoch(self, stage: str, epoch: int, step: int, log: bool = True) -> dict[str, float]:
         """``stage``'s epoch values, identical on every rank (see :meth:`Results.sync_epoch`), published; sent to
         the loggers when ``log``. Returns them by logged name."""
         results = self._results[stage]
-        values = results.sync_epoch(self.fabric)
+        tensors = results.sync_epoch(self.fabric)
+        values = host_floats(tensors)  # one read for all of them, at the epoch's end
         to_log: dict[str, float] = {}
         for name, value in values.items():
             entry = results.entries[name]
             keys = _keys(entry, "epoch")
             for key in keys:
-                self._callback[key] = torch.tensor(value, dtype=torch.float64)
+                # Where it was computed, the device the step values are published on too: code that stacks
+                # or compares callback_metrics finds one device (the module's), as in Lightning.
+                self._callback[key] = tensors[name]
             if entry.prog_bar:
                 self._bar[keys[0]] = value
             if entry.logger:
@@ -257,7 +261,7 @@ def _keys(entry: Entry, level: str) -> tuple[str, ...]:
     return (entry.name,)
 
 
-def _host_floats(values: dict[str, Any]) -> dict[str, float]:
+def host_floats(values: dict[str, Any]) -> dict[str, float]:
     """Device values as floats, in one read."""
     if not values:
         return {}

@@ -286,13 +286,14 @@ class Results:
             e.step_value = None
         return out
 
-    def sync_epoch(self, fabric: Any) -> dict[str, float]:
-        """This epoch's values of every on_epoch entry, identical on every rank. Computes and resets the
-        logged Metrics (a collective inside torchmetrics: every rank gets here at the same point)."""
+    def sync_epoch(self, fabric: Any) -> dict[str, torch.Tensor]:
+        """This epoch's values of every on_epoch entry, identical on every rank: name -> a 0-d float64 tensor
+        on the device, where the step values are too (the caller reads them all at once). Computes and resets
+        the logged Metrics (a collective inside torchmetrics: every rank gets here at the same point)."""
         if self.names_differ is not None:  # the step syncs' check, read at the epoch's end at the latest
             self.check_names(float(self.names_differ))
         entries = sorted((e for e in self.entries.values() if e.on_epoch), key=lambda e: e.name)
-        out: dict[str, float] = {}
+        out: dict[str, torch.Tensor] = {}
         scalars = [e for e in entries if e.metric is None]
         metrics = [e for e in entries if e.metric is not None]
         if scalars or metrics:
@@ -311,7 +312,7 @@ class Results:
                     value = col[:, 0].sum() / col[:, 1].sum()
                 else:
                     value = _reduce(col[:, 0], e.reduce_fx)
-                out[e.name] = float(value)
+                out[e.name] = value
         if metrics:
             computed = []
             for e in metrics:
@@ -327,7 +328,7 @@ class Results:
             if fabric.world_size > 1:  # rank 0's computed values, so every rank publishes the same numbers
                 values = self._gather(fabric, values, [e.name for e in metrics], "epoch Metric")[0]
             for i, e in enumerate(metrics):
-                out[e.name] = float(values[i, 0])
+                out[e.name] = values[i, 0]
         self.reset_metrics()
         return out
 
@@ -340,6 +341,8 @@ class Results:
     def _gather(self, fabric: Any, rows: torch.Tensor, names: list[str], what: str, late: bool = False) -> torch.Tensor:
         """Every rank's ``rows``, one row block per data shard. ``late``: the check that every rank logged the
         same names is read later, with the values (:meth:`check_names`), instead of now."""
+        if fabric.world_size == 1:  # nothing to gather or compare, and so nothing to read on the host
+            return rows.reshape(1, rows.shape[0], 2)
         # The last column carries a checksum of the names, so ranks that logged different metrics are
         # told so instead of silently mixing values of different names.
         tag = float(zlib.crc32("\0".join(names).encode()))

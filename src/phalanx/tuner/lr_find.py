@@ -6,8 +6,8 @@ holds (weights and gradients, buffers, torchmetrics state, plain attributes its 
 fit's optimizer and scheduler state, the loss scaler, every rank's RNG state, the trainer's counters
 and metrics. It never calls callbacks or loggers, and it logs into fresh metric accumulators created
 on ``fabric.device`` (then drops them), so nothing it did can leak into the fit that follows. The
-probe fits it runs on a curve still falling at its end (:mod:`phalanx.tuner.suggest`) start from that
-same state and are undone the same way, each.
+probe fits it runs after the sweep (:mod:`phalanx.tuner.suggest`) start from that same state and are
+undone the same way, each.
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ class Isolated(Protocol):
 @dataclass
 class LRFinderResult:
     """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
-    average (``losses``, beta=0.98, which the early stop watches, as in Lightning). When the curve was
-    still falling at its end, the probe fits: their learning rates (``probe_lrs``), scores
-    (``probe_scores``, ``inf`` for one that diverged or rose) and the steepest point they were placed
-    around (``probed_around``)."""
+    average (``losses``, beta=0.98, which the early stop watches, as in Lightning), and the probe fits
+    the search ran after it: their learning rates (``probe_lrs``) and scores (``probe_scores``, ``inf``
+    for one that diverged or rose)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -59,7 +58,6 @@ class LRFinderResult:
     global_rank: int | None = None  # set by the search: only rank 0 warns (None: this process warns)
     probe_lrs: list[float] = field(default_factory=list)
     probe_scores: list[float] = field(default_factory=list)
-    probed_around: float | None = None
     _suggestions: dict[tuple[int, int], Suggestion] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
 
@@ -69,13 +67,13 @@ class LRFinderResult:
         return {"lr": list(self.lrs), "loss": list(self.losses)}
 
     def suggestion(self, skip_begin: int = 0, skip_end: int = 0) -> float | None:
-        """The learning rate where the centred, smoothed log-loss falls fastest on its way down to the
-        curve's lowest point (see :mod:`phalanx.tuner.suggest`), leaving out ``skip_begin`` points at
-        the start and ``skip_end`` at the end. Where the search ran probe fits around that point (the
-        curve was still falling at its end), the probe with the lowest score instead. None, with a
-        warning that says why and what to change, when the curve never falls clearly below where it
-        started (or has too few finite points), or every probe diverged: the first time per result and
-        arguments."""
+        """The learning rate of the probe fit whose loss ended lowest, where the search ran them (see
+        :mod:`phalanx.tuner.suggest`); otherwise, and for other ``skip_begin``/``skip_end`` (points left
+        out at the start and the end of the curve), the curve's: where the centred, smoothed log-loss
+        falls fastest on its way down to its lowest point, at most that point's learning rate / 2.
+        None, with a warning that says why and what to change, when the curve never falls clearly below
+        where it started (or has too few finite points), or every probe diverged: the first time per
+        result and arguments."""
         return self._suggest(skip_begin, skip_end).lr
 
     def _suggest(self, skip_begin: int, skip_end: int) -> Suggestion:
@@ -84,7 +82,7 @@ class LRFinderResult:
             # A result built from a moving average only (what Lightning records) is judged on that.
             losses = self.raw_losses if len(self.raw_losses) == len(self.lrs) else self.losses
             found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
-            if found.lr is not None and found.lr == self.probed_around:
+            if self.probe_lrs and self.probe_lrs == probe_ladder(found):  # the probes ran for this curve
                 found = decide(found, self.probe_lrs, self.probe_scores)
             self._suggestions[key] = found
             if found.lr is None:
@@ -158,12 +156,12 @@ class Tuner:
     ) -> LRFinderResult:
         """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
         ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
-        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. When the
-        loss is still falling at the end of the search, the curve does not show where training turns
-        unstable; with ``probe`` the search then trains a few short fits from the initial state at
-        constant learning rates around the curve's steepest point (1/2, 1 and 2 times it, together about
-        ``num_training`` steps more) and the suggestion is the one whose loss ends lowest. With
-        ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
+        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. The curve
+        brackets the learning rate; with ``probe`` the search then trains four short fits from the
+        initial state at constant learning rates inside the bracket (a third of a decade apart, the
+        highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
+        3)`` steps each) and the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
+        With ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
         suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
         curve gives none, a warning says why and what to change, and the attribute stays."""
         if method != "fit":
@@ -247,20 +245,15 @@ class Tuner:
         isolated = isolated or self._in_place
         result = isolated(functools.partial(self._run_search, min_lr, max_lr, num_training, mode, threshold))
         if probe:
-            self._run_probes(result, max_lr, num_training, isolated)
+            self._run_probes(result, num_training, isolated)
         return result
 
-    def _run_probes(self, result: LRFinderResult, max_lr: float, num_training: int, isolated: Isolated) -> None:
-        """Where the curve was still falling at its end: a short fit at each learning rate of the ladder
-        around its steepest point."""
-        found = suggest(result.lrs, result.raw_losses, result.mode)
-        if found.lr is None or not found.still_falling:
-            return
+    def _run_probes(self, result: LRFinderResult, num_training: int, isolated: Isolated) -> None:
+        """A short fit at each learning rate of the curve's probe ladder (none where no probe can help)."""
         steps = probe_steps(num_training)
-        for lr in probe_ladder(found.lr, max_lr):
+        for lr in probe_ladder(suggest(result.lrs, result.raw_losses, result.mode)):
             result.probe_lrs.append(lr)
             result.probe_scores.append(probe_score(isolated(functools.partial(self._probe, lr, steps))))
-        result.probed_around = found.lr
 
     def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:
         """The losses of ``steps`` optimizer steps at ``lr``, up to the first that is not finite."""

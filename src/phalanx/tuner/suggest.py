@@ -1,8 +1,10 @@
 """The learning rate an LR range test suggests, or why it suggests none (``LRFinderResult.suggestion``).
 
-The rule: the steepest descent of the smoothed log-loss against log(lr) before the curve's lowest
-point; no suggestion when that lowest point is not clearly below the loss the curve started at.
-Choices, each for a way a plain "steepest slope" fails:
+The curve says where training at a rising learning rate goes fastest and where it stops going; how
+far below that edge a fit of its own does best depends on the optimizer and the fit (Adam often a
+decade below it, plain SGD right at it). So the curve brackets, and short fits at constant learning
+rates inside the bracket (the probe fits) decide. Choices, each for a way a plain "steepest slope"
+fails:
 
 * The smoothing is centred (a Gaussian kernel over the step losses, its width a 30th of the points)
   so it does not lag. The exponential moving average the search records for its early stop trails
@@ -13,12 +15,23 @@ Choices, each for a way a plain "steepest slope" fails:
   hardly moves). A curve has fallen when its lowest smoothed point lies ``NOISE_MULTIPLE`` standard
   errors below its starting level (the median of its first fifth): a flat or noise-only curve gets
   no suggestion instead of the slope of its noise.
-* Only before the lowest point: after it the loss turns up (divergence), and a spike that recovers
-  there falls steeply without being a descent.
-* A curve still falling at its end never reached the edge of stability, so it does not say on which
-  side of its steepest point training goes best (plain SGD trains best above it, momentum below):
-  ``lr_find`` then runs short probe fits around that point (``probe_ladder``, ``probe_steps``) and
-  :func:`decide` takes the best by :func:`probe_score`.
+* The guard: no suggestion lies above the lowest point's learning rate divided by ``GUARD``. Near
+  its lowest point the search's loss has stopped falling; the steepest slope often lies just below it
+  (a short search's curve falls over half a decade), and a fit there trains worse than chance (seed
+  002's script: steepest point 0.15, lowest 0.28, the fit's best 0.01).
+* The probe fits (``lr_find(probe=True)``, the default): ``PROBES`` short fits from the search's
+  initial state, at constant learning rates a third of a decade apart from the top of the bracket
+  down (:func:`probe_ladder`), ``max(MIN_PROBE_STEPS, num_training // 3)`` steps each
+  (:func:`probe_steps`); :func:`decide` takes the one whose loss ends lowest (:func:`probe_score`).
+  The top: the guard where the curve turned up; the steepest point, if lower, where it was still
+  falling at its end (such a search never reached the edge, and a short probe above its steepest
+  point favours a learning rate that momentum later makes unstable); and where the curve never fell
+  clearly (a noisy loss, or one that stays flat until it blows up), a ``END_GUARD``-th of the last
+  learning rate the search reached, with the suggestion only if the best probe ended
+  ``PROBE_NOISE_MULTIPLE`` standard errors below where the curve started.
+* Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
+  than the search's): the steepest slope before the lowest point, capped by the guard; none where
+  the curve never fell clearly.
 """
 
 from __future__ import annotations
@@ -32,7 +45,10 @@ import torch
 MIN_POINTS = 8  # fewer finite losses leave no starting level and noise to measure against
 NOISE_MULTIPLE = 4.0  # how many standard errors below the start the lowest point must lie
 WIDTH_FRACTION = 1 / 30  # the smoothing kernel's standard deviation, as a fraction of the points
-PROBE_FACTORS = (0.5, 1.0, 2.0)  # the probe fits' learning rates, as multiples of the steepest point
+GUARD = 2.0  # a suggestion lies at or below the lowest point's learning rate divided by this
+END_GUARD = 4.0  # ... or, on a curve that never fell clearly, at or below the last learning rate / this
+PROBES = 4  # probe fits, a third of a decade apart: together they span a decade below the top
+PROBE_NOISE_MULTIPLE = 2.0  # a probe's fall, in standard errors, that stands in for the curve's
 MIN_PROBE_STEPS = 15  # fewer steps are mostly the first steps' transient (momentum has not built up)
 
 
@@ -44,9 +60,14 @@ class Suggestion:
     reason: str = ""
     lrs: list[float] = field(default_factory=list)
     smoothed: list[float] = field(default_factory=list)  # on the scale of the losses
+    steepest: float | None = None  # the steepest slope's learning rate (``lr`` unless the guard capped it)
+    lowest: float | None = None  # the lowest smoothed point's learning rate
     # The lowest smoothed point is at the end of the curve: the search did not reach the edge of
-    # stability, so the curve cannot say how far below it the steepest point lies (probe fits decide).
+    # stability, so the curve cannot say how far below it the steepest point lies.
     still_falling: bool = False
+    top: float | None = None  # the probe ladder's highest learning rate (None: no probe fit can help)
+    # Where the curve never fell clearly: the loss the best probe fit must end below to be suggested.
+    below: float | None = None
     probed: bool = False  # ``lr`` is the probe fits' choice (:func:`decide`)
 
 
@@ -97,28 +118,35 @@ def suggest(lrs: list[float], losses: list[float], mode: str, skip_begin: int = 
         def amount(v: float) -> str:
             return f"{100 * (1 - math.exp(-max(v, 0.0))):.1f}%" if log_scale else f"{max(v, 0.0):.3g}"
 
+        below = start - PROBE_NOISE_MULTIPLE * error
         return Suggestion(None, (
             f"No learning rate suggested: the loss never fell clearly below where it started (it fell at most "
             f"{amount(fall if low > 0 else 0.0)}; with this much noise a fall takes {amount(NOISE_MULTIPLE * error)}). "
             "Widen the range (lower min_lr if the loss was already falling at the start, higher max_lr if it never "
             f"started to fall) or run more steps (num_training; this search ran {len(lrs)}), so that each learning "
-            "rate is averaged over more batches."), looked_at, smoothed)
+            "rate is averaged over more batches."), looked_at, smoothed,
+            top=looked_at[-1] / END_GUARD, below=math.exp(below) if log_scale else below)
     spacing = x[:low + 1].log() if mode == "exponential" else x[:low + 1]
     slope = torch.gradient(curve[:low + 1], spacing=(spacing,))[0]
     # The last two smoothing widths: within them the centred curve has no turn it could still show.
     still_falling = low >= len(y) - max(2, round(2 * width))
-    return Suggestion(looked_at[int(slope.argmin())], "", looked_at, smoothed, still_falling)
+    steepest, lowest = looked_at[int(slope.argmin())], looked_at[low]
+    lr = min(steepest, lowest / GUARD)
+    return Suggestion(lr, "", looked_at, smoothed, steepest, lowest, still_falling,
+                      top=lr if still_falling else lowest / GUARD)
 
 
-def probe_ladder(steepest: float, max_lr: float) -> list[float]:
-    """The learning rates the probe fits try around a still-falling curve's steepest point, capped at
-    ``max_lr`` (the range the user allowed); duplicates after the cap are dropped."""
-    return sorted({min(steepest * f, max_lr) for f in PROBE_FACTORS})
+def probe_ladder(found: Suggestion) -> list[float]:
+    """The learning rates of the probe fits for the curve ``found`` (none where no probe can help):
+    ``PROBES`` of them, a third of a decade apart, up to ``found.top``."""
+    if found.top is None:
+        return []
+    return [found.top * 10 ** (-k / 3) for k in range(PROBES - 1, -1, -1)]
 
 
 def probe_steps(num_training: int) -> int:
-    """Steps per probe fit: together the probes cost about the search again."""
-    return max(MIN_PROBE_STEPS, num_training // len(PROBE_FACTORS))
+    """Steps per probe fit: a third of the search's, at least ``MIN_PROBE_STEPS``."""
+    return max(MIN_PROBE_STEPS, num_training // 3)
 
 
 def probe_score(losses: list[float]) -> float:
@@ -132,12 +160,17 @@ def probe_score(losses: list[float]) -> float:
 
 
 def decide(found: Suggestion, lrs: list[float], scores: list[float]) -> Suggestion:
-    """The probe fits' verdict on a still-falling curve: the learning rate of the lowest score; none
-    when every probe diverged or rose."""
+    """The probe fits' verdict on the curve ``found``: the learning rate of the lowest score; none when
+    every probe diverged or rose, or, where the curve never fell clearly, when the best did not end
+    below ``found.below`` either."""
     finite = [(score, lr) for lr, score in zip(lrs, scores) if math.isfinite(score)]
+    tried = ", ".join(f"{lr:.3g}" for lr in lrs)
+    if found.lr is None and found.below is not None and (not finite or min(finite)[0] >= found.below):
+        return dataclasses.replace(found, reason=(
+            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}) fell clearly "
+            "either."))
     if not finite:
         return dataclasses.replace(found, lr=None, reason=(
-            "No learning rate suggested: the loss was still falling at max_lr, and every probe fit around its "
-            f"steepest point ({', '.join(f'{lr:.3g}' for lr in lrs)}) diverged or ended above where it started. "
-            "Lower max_lr, or run more steps (num_training)."))
-    return dataclasses.replace(found, lr=min(finite)[1], probed=True)
+            f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged or ended "
+            "above where it started. Lower min_lr and max_lr, or run more steps (num_training)."))
+    return dataclasses.replace(found, lr=min(finite)[1], reason="", probed=True)

@@ -44,7 +44,7 @@ class Probe:
         report(trainer.fabric, probe_equal={k: same(before[k], after[k]) for k in before}, probe_points=len(result.lrs))
 
 
-# Standalone, on a curve still falling at max_lr: the search runs its probe fits on every rank.
+# Standalone: the search runs its probe fits on every rank.
 phalanx.seed_everything(3)
 probed = Regressor(optimizer="sgd", lr=1e-3)
 probed_before, rng_before = flat(probed), capture_rng_state()["torch"]
@@ -62,6 +62,7 @@ trainer = phalanx.Trainer(max_epochs=2, callbacks=[Probe(), finder, ckpt], **qui
 model = Regressor(optimizer="adam", lr=1e-3, dropout=0.1)
 trainer.fit(model, loader(64, 4, shuffle=True), loader(37, 8))
 devices = {str(d) for d in trainer.logger_connector.devices()}
+metric_devices = {str(v.device) for v in trainer.callback_metrics.values()}  # step and epoch values alike
 report(trainer.fabric, lr=model.lr, suggestion=finder.lr, opt_lr=trainer.optimizer.param_groups[0]["initial_lr"],
        val_mae=float(trainer.callback_metrics["val_mae"]), devices=sorted(devices), device=str(trainer.device),
-       world=trainer.world_size, best=ckpt.best_model_path)
+       metric_devices=sorted(metric_devices), world=trainer.world_size, best=ckpt.best_model_path)
