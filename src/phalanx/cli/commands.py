@@ -85,7 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # working directory: this process starts before the script says where its root is.
     # On several nodes each launcher sees its own ranks only, numbered globally: it names the failed ones alone.
     logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None,
-                   ranks=args.devices if args.num_nodes == 1 else None)
+                   ranks=args.devices if args.num_nodes == 1 else None, first_rank=args.node_rank * args.devices)
     torchrun += logs.torchrun_args()
     if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
         torchrun += ["--signals-to-handle", AGENT_SIGNALS]
