@@ -12,7 +12,7 @@ from phalanx.checkpoint.layer import (
     remove,
     save,
 )
-from phalanx.checkpoint.newest import finished_at, latest
+from phalanx.checkpoint.newest import complete, finished_at, latest, missing
 from phalanx.checkpoint.state import load_into_module
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "META_KEY",
     "Found",
     "check_plain",
+    "complete",
     "consolidate",
     "find",
     "find_unsafe",
@@ -28,6 +29,7 @@ __all__ = [
     "load",
     "load_into_module",
     "load_raw",
+    "missing",
     "read_everything",
     "read_file",
     "remove",

@@ -32,6 +32,7 @@ from phalanx.checkpoint.format import (
     read_file,
     strip_meta,
 )
+from phalanx.checkpoint.newest import missing
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, ShardIO, StateOwner, of_kind
 from phalanx.checkpoint.replace import is_checkpoint_file, publish_directory
 from phalanx.checkpoint.state import check_entries, module_mismatch, sort_state
@@ -75,7 +76,7 @@ def find(path: str | Path) -> Found | None:
 def _locate_for_load(path: Path) -> Path:
     found = find(path)
     if found is None:
-        raise CheckpointError(f"No checkpoint at {path}.")
+        raise CheckpointError(missing(path))
     if found.recovered:
         diagnostics.notice(
             f"A save of {path} was interrupted while replacing it; loading the previous checkpoint, {found.path}."
