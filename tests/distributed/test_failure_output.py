@@ -242,7 +242,9 @@ def test_a_crashed_job_shows_its_cause_once_and_the_tracebacks_are_in_the_log(tm
     # No rank's traceback, no torch error block; fabric.launch(fn) raises in the launching process, whose own
     # traceback (a few lines, uncaught here) ends with the cause.
     assert out.count("Traceback (most recent") == (how == "launch(fn)"), out
-    assert "ChildFailedError" not in out and "Sending process" not in out and "[rank" not in out, out
+    assert "ChildFailedError" not in out and "Sending process" not in out, out
+    # "[rankN]: " only labels rank 1's own lines (its prints), never torch's rank-prefixed traceback lines.
+    assert all(re.match(r"\[rank1\]: rank 1 (step|batch) \d", ln) for ln in out.splitlines() if "[rank" in ln), out
     if how == "launch(fn)":  # the launching process raises; its own short traceback ends with the cause
         assert out.strip().splitlines()[-1].startswith("phalanx.utils.errors.PhalanxError: fabric.launch(train) "
                                                        "failed: "), out

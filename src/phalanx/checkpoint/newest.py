@@ -27,7 +27,7 @@ def complete(directories: list[Path], pattern: str = "*", world_size: int | None
     narrows the names. ``world_size``: only snapshots written by that many ranks (one resumes its own topology
     only)."""
     found: list[tuple[float, Path]] = []
-    for directory in dict.fromkeys(directories):
+    for directory in _unique(directories):
         if not directory.is_dir():
             continue
         for step, (world, when) in snapshot.complete_steps(directory).items():
@@ -49,13 +49,24 @@ def complete(directories: list[Path], pattern: str = "*", world_size: int | None
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
+def _unique(folders: list[Path]) -> list[Path]:
+    """``folders`` without repeats, a folder named two ways (relative, absolute) counted once, in their order."""
+    seen: set[Path] = set()
+    out = []
+    for folder in folders:
+        if folder.absolute() not in seen:
+            seen.add(folder.absolute())
+            out.append(folder)
+    return out
+
+
 def missing(path: str | Path, directories: list[Path] | None = None, shown: int = 8) -> str:
     """The words for a checkpoint ``path`` at which nothing exists: that, and the checkpoints that do exist in
     its folder and in ``directories`` (newest first, at most ``shown`` of them), or that there are none."""
     folders = [Path(path).parent, *(directories or [])]
     found = [p for _, p in complete(folders)]
     if not found:
-        where = ", ".join(str(f) for f in dict.fromkeys(folders))
+        where = ", ".join(str(f) for f in _unique(folders))
         return f"{path} does not exist, and there is no checkpoint in {where}."
     more = f" and {len(found) - shown} older" if len(found) > shown else ""
     return (f"{path} does not exist. The checkpoints that do, newest first: "
