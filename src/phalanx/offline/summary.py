@@ -15,16 +15,8 @@ from typing import Any
 import torch
 
 from phalanx.checkpoint import MARKER, complete
-from phalanx.offline.sources import (
-    DEEPSPEED,
-    PLAIN_DCP,
-    SAFETENSORS,
-    SHARDED,
-    SINGLE,
-    STATE_DICT,
-    open_source,
-    tensors,
-)
+from phalanx.checkpoint.protocol import DEEPSPEED, PLAIN_DCP, SAFETENSORS, SHARDED, SINGLE, STATE_DICT, tensors
+from phalanx.checkpoint.sources import open_source
 from phalanx.utils.errors import CheckpointError
 
 _LAYOUTS = {
