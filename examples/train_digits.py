@@ -124,6 +124,10 @@ def main() -> None:
         ckpt_path="last" if args.resume else None,
     )
 
+    if "val_acc" not in trainer.callback_metrics:  # --resume over a run that had finished: nothing was trained
+        trainer.print(f"the run in {out} is finished ({trainer.current_epoch} of {args.epochs} epochs, step "
+                      f"{trainer.global_step}); nothing to train. Best checkpoint: {checkpoint.best_model_path}")
+        return
     accuracy = float(trainer.callback_metrics["val_acc"])
     trainer.print(f"learning rate from the LR finder: {model.lr:.3g} (plot: {out / 'lr_find.png'})")
     trainer.print(f"best checkpoint: {checkpoint.best_model_path}")

@@ -68,10 +68,14 @@ def test_flipped_bytes_in_a_single_file_are_refused_naming_the_tensor_and_the_pr
 ) -> None:
     fabric, model, optimizer = _setup()
     previous, ckpt = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt"
+    export, later = tmp_path / "model.pt", tmp_path / "epoch=2.ckpt"
     fabric.save(previous, {"model": model, "optimizer": optimizer, "step": 1})
+    fabric.save(export, {"model": model})  # an export of the weights: not a checkpoint of this run to go on from
     fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": 2})
-    _older(previous)
+    fabric.save(later, {"model": model, "optimizer": optimizer, "step": 3})  # after it: never "the previous"
     before, after = flip(ckpt, _raw(model[0].weight))
+    for path, age in ((previous, 300), (export, 200), (ckpt, 100)):
+        _older(path, age)
 
     # What the issue reported: plain torch.load takes the damaged file without a word.
     silent = torch.load(ckpt, weights_only=True)["model"]["0.weight"]
@@ -90,7 +94,7 @@ def test_flipped_bytes_in_a_single_file_are_refused_naming_the_tensor_and_the_pr
         read_everything(ckpt)
     assert str(err.value) == expected
 
-    # The previous checkpoint loads; without one, the advice is generic.
+    # The previous checkpoint loads; without one (only a later one and an export are left), the advice is generic.
     fabric.load(previous, {"model": fresh, "optimizer": fresh_opt})
     assert torch.equal(fresh[0].weight, model[0].weight)
     previous.unlink()

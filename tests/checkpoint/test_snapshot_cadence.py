@@ -160,3 +160,25 @@ def test_a_snapshot_costs_at_least_its_own_call(monkeypatch: pytest.MonkeyPatch)
             cadence.taken(step, _alone, seconds=0.0015)
     assert cadence.snapshot_seconds == pytest.approx(0.0015)
     assert cadence.every_n_steps == 3
+
+
+def test_the_cadence_is_said_once_per_run_and_again_on_a_4x_change(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Any) -> None:
+    """announcement(said, agreed): the first choice of a run is said, then only a change by 4x or more, whatever
+    the attempt: a restarted attempt starts from what the run's earlier attempt said (its log folder's record)."""
+    from phalanx.checkpoint.snapshot.cadence import announcement
+    from phalanx.distributed.runlogs import RUN_VARIABLE
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv(RUN_VARIABLE, str(tmp_path))  # under a launcher phalanx owns
+    assert announcement(None, 8) == (8, True)  # the first attempt's first choice
+    assert announcement(8, 16) == (8, False) and announcement(8, 3) == (8, False)  # less than 4x: not again
+    assert announcement(8, 32) == (32, True) and announcement(32, 8) == (8, True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted attempt measures anew
+    assert announcement(None, 16) == (8, False)  # the run said 8 last
+    assert announcement(None, 2) == (2, True)
+    monkeypatch.delenv(RUN_VARIABLE)  # a plain torchrun restart: what was said is unknown; the first attempt said one
+    assert announcement(None, 16) == (16, False)
+    assert announcement(16, 4) == (4, True)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert announcement(None, 16) == (16, True)  # one process, no launcher

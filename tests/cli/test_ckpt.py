@@ -103,6 +103,38 @@ def test_inspect_reads_step_and_epoch_of_a_trainer_checkpoint(tmp_path: Path,
     assert code == 0 and info["trainer"] and (info["step"], info["epoch"], info["batches_done"]) == (42, 3, 5)
 
 
+def test_inspect_lists_a_folder_of_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ModelCheckpoint's folder is listed, newest first, each with what its metadata says (not a "sharded
+    checkpoint without its marker"); what is not a complete checkpoint is left out, one that cannot be read says
+    why."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    model = mlp().state_dict()
+    for name, epoch, step in (("epoch=0-step=4.ckpt", 0, 4), ("epoch=1-step=8.ckpt", 1, 8), ("last.ckpt", 1, 8)):
+        loop = LoopState()
+        loop.current_epoch, loop.global_step = epoch, step
+        stream_save({"model": model, "loops": loop.state_dict(1, 4), "phalanx_trainer": 1}, folder / name,
+                    lambda t: t)
+    (folder / "broken.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    (folder / "notes.txt").write_text("not a checkpoint")
+    (folder / ".last.ckpt.tmp-1").write_bytes(b"a save in progress")
+    for age, name in enumerate(("last.ckpt", "epoch=1-step=8.ckpt", "broken.ckpt", "epoch=0-step=4.ckpt")):
+        os.utime(folder / name, (1_700_000_000 - 60 * age, 1_700_000_000 - 60 * age))
+    code, out, err = cli(capsys, "ckpt", "inspect", folder)
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    assert lines[0] == (f"{folder}: a folder of 4 checkpoints, newest first (`phalanx ckpt inspect FOLDER/NAME` "
+                        "verifies one and shows what it holds):")
+    assert [line.split()[0] for line in lines[1:]] == ["last.ckpt", "epoch=1-step=8.ckpt", "broken.ckpt",
+                                                       "epoch=0-step=4.ckpt"]
+    assert "single; step 8, epoch 1;" in lines[1] and "single; step 4, epoch 0;" in lines[4]
+    assert "cannot be read: " in lines[3] and "truncated or corrupt" in lines[3]
+    code, out, _ = cli(capsys, "ckpt", "inspect", folder, "--json")
+    rows = json.loads(out)["checkpoints"]
+    assert code == 0 and [(r["name"], r.get("step")) for r in rows] == [
+        ("last.ckpt", 8), ("epoch=1-step=8.ckpt", 8), ("broken.ckpt", None), ("epoch=0-step=4.ckpt", 4)]
+
+
 # ---------------------------------------------------------------------- convert
 def test_convert_each_way_is_bit_identical(saved: tuple[Path, Any], tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:

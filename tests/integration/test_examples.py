@@ -63,6 +63,12 @@ def test_main_job_trainer_digits(tmp_path: Path) -> None:
     out = tmp_path / "runs" / "train_digits"
     assert (out / "lr_find.png").stat().st_size > 0
     assert list((out / "checkpoints").glob("*.ckpt"))
+    # --resume over the finished run: it says so and ends well, with nothing trained and no restart.
+    again = _run("train_digits.py", tmp_path, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout.strip()  # rich's bar, idle, leaves a blank line (its console is stdout)
+    assert said.startswith("the run in runs/train_digits is finished (12 of 12 epochs, step "), again.stdout
+    assert "Restart" not in again.stderr and "Epoch" not in again.stderr, again.stderr[-3000:]
 
 
 def test_main_job_help_describes_every_option() -> None:

@@ -176,7 +176,7 @@ def test_kill_during_save_many_trials(tmp_path: Path) -> None:
 
 
 def test_load_refuses_missing_and_partial_checkpoints(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="No checkpoint at"):
+    with pytest.raises(CheckpointError, match="nothing does not exist, and there is no checkpoint in "):
         read_everything(tmp_path / "nothing")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_bytes(b"")

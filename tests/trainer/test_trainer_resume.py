@@ -78,8 +78,11 @@ def test_resume_errors(tmp_path: Path) -> None:
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
     with pytest.raises(CheckpointError, match=r"Cannot resume training"):
         phalanx.Trainer(max_epochs=2, **quiet()).fit(Regressor(), loader(8, 4), ckpt_path=tmp_path / "weights.ckpt")
-    with pytest.raises(MisconfigurationError, match=r"does not exist"):
+    # A path that does not exist: the checkpoints that do are named, so the right one is one copy away.
+    with pytest.raises(MisconfigurationError) as missing:
         phalanx.Trainer(max_epochs=2, **quiet()).fit(Regressor(), loader(8, 4), ckpt_path=tmp_path / "nope.ckpt")
+    assert str(missing.value) == (f"ckpt_path {tmp_path / 'nope.ckpt'} does not exist. The checkpoints that do, newest "
+                                  f"first: {tmp_path / 'weights.ckpt'}.")
     # "last" without any checkpoint starts from scratch, and says so.
     fresh = phalanx.Trainer(max_epochs=1, **quiet(enable_checkpointing=True, default_root_dir=tmp_path / "r"))
     fresh.fit(Regressor(), loader(8, 4), ckpt_path="last")

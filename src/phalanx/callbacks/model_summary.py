@@ -156,7 +156,8 @@ def summarize(module: nn.Module, max_depth: int = 1) -> Summary:
 
 
 class ModelSummary(Callback):
-    """Print the module's summary table at the start of fit (global rank 0).
+    """Print the module's summary table at the start of fit (global rank 0), once per run: a restarted attempt
+    does not print it again.
 
     Args:
         max_depth: how deep into submodules the table goes (-1: all, 0: totals only).
@@ -176,7 +177,7 @@ class ModelSummary(Callback):
         if not trainer.is_global_zero:
             return
         summary = summarize(module, self.max_depth)
-        diagnostics.info("\n" + self.render(summary), rank=trainer.global_rank)
+        diagnostics.once_per_run(f"Model summary:\n{self.render(summary)}", rank=trainer.global_rank)
 
 
 class RichModelSummary(ModelSummary):

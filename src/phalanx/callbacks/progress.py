@@ -1,10 +1,17 @@
 """Progress bars on global rank 0: tqdm (a phalanx dependency) or rich (when installed and asked for).
 
 ``ProgressBar`` picks the backend; ``TQDMProgressBar`` and ``RichProgressBar`` are Lightning's names for
-each, with the arguments phalanx cannot honour refused."""
+each, with the arguments phalanx cannot honour refused.
+
+While a bar is drawn, log records (phalanx's notices, and the application's on the root logger) are written
+through the bar's own path, so each starts a line of its own instead of being glued to the bar: tqdm's
+``logging_redirect_tqdm`` (``tqdm.write``: clear the bar, write the line, draw the bar again), and rich's
+live display, which takes ``sys.stderr`` over while it runs (phalanx's handler writes to the current one)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -16,11 +23,31 @@ if TYPE_CHECKING:
     from phalanx.core.view import TrainerView
 
 
+def _console_loggers() -> list[logging.Logger]:
+    """The loggers that write to the console themselves: phalanx's (unless the application configured logging)
+    and the root logger (when the application gave it a console handler)."""
+    found = []
+    for logger in (logging.getLogger("phalanx"), logging.getLogger()):
+        if any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in logger.handlers):
+            found.append(logger)
+    return found
+
+
 class _TqdmBar:
     def __init__(self, total: int | None, desc: str, initial: int, leave: bool) -> None:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, initial=initial, leave=leave, dynamic_ncols=True, file=sys.stderr)
+
+    @staticmethod
+    def write_logs_through() -> contextlib.AbstractContextManager[Any]:
+        """While entered, console log records go through ``tqdm.write``."""
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect: contextlib.AbstractContextManager[Any] = logging_redirect_tqdm(loggers=_console_loggers(),
+                                                                                 tqdm_class=tqdm)
+        return redirect
 
     def update(self, n: int, metrics: dict[str, Any]) -> None:
         if metrics:
@@ -32,6 +59,10 @@ class _TqdmBar:
 
 
 class _RichBar:
+    @staticmethod
+    def write_logs_through() -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # rich's live display takes sys.stderr over itself
+
     def __init__(self, total: int | None, desc: str, initial: int, leave: bool) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -76,6 +107,7 @@ class ProgressBar(Callback):
         self.refresh_rate, self.backend = refresh_rate, backend
         self._bars: dict[str, Any] = {}
         self._pending: dict[str, int] = {}
+        self._logs = contextlib.ExitStack()  # records through the bars: from the first bar opened to the last closed
 
     def _active(self, trainer: TrainerView) -> bool:
         return self.refresh_rate > 0 and trainer.is_global_zero
@@ -86,7 +118,10 @@ class ProgressBar(Callback):
 
     def _open(self, key: str, total: int | None, desc: str, initial: int = 0, leave: bool = True) -> None:
         self._close(key)
-        self._bars[key] = _backend(self.backend)(total, desc, initial, leave)
+        backend = _backend(self.backend)
+        if not self._bars:
+            self._logs.enter_context(backend.write_logs_through())
+        self._bars[key] = backend(total, desc, initial, leave)
         self._pending[key] = 0
 
     def _advance(self, trainer: TrainerView, key: str) -> None:
@@ -104,6 +139,8 @@ class ProgressBar(Callback):
             if pending:
                 bar.update(pending, {})
             bar.close()
+        if not self._bars:
+            self._logs.close()
 
     def on_train_epoch_start(self, trainer: TrainerView, module: Module) -> None:
         if self._active(trainer):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint.format import MARKER, META_KEY, check_plain, find_unsafe, read_file
 from phalanx.checkpoint.layer import load, load_raw, remove, save
-from phalanx.checkpoint.newest import finished_at, latest
+from phalanx.checkpoint.newest import complete, finished_at, latest, missing
 from phalanx.checkpoint.protocol import Wrapper
 from phalanx.checkpoint.sources import Found, find, read_everything
 from phalanx.checkpoint.state import load_into_module
@@ -38,6 +38,7 @@ __all__ = [
     "Found",
     "Wrapper",
     "check_plain",
+    "complete",
     "find",
     "find_unsafe",
     "finished_at",
@@ -45,6 +46,7 @@ __all__ = [
     "load",
     "load_into_module",
     "load_raw",
+    "missing",
     "read_everything",
     "read_file",
     "remove",

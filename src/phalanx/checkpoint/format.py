@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
+import warnings
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
@@ -165,26 +166,57 @@ def strip_meta(ckpt: dict[str, Any]) -> dict[str, Any]:
 _SUFFIXES = (".ckpt", ".pt", ".pth")
 
 
-def earlier_checkpoint(checkpoint: Path) -> Path | None:
-    """The newest other checkpoint next to ``checkpoint`` (a file with a checkpoint suffix, or a directory
-    with a marker) written before it, else the newest other one; None if there is none. A link to
-    ``checkpoint`` itself (``last.ckpt``) does not count."""
+def _meta_of(path: Path) -> dict[str, Any] | None:
+    """phalanx's metadata of the checkpoint at ``path`` (a file, or a directory's marker), read without its
+    tensors' data (memory-mapped) and without checking it; None where there is none or it cannot be read."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path / MARKER if path.is_dir() else path, map_location="cpu", mmap=True,
+                              weights_only=True)
+    except Exception:
+        return None
+    meta = ckpt.get(META_KEY) if isinstance(ckpt, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _finished(path: Path) -> float:
+    """When the save of ``path`` finished: its file's time, or its marker's (written last)."""
+    return (path / MARKER if path.is_dir() else path).stat().st_mtime
+
+
+def earlier_checkpoint(checkpoint: Path, looked_at: int = 10) -> Path | None:
+    """The checkpoint to use instead of ``checkpoint``: the newest other one next to it whose save finished
+    before its own and that holds the same entries (a checkpoint of the same run, not an export or a
+    weights-only file) in the format this version loads; None if there is none among the ``looked_at`` newest
+    earlier ones. Not verified against its checksums (that reads every byte). Links (``last.ckpt``) are not
+    named: the checkpoint they point to is."""
     checkpoint = Path(checkpoint)
-    own = 0.0
-    with contextlib.suppress(OSError):
-        own = checkpoint.stat().st_mtime
-    candidates: list[tuple[bool, float, str, Path]] = []
+    mine = _meta_of(checkpoint)
+    try:
+        own = _finished(checkpoint)
+    except OSError:
+        return None
+    if mine is None:
+        return None
+    candidates: list[tuple[float, Path]] = []
     with contextlib.suppress(OSError):
         for sibling in checkpoint.parent.iterdir():
-            if sibling.name.startswith(".") or sibling.name == checkpoint.name:
+            if sibling.name.startswith(".") or sibling.name == checkpoint.name or sibling.is_symlink():
                 continue
             with contextlib.suppress(OSError):
-                if sibling.exists() and checkpoint.exists() and sibling.samefile(checkpoint):
+                if sibling.samefile(checkpoint):
                     continue
                 if (sibling.is_file() and sibling.suffix in _SUFFIXES) or (sibling / MARKER).is_file():
-                    mtime = sibling.stat().st_mtime
-                    candidates.append((mtime <= own, mtime, sibling.name, sibling))
-    return max(candidates)[3] if candidates else None
+                    when = _finished(sibling)
+                    if when < own:
+                        candidates.append((when, sibling))
+    for _, candidate in sorted(candidates, reverse=True)[:looked_at]:
+        meta = _meta_of(candidate)
+        if meta is not None and meta.get("format_version") == FORMAT_VERSION and meta.get("entries") == mine.get(
+                "entries"):
+            return candidate
+    return None
 
 
 def _described(m: checksums.Mismatch, checkpoint: Path) -> str:

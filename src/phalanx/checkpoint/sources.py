@@ -38,6 +38,7 @@ from phalanx.checkpoint.format import (
     looks_like_raw_state_dict,
     read_file,
 )
+from phalanx.checkpoint.newest import missing
 from phalanx.checkpoint.protocol import (
     MODULE,
     PLAIN_DCP,
@@ -101,7 +102,7 @@ def locate(path: Path, complete: bool = True) -> Found:
     if it is not a complete checkpoint."""
     found = find(path)
     if found is None:
-        raise CheckpointError(f"No checkpoint at {path}.")
+        raise CheckpointError(missing(path))
     if found.recovered:
         diagnostics.notice(
             f"A save of {path} was interrupted while replacing it; loading the previous checkpoint, {found.path}."

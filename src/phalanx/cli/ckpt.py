@@ -41,8 +41,10 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser("inspect", help="verify a checkpoint; what it holds and what can load it",
                         description="Verify PATH against the checksums it recorded (exit code 1 and the damaged "
                                     "tensor named if it is corrupt), then show its strategy, world size, step/epoch, "
-                                    "entries, tensors and sizes, and what can load it.")
-    p.add_argument("path", help="checkpoint file or directory")
+                                    "entries, tensors and sizes, and what can load it. A folder of checkpoints (a "
+                                    "ModelCheckpoint's dirpath) is listed instead, one line each, newest first, from "
+                                    "their metadata (not verified).")
+    p.add_argument("path", help="checkpoint file or directory, or a folder of checkpoints")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the largest --top)")
     p.add_argument("--top", type=int, default=10, help="how many of the largest tensors to list (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object (every tensor) for scripts")
@@ -75,12 +77,17 @@ def _fail(command: str, err: Exception, code: int = 1) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from phalanx.offline.summary import describe, render
+    from phalanx.offline.summary import describe, describe_folder, is_folder, render, render_folder
 
     if not Path(args.path).exists() and not Path(args.path).is_symlink():
         return _fail("inspect", FileNotFoundError(f"no such file or directory: {args.path}"), 2)
     if args.top < 0:
         return _fail("inspect", ValueError("--top must be >= 0"), 2)
+    if is_folder(args.path):
+        rows = describe_folder(args.path, weights_only=not args.trust)
+        print(json.dumps({"path": args.path, "checkpoints": rows}, indent=1) if args.json
+              else render_folder(args.path, rows))
+        return 0
     try:
         info = describe(args.path, weights_only=not args.trust, verify=not args.no_verify)
     except CheckpointError as err:

@@ -25,10 +25,14 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run a training script on N processes (one or many nodes)",
         description="Run SCRIPT in --devices processes per node on --num-nodes nodes, on torch.distributed.run.",
     )
-    p.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
+    p.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"],
+                   help="overrides the script's accelerator (default: the script's own)")
     p.add_argument("--devices", type=int, default=1, help="processes per node (default 1)")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--num-nodes", type=int, default=1,
+                   help="how many nodes the job spans; start `phalanx run` once on each (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank among --num-nodes: 0 on the node at --main-address, then 1, 2, ... "
+                        "(default 0)")
     p.add_argument("--main-address", default="127.0.0.1", help="address of the node with rank 0")
     p.add_argument("--main-port", type=int, default=None, help="port on the main node (default: free port)")
     p.add_argument("--strategy", default=None, help="overrides the script's strategy")
@@ -92,7 +96,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # working directory: this process starts before the script says where its root is.
     # On several nodes each launcher sees its own ranks only, numbered globally: it names the failed ones alone.
     logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None,
-                   ranks=args.devices if args.num_nodes == 1 else None)
+                   ranks=args.devices if args.num_nodes == 1 else None, first_rank=args.node_rank * args.devices)
     torchrun += logs.torchrun_args()
     if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
         torchrun += ["--signals-to-handle", AGENT_SIGNALS]

@@ -155,7 +155,8 @@ def _who(ranks: list[int]) -> str:
 
 def failure_summary(err: Any, ranks: int | None = None, oom: int | None = None) -> tuple[str, int]:
     """Words for a launcher's ChildFailedError (anything with ``failures``: rank -> exitcode, error file), and
-    the job's exit code, e.g. "rank 1 was killed by SIGKILL; rank 0 stopped as a consequence". Ranks that
+    the job's exit code (the first-failed rank's: 128 + N for one signal N killed), e.g. "rank 1 was killed by
+    SIGKILL; rank 0 stopped as a consequence". Ranks that
     failed alike are named together; a rank that recorded its error (phalanx does, see
     :func:`phalanx.distributed.launch.record_failure`) is quoted. ``ranks``: how many the attempt had (ranks
     not among the failures stopped as a consequence); ``oom``: how many out-of-memory kills the kernel counted
@@ -168,6 +169,7 @@ def failure_summary(err: Any, ranks: int | None = None, oom: int | None = None) 
         exitcode = getattr(failure, "exitcode", 1)
         if exitcode < 0:
             how = f"killed by {signal_name(-exitcode)}"
+            code = code or 128 - exitcode  # as a shell reports a process a signal ended (137: SIGKILL)
             if -exitcode == signal.SIGKILL and oom:
                 how += (f" (the kernel's out-of-memory killer: this cgroup's oom_kill count rose by {oom}; give the "
                         "job more memory or use less, e.g. a smaller batch or fewer dataloader workers)")

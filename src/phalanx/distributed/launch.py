@@ -30,7 +30,7 @@ from phalanx.distributed.failures import failure_summary, preempted_summary, sig
 from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
 from phalanx.distributed.runlogs import RunLogs, log_root
 from phalanx.utils import exiting
-from phalanx.utils.diagnostics import notice
+from phalanx.utils.diagnostics import RELAUNCHED_VARIABLE, notice
 from phalanx.utils.errors import MisconfigurationError, PhalanxError
 
 # More CPU processes than this many per core are refused when phalanx starts them itself: each rank
@@ -259,7 +259,8 @@ def launch_script(nprocs: int, max_restarts: int = 0, root: str | os.PathLike[st
     command = script_command()
     _threads_per_rank(nprocs)
     prepare_agent_process()
-    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs)
+    # The ranks run the script again (launch(fn)'s import it): what it said before the launch was said here.
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"})
     try:
         with logs:
             elastic_launch(_launch_config(nprocs, logs, max_restarts), sys.executable)(*command)
@@ -313,7 +314,8 @@ def launch_function(
         )
     _threads_per_rank(nprocs)
     prepare_agent_process()
-    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs)
+    # The ranks run the script again (launch(fn)'s import it): what it said before the launch was said here.
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"})
     try:
         with logs:
             results = elastic_launch(_launch_config(nprocs, logs, max_restarts), _function_entry)(factory, fn, args)

@@ -7,13 +7,15 @@ the Trainer with ``devices=N``, ``phalanx run``):
   a Fabric's first logger's ``root_dir`` (else the working directory), and the working directory under
   ``phalanx run`` (it starts before the script says anything); ``$PHALANX_LOG_DIR`` replaces
   ``<root>/phalanx_logs``. The ranks learn it (``PHALANX_RUN_LOGS``) so that their fault lines name it;
-* each rank's **stderr** is written to a file by torch's elastic agent itself
-  (``DefaultLogsSpecs(redirects=Std.ERR)``, torchrun's ``--redirects 2 --log-dir``):
-  ``<run folder>/<torch run id>_<x>/attempt_<n>/<local rank>/stderr.log``. Nothing is lost: the file has all
-  of it, tracebacks included;
-* each rank's **stdout** is left alone: training prints reach the terminal live, as before;
-* a thread shows the stderr files on the terminal as they grow (progress bars, warnings, phalanx's
-  notices), leaving out traceback blocks (:class:`TracebackFilter`);
+* each rank's **stdout and stderr** are written to files by torch's elastic agent itself
+  (``DefaultLogsSpecs(redirects=Std.ALL)``, torchrun's ``--redirects 3 --log-dir``):
+  ``<run folder>/<torch run id>_<x>/attempt_<n>/<local rank>/{stdout,stderr}.log``, unbuffered
+  (``PYTHONUNBUFFERED=1`` for the ranks unless set). Nothing is lost: the files have all of it, tracebacks
+  included;
+* a thread shows them on the terminal as they grow (:mod:`phalanx.distributed.terminal`): stdout on stdout,
+  stderr on stderr, each rank's lines whole, other ranks' than rank 0 behind ``[rankN]: ``, nothing glued to a
+  progress bar, and of stderr everything but traceback blocks (training prints, progress bars, warnings,
+  phalanx's notices);
 * torch's agent logs (about a failed rank, its traceback for ``launch(fn)``, "Sending process ... closing
   signal", "Received 15 death signal") go to ``<run folder>/launcher.log`` instead of the terminal;
 * a failed attempt's summary is recorded for the restarted ranks
@@ -21,18 +23,16 @@ the Trainer with ``devices=N``, ``phalanx run``):
 * at the end the launcher prints where the log is and the cause (:mod:`phalanx.distributed.failures`).
 
 ``PHALANX_SHOW_TRACEBACKS=1`` (``phalanx run --show-tracebacks``) turns the redirection off: every rank
-prints to the terminal as torch's launcher does by default. Under a plain ``torchrun`` phalanx changes
-nothing.
+prints to the terminal as torch's launcher does by default (the ranks' writes, unlabelled, as they come).
+Under a plain ``torchrun`` phalanx changes nothing (its own ``--tee 3`` labels every line).
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import glob
 import logging
 import os
-import re
 import shutil
 import sys
 import threading
@@ -51,12 +51,16 @@ from phalanx.distributed.failures import (
     signal_name,
 )
 from phalanx.distributed.preemption import EXIT_PREEMPTED
+from phalanx.distributed.terminal import Tail, Terminal, rank_label
 
 SHOW_VARIABLE = "PHALANX_SHOW_TRACEBACKS"
 DIR_VARIABLE = "PHALANX_LOG_DIR"
 DEFAULT_DIR = "phalanx_logs"
 #: Set by the launcher for its ranks: the run's log folder, which their fault lines name.
 RUN_VARIABLE = "PHALANX_RUN_LOGS"
+#: Set for the ranks whose output is shown from the files (unless the user set it): each print reaches its file
+#: at once, so that it shows live and in its place among the rank's stderr lines.
+_UNBUFFERED = "PYTHONUNBUFFERED"
 
 # torch's agent loggers whose records move to launcher.log: about a failed rank, and the agent's own (e.g.
 # "Received 15 death signal, shutting down workers", which a preemption's one line already says).
@@ -74,6 +78,39 @@ def log_root(run_root: str | os.PathLike[str] | None = None) -> str:
     return os.environ.get(DIR_VARIABLE) or os.path.join(run_root or ".", DEFAULT_DIR)
 
 
+def run_memory() -> str | None:
+    """Where the attempts of this run leave what they said for the next (``<run folder>/said``), under a
+    launcher phalanx owns; None elsewhere (a plain torchrun, ``PHALANX_SHOW_TRACEBACKS=1``)."""
+    folder = os.environ.get(RUN_VARIABLE)
+    return os.path.join(folder, "said") if folder else None
+
+
+def said_in_run(key: str) -> str | None:
+    """What an attempt of this run recorded under ``key`` (:func:`record_in_run`), or None."""
+    memory = run_memory()
+    if memory is None:
+        return None
+    try:
+        with open(os.path.join(memory, key)) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def record_in_run(key: str, value: str) -> None:
+    """Record ``value`` under ``key`` for the later attempts of this run (nothing outside a launcher phalanx
+    owns). Every rank may record the same value: each write replaces the file whole."""
+    memory = run_memory()
+    if memory is None:
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(memory, exist_ok=True)
+        tmp = os.path.join(memory, f".{key}.{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.write(value)
+        os.replace(tmp, os.path.join(memory, key))
+
+
 def shown_path(path: str) -> str:
     """``path`` relative to the working directory when it lies inside it."""
     rel = os.path.relpath(path)
@@ -85,135 +122,30 @@ def show_tracebacks() -> bool:
     return os.environ.get(SHOW_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-# ------------------------------------------------------------------------------------------ the filter
-_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch's excepthook prefixes each traceback line with the rank
-_STARTS = ("Traceback (most recent call last):", "Exception in thread ", "Exception ignored in")
-_WATCHDOG = re.compile(r"^\[phalanx\] rank \d+( is ending: |'s main thread was blocked here:)")
-_CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
-
-
-class TracebackFilter:
-    """Decides, line by line, what of a rank's stderr is shown on the terminal: everything except
-    traceback blocks (``Traceback ...`` through the exception line, chained ones included) and the
-    watchdog's report of a rank it ends (the launcher's summary quotes both causes). Stateful: feed one
-    rank's lines in order."""
-
-    def __init__(self) -> None:
-        self.state = "show"  # "show" | "traceback" (inside the frames) | "after" (the exception line was seen)
-        self.prefixed = False
-        self.hid = False  # whether any line was left out (then the log holds more than the terminal showed)
-
-    @staticmethod
-    def _core(line: str) -> tuple[str, bool]:
-        stripped = _PREFIX.sub("", line, count=1)
-        return stripped, stripped != line
-
-    def _starts(self, core: str) -> bool:
-        return (core.startswith(_STARTS) or bool(_WATCHDOG.match(core))
-                or core.lstrip(" +").startswith("Exception Group Traceback"))
-
-    def feed(self, piece: str) -> str:
-        """One line with its terminator (``\\n``, or ``\\r`` for a progress bar's update); returns what to
-        show ('' to hide it)."""
-        shown = self._feed(piece)
-        self.hid = self.hid or (not shown and bool(piece.strip()))
-        return shown
-
-    def _feed(self, piece: str) -> str:
-        text = piece.rstrip("\r\n")
-        core, prefixed = self._core(text)
-        if self.state == "show":
-            if piece.endswith("\n") and self._starts(core):
-                self.state, self.prefixed = "traceback", prefixed
-                return ""
-            return piece
-        if self.state == "after":
-            # After the exception line: its further message lines (torch prefixes them too), blank lines
-            # and a chained traceback still belong to the block; anything else is output again.
-            if (self.prefixed and prefixed) or not text.strip() or core.startswith(_CHAINED):
-                return ""
-            self.state = "show"
-            return self._feed(piece)
-        # Inside the frames: indented lines, blank lines, chaining notes, the watchdog's stack.
-        if not text.strip() or text[:1] in " \t" or core[:1] in " \t" or core.startswith(_CHAINED) \
-                or self._starts(core):
-            return ""
-        self.state = "after"  # the exception line ("ValueError: ..."), hidden too
-        return ""
-
-    def may_hide(self, partial: str) -> bool:
-        """Whether an unterminated line could turn out to be hidden (then it waits for its end)."""
-        if self.state != "show":
-            return True
-        if partial.startswith("[") and "]" not in partial:
-            return True  # perhaps the start of "[rankN]: Traceback" or "[phalanx] rank N is ending"
-        core = self._core(partial)[0].lstrip(" +")
-        return any(c.startswith(core) or core.startswith(c) for c in (*_STARTS, "[phalanx] rank ", "Exception Group"))
-
-
-class _Tailed:
-    """One rank's stderr file: what of it has been read, and its filter."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.offset = 0
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.buffer = ""
-        self.shown = 0  # how much of the unterminated line in ``buffer`` was already shown
-        self.pending = ""  # ``buffer`` at the previous poll
-        self.filter = TracebackFilter()
-
-    def pump(self, final: bool) -> str:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
-        except OSError:
-            data = b""
-        self.offset += len(data)
-        self.buffer += self.decoder.decode(data, final=final)
-        out = []
-        start = 0
-        for match in re.finditer(r"\r\n|\n|\r", self.buffer):
-            piece = self.buffer[start:match.end()]
-            start = match.end()
-            shown = self.filter.feed(piece)
-            out.append(shown[self.shown:] if shown else "")
-            self.shown = 0
-        self.buffer = self.buffer[start:]
-        partial = self.buffer[self.shown:]
-        if partial:
-            # An unterminated line (a progress bar redrawn with "\r") is shown once it stopped growing for a
-            # poll, unless it may start a traceback; the rest of its line follows when it ends.
-            if final:
-                out.append(self.filter.feed(self.buffer)[self.shown:])
-                self.shown = len(self.buffer)
-            elif self.buffer == self.pending and not self.filter.may_hide(self.buffer):
-                out.append(partial)
-                self.shown = len(self.buffer)
-        self.pending = self.buffer
-        return "".join(out)
-
-
 # ------------------------------------------------------------------------------------------ the run
 class RunLogs:
     """The log directory of one launch, and (as a context manager) the terminal view of it."""
 
     def __init__(self, run_id: str, *, show: bool | None = None, root: str | None = None, dst: TextIO | None = None,
-                 ranks: int | None = None):
+                 ranks: int | None = None, first_rank: int = 0, environ: dict[str, str] | None = None):
         """``root``: the folder for run folders (default :func:`log_root`); ``ranks``: how many the job starts
-        on this node (the ranks a failure summary names as stopped)."""
+        on this node (the ranks a failure summary names as stopped); ``first_rank``: the global rank of this
+        node's local rank 0 (what labels its ranks' lines); ``dst``: where the ranks' output is shown (default:
+        this process's stdout and stderr); ``environ``: variables the ranks get (set in this process while the
+        job runs, as the agent copies its environment into the ranks')."""
         self.run_id = run_id
         self.show = show_tracebacks() if show is None else show
         self.dir = None if self.show else os.path.abspath(os.path.join(root or log_root(), run_id))
         self.ranks = ranks
-        self._dst = dst
+        self._terminal = Terminal(dst, dst)
+        self._first_rank = first_rank
+        self._given = dict(environ or {})
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handler: logging.Handler | None = None
         self._recorder: AttemptRecorder | None = None
         self._saved: list[tuple[logging.Logger, bool]] = []
-        self._tailed: dict[str, _Tailed] = {}
+        self._tailed: dict[str, Tail] = {}
         self._environ: dict[str, str | None] = {}
 
     # -- what torch is told
@@ -223,21 +155,24 @@ class RunLogs:
             return None
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
-        return DefaultLogsSpecs(log_dir=self.dir, redirects=Std.ERR)
+        return DefaultLogsSpecs(log_dir=self.dir, redirects=Std.ALL)
 
     def torchrun_args(self) -> list[str]:
         """The same, as ``torch.distributed.run`` arguments."""
-        return [] if self.dir is None else ["--log-dir", self.dir, "--redirects", "2"]
+        return [] if self.dir is None else ["--log-dir", self.dir, "--redirects", "3"]
 
     # -- while the job runs
     def __enter__(self) -> RunLogs:
-        self._environ = {name: os.environ.get(name) for name in (RUN_VARIABLE, CAUSE_VARIABLE)}
+        names = (RUN_VARIABLE, CAUSE_VARIABLE, _UNBUFFERED, *self._given)
+        self._environ = {name: os.environ.get(name) for name in names}
         os.environ.pop(CAUSE_VARIABLE, None)
+        os.environ.update(self._given)
         self._recorder = AttemptRecorder(self.error_file, self.ranks)
         logging.getLogger(_FAILURES_LOGGER).addHandler(self._recorder)
         if self.dir is None:
             return self
         os.environ[RUN_VARIABLE] = self.dir
+        os.environ.setdefault(_UNBUFFERED, "1")
         os.makedirs(self.dir, exist_ok=True)
         handler = logging.FileHandler(os.path.join(self.dir, "launcher.log"), delay=True)  # created if used
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -262,7 +197,7 @@ class RunLogs:
 
     def _hid_anything(self) -> bool:
         launcher_log = os.path.join(str(self.dir), "launcher.log")
-        return os.path.exists(launcher_log) or any(t.filter.hid for t in self._tailed.values())
+        return os.path.exists(launcher_log) or any(t.filter.hid for t in self._tailed.values() if t.filter is not None)
 
     def close(self) -> None:
         if self._recorder is not None:
@@ -328,17 +263,20 @@ class RunLogs:
         tailed = self._tailed
         while True:
             final = self._stop.is_set()
-            for path in self.rank_logs().values():
-                tailed.setdefault(path, _Tailed(path))
-            text = "".join(t.pump(final) for t in tailed.values())
-            if text:
-                dst = self._dst or sys.stderr
-                try:
-                    dst.write(text)
-                    dst.flush()
-                except (OSError, ValueError):
-                    pass
+            for name in ("stdout.log", "stderr.log"):
+                for rank, path in self._rank_files(name).items():
+                    if path not in tailed:
+                        label = rank_label(self._first_rank + rank)
+                        tailed[path] = Tail(path, stderr=name == "stderr.log", label=label)
+            # What each file got since the last poll, as of one moment, shown in the order the files last changed.
+            for tail in tailed.values():
+                tail.mark()
+            pumped = [(tail.changed, i, tail, pieces) for i, tail in enumerate(tailed.values())
+                      if (pieces := tail.pump(final))]
+            for _, _, tail, pieces in sorted(pumped, key=lambda item: (item[0], item[1])):
+                self._terminal.show(tail, tail.label, tail.stderr, pieces)
             if final:
+                self._terminal.end()
                 return
             self._stop.wait(_POLL_SECONDS)
 
@@ -392,5 +330,5 @@ class RunLogs:
                 f"Set {SHOW_VARIABLE}=1 to print them here instead.")
 
 
-__all__ = ["DEFAULT_DIR", "DIR_VARIABLE", "RUN_VARIABLE", "SHOW_VARIABLE", "RunLogs", "TracebackFilter", "log_root",
+__all__ = ["DEFAULT_DIR", "DIR_VARIABLE", "RUN_VARIABLE", "SHOW_VARIABLE", "RunLogs", "log_root",
            "show_tracebacks", "shown_path"]

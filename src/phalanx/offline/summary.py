@@ -3,18 +3,21 @@
 Beyond the checksums it recorded, which are verified by default (every byte is read once, on several
 threads), no tensor data is read (files are memory-mapped, shards described by DCP's metadata, DeepSpeed's
 weights by its recorded shapes), so inspecting needs no trust in the file beyond what ``weights_only=True``
-allows.
+allows. A folder of checkpoints (a ModelCheckpoint's) is listed, one line each, from their metadata only.
 """
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from phalanx.checkpoint import MARKER, complete
 from phalanx.checkpoint.protocol import DEEPSPEED, PLAIN_DCP, SAFETENSORS, SHARDED, SINGLE, STATE_DICT, tensors
 from phalanx.checkpoint.sources import open_source
+from phalanx.utils.errors import CheckpointError
 
 _LAYOUTS = {
     SINGLE: "single file (torch.save)",
@@ -114,6 +117,50 @@ def describe(path: str | Path, weights_only: bool = True, verify: bool = True) -
         "loadable_by": _loadable_by(source.kind, meta),
         "notes": source.notes,
     }
+
+
+def is_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder that holds checkpoints rather than a checkpoint directory itself."""
+    path = Path(path)
+    if not path.is_dir() or (path / MARKER).is_file() or (path / ".metadata").is_file():
+        return False
+    return bool(complete([path]))
+
+
+def describe_folder(path: str | Path, weights_only: bool = True) -> list[dict[str, Any]]:
+    """One row per complete checkpoint in the folder ``path``, newest first (by when its save finished): what
+    :func:`describe` says of it without verifying it, or ``error``: why it cannot be read."""
+    rows = []
+    for when, entry in complete([Path(path)]):
+        row: dict[str, Any] = {"name": entry.name, "finished": datetime.datetime.fromtimestamp(when).isoformat(
+            sep=" ", timespec="seconds")}
+        try:
+            info = describe(entry, weights_only, verify=False)
+        except CheckpointError as err:
+            row["error"] = str(err).splitlines()[0] if str(err) else type(err).__name__
+        else:
+            row.update({k: info[k] for k in ("path", "layout", "strategy", "world_size", "step", "epoch",
+                                             "tensor_bytes", "disk_bytes")})
+            row["entries"] = [e["key"] for e in info["entries"]]
+        rows.append(row)
+    return rows
+
+
+def render_folder(path: str | Path, rows: list[dict[str, Any]]) -> str:
+    """:func:`describe_folder`'s rows as text: one line per checkpoint."""
+    lines = [f"{path}: a folder of {len(rows)} checkpoint{'s' if len(rows) != 1 else ''}, newest first "
+             "(`phalanx ckpt inspect FOLDER/NAME` verifies one and shows what it holds):"]
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        if "error" in r:
+            what = f"cannot be read: {r['error']}"
+        else:
+            counters = ", ".join(f"{k} {r[k]}" for k in ("step", "epoch") if r.get(k) is not None)
+            ranks = r["world_size"] and f"{r['world_size']} rank{'s' if r['world_size'] != 1 else ''}"
+            who = ", ".join(str(v) for v in (r["strategy"], ranks) if v)
+            what = "; ".join(filter(None, (r["layout"], counters, who, human(r["disk_bytes"]))))
+        lines.append(f"  {r['name']:<{width}}  {r['finished']}  {what}")
+    return "\n".join(lines)
 
 
 def human(n: float) -> str:

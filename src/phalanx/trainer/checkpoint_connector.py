@@ -250,7 +250,7 @@ class CheckpointConnector:
             )
         found = checkpoint.find(ckpt_path)
         if found is None:
-            return None, "missing", f"ckpt_path={str(ckpt_path)!r} does not exist."
+            return None, "missing", f"ckpt_path {checkpoint.missing(ckpt_path, self.checkpoint_dirs())}"
         if found.problem:
             return None, "incomplete", f"ckpt_path={str(ckpt_path)!r} cannot be loaded: {found.problem}"
         return str(ckpt_path), None, None

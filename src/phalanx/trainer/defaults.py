@@ -11,11 +11,12 @@ from phalanx.utils.errors import MisconfigurationError
 
 
 def make_loggers(logger: Any, root_dir: Path) -> list[Any]:
-    """``Trainer(logger=...)``: True (a CSVLogger under ``root_dir``), False/None, a logger or a list."""
+    """``Trainer(logger=...)``: True (a CSVLogger writing ``<root_dir>/lightning_logs/version_N``, Lightning's
+    folder, apart from the launcher's ``<root_dir>/phalanx_logs``), False/None, a logger or a list."""
     if logger is True:
         from phalanx.loggers import CSVLogger
 
-        return [CSVLogger(root_dir=root_dir, name="phalanx_logs")]
+        return [CSVLogger(root_dir=root_dir, name="lightning_logs")]
     if logger is False or logger is None:
         return []
     return list(logger) if isinstance(logger, (list, tuple)) else [logger]  # Fabric checks each is a Logger

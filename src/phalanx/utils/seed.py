@@ -41,7 +41,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if verbose:
         from phalanx.utils import diagnostics
 
-        diagnostics.info(f"Seed set to {seed}", rank=int(os.environ.get("RANK", "0")))
+        diagnostics.once_per_run(f"Seed set to {seed}", rank=int(os.environ.get("RANK", "0")))
     return seed
 
 

@@ -28,6 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from phalanx.distributed.runlogs import record_in_run, run_memory, said_in_run
+from phalanx.utils.diagnostics import restarted
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.late_reads import LateRead
 
@@ -45,6 +47,25 @@ MAPPING = 2
 #: again even where snapshots are so cheap that they are taken every step or two.
 PROBE_EVERY = 16
 _MAX_GAP = 1_000_000
+_SAID = "snapshot-cadence"  # what the run records of the cadence it said (announcement)
+
+
+def announcement(said: int | None, agreed: int) -> tuple[int | None, bool]:
+    """When the cadence is said: ``said`` is the gap this process said last (None: none yet), ``agreed`` the one
+    just chosen from settled measurements. Returns the gap said last from now on, and whether to say ``agreed``
+    now: the first choice of a run, then only a change by 4x or more. A run says it once, not once per attempt:
+    a restarted attempt starts from what an earlier one said (recorded in the run's log folder under a launcher
+    phalanx owns; elsewhere its first choice is taken as said, as the first attempt said one)."""
+    if said is None:
+        before = said_in_run(_SAID)
+        if before is not None and before.isdigit():
+            said = int(before)
+        elif restarted() and run_memory() is None:
+            return agreed, False
+    if said is not None and max(agreed, said) < 4 * min(agreed, said):
+        return said, False
+    record_in_run(_SAID, str(agreed))
+    return agreed, True
 
 
 class Cadence:
@@ -133,13 +154,10 @@ class Cadence:
         self._next = step + gap
         # The first snapshots' costs include mapping their files (one per slot kept): not what the next ones cost.
         self._window, self._window_size = [], min(EFFECT, gap) if self._count > MAPPING else 0
-        said = self._announced
-        settled = len(self._costs) >= SETTLED
-        if agreed <= 0 or basis is None or not settled or (
-                said is not None and max(agreed, said) < 4 * min(agreed, said)):
+        if agreed <= 0 or basis is None or len(self._costs) < SETTLED:
             return None
-        self._announced = agreed
-        return self.describe(*basis)
+        self._announced, say = announcement(self._announced, agreed)
+        return self.describe(*basis) if say else None
 
     def _proposal(self) -> int:
         """This rank's k (0: not measured yet)."""
