@@ -113,9 +113,9 @@ class Fabric:
         loggers_root = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
         self._run_root = Path(root_dir) if root_dir is not None else loggers_root
         self._strategy = strategy_ = configured_strategy(self._init_kwargs)
-        self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
+        self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals), self._run_root)
         self._snapshots = Snapshots(strategy_)
-        self._persistence = Persistence(strategy_, self._snapshots)
+        self._persistence = Persistence(strategy_, self._snapshots, self._run_root)
         self._collectives = Collectives(strategy_)
         self._models = Models(strategy_, self)
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
@@ -493,5 +493,6 @@ class Fabric:
                     finalize("failed" if failed else "success")
         self._preemption.signals.uninstall()
         self._snapshots.end(failed)
+        self._persistence.end(failed or self._preemption.exited)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

@@ -30,7 +30,7 @@ from phalanx.trainer.checkpoint_connector import CheckpointConnector
 from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
 from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError, note_step
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
 
 
@@ -171,10 +171,11 @@ class Trainer(TrainerAttributes):
         self.loop_state.stop_requested = False
         self._check_manual_optimization()
         self.prepare_fit(train_dataloaders, val_dataloaders)
-        path = self._resolve_ckpt_path(self.checkpoint_connector.resume_after_restart(ckpt_path))
+        path = self.checkpoint_connector.starting_point(ckpt_path)
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             self.checkpoint_connector.restore(path)
+        self.checkpoint_connector.started_from(path)
         self.checkpoint_connector.announce_resume(path)
         module = self.lightning_module
         if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
@@ -203,6 +204,7 @@ class Trainer(TrainerAttributes):
         module.on_fit_end()
         for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
             self.hooks.after_save_checkpoint(cb)
+        self.checkpoint_connector.fit_done()
 
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
@@ -387,6 +389,8 @@ class Trainer(TrainerAttributes):
         self._add_module_callbacks(module)
         self.accumulation = self._accumulation_schedule()
         self.profiler.setup(stage, self.global_rank, None)
+        if stage == "fit":  # before anything of the fit is written
+            self.checkpoint_connector.claim_folder()
         try:
             with deterministic(self.settings.deterministic, self.settings.benchmark):
                 self.hooks.call("setup", stage)
@@ -397,6 +401,8 @@ class Trainer(TrainerAttributes):
                 return fn(*args)
         except BaseException as exc:
             self.interrupted = True
+            if isinstance(exc, Exception):
+                note_step(exc, self.global_step)  # a launcher compares it with the next attempt's failure
             self.hooks.call("on_exception", exc)
             if self.datamodule is not None:
                 self.datamodule.on_exception(exc)
@@ -415,6 +421,8 @@ class Trainer(TrainerAttributes):
                         lg.save()
             self.profiler.describe()
             self.profiler.teardown(stage)
+            # After the fit's last write. A preempted fit ended as it should: its rerun is a new run.
+            self.checkpoint_connector.release_folder(failed=self.interrupted and self.fabric.preemption is None)
             self.stage = None
             self.current_stage = None
 
