@@ -34,10 +34,12 @@ def test_a_restarted_attempt_of_the_same_run_keeps_its_start(tmp_path: Path, mon
     first = RunClaim(tmp_path)
     first.resumed_from(tmp_path / "last.ckpt")
     started = first.record.started
-    first.release(remove=False)  # a failed attempt keeps its record
+    first.release(ended_well=False)  # a failed attempt keeps its record
     again = RunClaim(tmp_path, restarted=True)
     assert (again.record.started, again.record.resumed_from) == (started, str(tmp_path / "last.ckpt"))
-    again.release(remove=False)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")  # one that ended well too, while a restart may follow
+    again.release()
+    assert (tmp_path / CLAIM).exists()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "phalanx-2")  # another run's attempt: its own start, nothing resumed
     other = RunClaim(tmp_path, restarted=True)
     assert other.record.started > started and other.record.resumed_from is None

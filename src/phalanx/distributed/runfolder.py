@@ -66,6 +66,16 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the claim
+def restarts_left() -> bool:
+    """Whether the launcher may still restart this job's processes (torch's agent says how many it allows)."""
+    try:
+        allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return False
+    return done < allowed
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """Who holds a run folder: the process, its command, the launcher's run id (the same for every attempt of
@@ -148,12 +158,13 @@ class RunClaim:
         self.record = replace(self.record, resumed_from=os.path.abspath(path) if path is not None else None)
         self._write()
 
-    def release(self, remove: bool = True) -> None:
-        """Let go of the folder; ``remove``: delete the lock file first, while still holding it (a run that failed
-        keeps it: its restarted attempt reads there when the run started)."""
+    def release(self, ended_well: bool = True) -> None:
+        """Let go of the folder. The lock file is deleted first, while still held, unless a restarted attempt
+        may follow (the fit failed, or its script may fail after it under a restarting launcher): that attempt
+        reads there when its run started and what it resumed from."""
         if self._fd is None:
             return
-        if remove:
+        if ended_well and not restarts_left():
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         os.close(self._fd)

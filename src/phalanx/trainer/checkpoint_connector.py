@@ -368,9 +368,9 @@ class CheckpointConnector:
             raise MisconfigurationError(refusal)
 
     def release_folder(self, failed: bool) -> None:
-        """After the fit: let go of the folder. A fit that failed leaves its record for its restarted attempt."""
+        """After the fit: let go of the folder (leaving its record where a restarted attempt may follow)."""
         if self._claim is not None:
-            self._claim.release(remove=not failed)
+            self._claim.release(ended_well=not failed)
             self._claim = None
 
     def starting_point(self, ckpt_path: Any) -> Path | None:
@@ -434,9 +434,9 @@ class CheckpointConnector:
         found: str | None = t.fabric.broadcast(str(newest) if newest is not None else None)
         gone = [str(d) for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None)) and not any(d.glob("*"))]
         if gone and t.is_global_zero:
-            diagnostics.notice(f"No snapshot in {', '.join(gone)} (this node's shared memory was cleared, or the node "
-                               "is "
-                               f"another one): resuming from the disk checkpoint {found or '(none)'} instead.")
+            diagnostics.notice(f"No snapshot in {', '.join(gone)} (removed when the failed attempt's fit ended, or "
+                               "this node's shared memory was cleared, or the node is another one): resuming from the "
+                               f"disk checkpoint {found or '(none)'} instead.")
         if found is None:
             where = ", ".join(str(d) for d in self.checkpoint_dirs())
             restarts.started_over(
