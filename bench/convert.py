@@ -1,4 +1,5 @@
-"""Checkpoint conversion: time and peak memory of ``phalanx ckpt convert`` vs torch's own converters.
+"""Checkpoint conversion: time and peak memory of ``phalanx ckpt convert`` (and ``phalanx consolidate``, the
+same code path) vs torch's own converters, and peak memory against the checkpoint's size.
 
     python bench/convert.py [--mb 256] [--reps 3] [--optimizer] [--quick] [--out table.md]
 
@@ -9,7 +10,8 @@ those same files. Contenders, each in a fresh subprocess (interleaved per repeti
 
 * single -> sharded: ``phalanx ckpt convert --to sharded`` vs
   ``torch.distributed.checkpoint.format_utils.torch_save_to_dcp``.
-* sharded -> single: ``phalanx ckpt convert --to single`` vs ``format_utils.dcp_to_torch_save``.
+* sharded -> single: ``phalanx ckpt convert --to single`` and ``phalanx consolidate`` (which is that command)
+  vs ``format_utils.dcp_to_torch_save``.
 * single -> safetensors: ``phalanx ckpt convert --to safetensors`` vs ``torch.load`` +
   ``safetensors.torch.save_file`` (the usual two lines).
 * sharded -> safetensors: ``phalanx ckpt convert --to safetensors`` vs ``dcp_to_torch_save`` + ``torch.load`` +
@@ -19,7 +21,9 @@ Peak memory: the subprocess's ``ru_maxrss`` (from ``os.wait4``), its peak reside
 the pages of memory-mapped files it touched (clean page cache the kernel can drop) as well as its own
 allocations; and its peak anonymous memory (``RssAnon`` in ``/proc/<pid>/status``, sampled every 10 ms),
 the allocations alone. Subprocesses that only import torch (and phalanx's converter) are measured too:
-the floor every contender pays. Output files are deleted after each run.
+the floor every contender pays. The last column is what a contender allocated beyond its floor (phalanx's for
+phalanx, torch's for torch's) as a share of the checkpoint's size: near 0 for a streaming converter, 1 or more
+for one that holds the whole checkpoint. Output files are deleted after each run.
 """
 
 from __future__ import annotations
@@ -144,15 +148,20 @@ def main() -> None:
         run(PHALANX, "ckpt", "convert", str(single), str(sharded), "--to", "sharded")
         size = single.stat().st_size / 2**20
         out = work / "out"
+        def convert(src: Path, to: str) -> list[str]:  # phalanx takes SRC DST --to X; torch's helpers SRC DST
+            return ["ckpt", "convert", str(src), str(out), "--to", to]
+
         cases = [
-            ("single -> sharded", [("phalanx ckpt convert", PHALANX, [str(single), "--to", "sharded"]),
-                                   ("torch_save_to_dcp", TORCH_TO_DCP, [str(single)])]),
-            ("sharded -> single", [("phalanx ckpt convert", PHALANX, [str(sharded), "--to", "single"]),
-                                   ("dcp_to_torch_save", DCP_TO_TORCH, [str(sharded)])]),
-            ("single -> safetensors", [("phalanx ckpt convert", PHALANX, [str(single), "--to", "safetensors"]),
-                                       ("torch.load + save_file", SAFETENSORS_FROM_FILE, [str(single)])]),
-            ("sharded -> safetensors", [("phalanx ckpt convert", PHALANX, [str(sharded), "--to", "safetensors"]),
-                                        ("dcp_to_torch_save + save_file", SAFETENSORS_FROM_DCP, [str(sharded)])]),
+            ("single -> sharded", [("phalanx ckpt convert", PHALANX, convert(single, "sharded")),
+                                   ("torch_save_to_dcp", TORCH_TO_DCP, [str(single), str(out)])]),
+            ("sharded -> single", [("phalanx ckpt convert", PHALANX, convert(sharded, "single")),
+                                   ("phalanx consolidate", PHALANX, ["consolidate", str(sharded), str(out)]),
+                                   ("dcp_to_torch_save", DCP_TO_TORCH, [str(sharded), str(out)])]),
+            ("single -> safetensors", [("phalanx ckpt convert", PHALANX, convert(single, "safetensors")),
+                                       ("torch.load + save_file", SAFETENSORS_FROM_FILE, [str(single), str(out)])]),
+            ("sharded -> safetensors", [("phalanx ckpt convert", PHALANX, convert(sharded, "safetensors")),
+                                        ("dcp_to_torch_save + save_file", SAFETENSORS_FROM_DCP,
+                                         [str(sharded), str(out)])]),
         ]
         results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         floor = [run(FLOOR) for _ in range(args.reps)]
@@ -160,10 +169,9 @@ def main() -> None:
         for rep in range(args.reps):
             for case, contenders in cases:
                 for name, code, argv in (contenders if rep % 2 == 0 else contenders[::-1]):
-                    # phalanx takes SRC DST --to X; torch's helpers take SRC DST
-                    full = ["ckpt", "convert", argv[0], str(out), *argv[1:]] if code is PHALANX else [argv[0], str(out)]
-                    results.setdefault((case, name), []).append(run(code, *full))
+                    results.setdefault((case, name), []).append(run(code, *argv))
                     remove(out)
+
         def med(runs: list[tuple[float, float, float]], i: int) -> float:
             return statistics.median(r[i] for r in runs)
 
@@ -171,14 +179,18 @@ def main() -> None:
             f"checkpoint: {size:.0f} MiB single file ({make.stdout.strip()} Linear(2048, 2048) layers"
             f"{' + AdamW state' if args.optimizer else ''}); median of {args.reps} runs",
             "",
-            "| conversion | contender | time (s) | peak RSS (MiB) | peak anonymous (MiB) |",
-            "| --- | --- | ---: | ---: | ---: |",
-            f"| (floor) | python + import torch | {med(floor, 0):.2f} | {med(floor, 1):.0f} | {med(floor, 2):.0f} |",
+            "| conversion | contender | time (s) | peak RSS (MiB) | peak anonymous (MiB) | anonymous above floor / "
+            "checkpoint size |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+            f"| (floor) | python + import torch | {med(floor, 0):.2f} | {med(floor, 1):.0f} | {med(floor, 2):.0f} | |",
             f"| (floor) | python + import phalanx's converter | {med(floor_phalanx, 0):.2f} | "
-            f"{med(floor_phalanx, 1):.0f} | {med(floor_phalanx, 2):.0f} |",
+            f"{med(floor_phalanx, 1):.0f} | {med(floor_phalanx, 2):.0f} | |",
         ]
         for (case, name), runs in results.items():
-            lines.append(f"| {case} | {name} | {med(runs, 0):.2f} | {med(runs, 1):.0f} | {med(runs, 2):.0f} |")
+            base = med(floor_phalanx if name.startswith("phalanx") else floor, 2)
+            share = max(0.0, med(runs, 2) - base) / size
+            lines.append(f"| {case} | {name} | {med(runs, 0):.2f} | {med(runs, 1):.0f} | {med(runs, 2):.0f} | "
+                         f"{share:.2f} |")
         table = "\n".join(lines)
         print(table)
         if args.out:

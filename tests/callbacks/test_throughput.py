@@ -8,10 +8,11 @@ from trainer_support import Regressor, loader, quiet
 
 import phalanx
 from phalanx.callbacks import ThroughputMonitor
+from phalanx.loggers import Logger
 from phalanx.utils.errors import MisconfigurationError
 
 
-class Recorder:
+class Recorder(Logger):
     """A logger that keeps what it was sent."""
 
     def __init__(self) -> None:

@@ -63,6 +63,28 @@ def test_checkpoint_package_never_imports_strategies_and_deepspeed_files_do_not_
         assert f"phalanx.strategies.{backend}.strategy" not in imports(src / "strategies" / backend / "checkpoint.py")
 
 
+def test_every_checkpoint_module_is_public_or_behind_a_contract() -> None:
+    """The import-linter contracts name the modules they protect: a module added to phalanx.checkpoint
+    must join one of them (or be a public package), or code above the strategies could import it freely."""
+    import fnmatch
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: import-linter's own TOML reader
+        import tomli as tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    protected = [m for c in config if c["id"] in ("checkpoint-facade", "checkpoint-backends")
+                 for m in c["protected_modules"]]
+    package = REPO / "src" / "phalanx" / "checkpoint"
+    for path in package.rglob("*.py"):
+        parts = ("phalanx", *path.relative_to(package.parent).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name in ("phalanx.checkpoint", "phalanx.checkpoint.snapshot"):
+            continue  # the public packages
+        assert any(fnmatch.fnmatchcase(name, m) for m in protected), f"{name} is in no checkpoint contract"
+
+
 def test_fsdp_does_not_depend_on_torch_private_checkpoint_helpers_at_import() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     subprocess.run([sys.executable, str(JOBS / "fsdp_without_torch_private_checkpoint_helpers.py")], check=True,

@@ -21,8 +21,9 @@ from trainer_support import Regressor, loader, quiet
 import phalanx
 from phalanx import Fabric
 from phalanx.callbacks import ModelCheckpoint
-from phalanx.checkpoint import MARKER, META_KEY, consolidate, read_everything
+from phalanx.checkpoint import MARKER, META_KEY, read_everything
 from phalanx.errors import CheckpointError
+from phalanx.offline.convert import convert
 from phalanx.offline.lazy import lazy_load
 
 pytestmark = pytest.mark.timeout(300)
@@ -231,12 +232,13 @@ def test_flipped_bytes_in_a_shard_file_are_refused_on_every_rank(tmp_path: Path)
             assert sum(length for _, length, _, _ in rec["regions"]) == rec["size"]
 
     # Without a process group: reading everything and consolidating refuse it the same way.
-    for call in (lambda: read_everything(ckpt), lambda: consolidate(ckpt, tmp_path / "out.pt")):
+    for call in (lambda: read_everything(ckpt), lambda: convert(ckpt, tmp_path / "out.pt", to="single")):
         with pytest.raises(CheckpointError) as err:
             call()
         assert str(err.value) == expected(tmp_path)
     assert not (tmp_path / "out.pt").exists()
-    sd = consolidate(tmp_path / "step1", tmp_path / "one.pt")
+    convert(tmp_path / "step1", tmp_path / "one.pt", to="single")
+    sd = torch.load(tmp_path / "one.pt", weights_only=True)
     flip(tmp_path / "one.pt", _raw(sd["model"]["0.weight"]))
     with pytest.raises(CheckpointError, match=r"tensor '0\.weight' of entry 'model' does not match its checksum"):
         read_everything(tmp_path / "one.pt")

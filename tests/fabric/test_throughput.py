@@ -11,6 +11,7 @@ from torch import nn
 
 from phalanx import Fabric
 from phalanx.fabric.throughput import Throughput, ThroughputMonitor, get_available_flops, measure_flops
+from phalanx.loggers import Logger
 
 M, K, N = 8, 16, 32  # input (M, K) through Linear(K, N)
 
@@ -65,7 +66,7 @@ def test_counters_must_be_running_totals() -> None:
         Throughput(window_size=1)
 
 
-class Recorder:
+class Recorder(Logger):
     def __init__(self) -> None:
         self.logged: list[tuple[dict[str, float], Any]] = []
 

@@ -18,6 +18,7 @@ from run_if import run_if
 from trainer_support import flat, quiet
 
 import phalanx
+from phalanx.loggers import Logger
 from phalanx.tuner.lr_find import Tuner
 from phalanx.utils.errors import MisconfigurationError
 
@@ -85,7 +86,7 @@ def test_snapshot_restores_every_kind_of_module_state() -> None:
 
 
 # ---------------------------------------------------------------------- Metric objects logged
-class Rows:
+class Rows(Logger):
     def __init__(self) -> None:
         self.rows: list[tuple[int | None, dict[str, float]]] = []
 

@@ -315,7 +315,7 @@ def test_sanity_check_leaves_no_trace() -> None:
         model = Net()
         rows: list[Any] = []
 
-        class Log:
+        class Log(L.loggers.Logger):
             def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
                 rows.append((step, dict(metrics)))
 
@@ -710,7 +710,7 @@ def test_fabric_setup_move_to_device_and_refusals(tmp_path: Any) -> None:
 def test_lightning_module_in_a_fabric_loop_logs_through_fabric() -> None:
     rows: list[Any] = []
 
-    class Log:
+    class Log(L.loggers.Logger):
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
             rows.append(dict(metrics))
 

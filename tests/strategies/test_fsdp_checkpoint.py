@@ -48,6 +48,10 @@ def test_round_trip_restores_everything(saved: tuple[Path, dict[int, dict[str, A
         assert rep[name + ":counter"] == 2 and rep[name + ":step"] == 2
         assert rep[name + ":rest"] == ["note"] and rep[name + ":note"] == "hi"
         _close(rep[name + ":after"], rep["after"])
+        # fabric.load(path) without state, in the job: each rank reads the whole checkpoint (sharded: no collective).
+        _close(rep[name + ":whole"], rep["params"])
+        assert rep[name + ":whole_keys"] == ["counter", "model", "note", "optimizer", "scheduler", "step"]
+        assert rep[name + ":whole_opt"] == list(range(12))  # torch's index-keyed layout, as in a single file
 
 
 def test_sharded_layout_and_full_file(saved: tuple[Path, dict[int, dict[str, Any]]]) -> None:
@@ -101,7 +105,7 @@ def test_consolidate_refuses_incomplete_directory(tmp_path: Path, capsys: pytest
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "__0_0.distcp").write_bytes(b"\0" * 10)
     assert phalanx_main(["consolidate", str(tmp_path / "half"), str(tmp_path / "out.pt")]) == 1
-    assert "is not a complete sharded checkpoint: .metadata is missing" in capsys.readouterr().err
+    assert "half is not a complete sharded checkpoint: phalanx_meta.pt is missing" in capsys.readouterr().err
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -195,31 +199,6 @@ def test_load_finds_the_previous_checkpoint_after_a_crash_mid_publish(
     (tmp_path / ".ckpt.old-0123456789" / MARKER).unlink()
     with pytest.raises(CheckpointError, match=r"\.ckpt\.old-0123456789 is not a complete sharded checkpoint"):
         read_everything(tmp_path / "ckpt")
-
-
-def test_consolidate_without_torch_private_helpers(
-    saved: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """torch may rename its private DCP helpers: phalanx notices, and consolidation takes torch's public
-    converter (which torch keeps working across its own renames)."""
-    import torch.distributed.checkpoint.state_dict_loader as loader
-
-    from phalanx.checkpoint import dcp
-
-    saved_dir, _ = saved
-    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "private.pt")]) == 0
-    with monkeypatch.context() as patch:
-        patch.delattr(loader, "_load_state_dict")
-        assert dcp._read_all_private(saved_dir / "ckpt") is None  # the rename is detected, not a crash
-    monkeypatch.setattr(dcp, "_read_all_private", lambda directory: None)
-    assert phalanx_main(["consolidate", str(saved_dir / "ckpt"), str(tmp_path / "public.pt")]) == 0
-    private, public = torch.load(tmp_path / "private.pt"), torch.load(tmp_path / "public.pt")
-    assert sorted(private) == sorted(public)
-    for key, value in private["model"].items():
-        assert torch.equal(public["model"][key], value)
-    for i, entry in private["optimizer"]["state"].items():
-        for k, v in entry.items():
-            assert torch.equal(public["optimizer"]["state"][i][k], v)
 
 
 def test_sharded_metadata_that_could_run_code_is_refused(

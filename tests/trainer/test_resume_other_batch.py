@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from trainer_support import Regressor, quiet
 
 import phalanx
-from phalanx.trainer.data import TrainSampler
+from phalanx.trainer.loaders import TrainSampler
 from phalanx.trainer.loops import windows
 
 pytestmark = pytest.mark.timeout(240)

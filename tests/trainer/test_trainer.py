@@ -16,12 +16,13 @@ from trainer_support import CountingSGD, Regressor, dataset, flat, loader, quiet
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.errors import PhalanxWarning
-from phalanx.trainer.data import EvalBatchSampler, TrainSampler
+from phalanx.loggers import Logger
+from phalanx.trainer.loaders import EvalBatchSampler, TrainSampler
 from phalanx.trainer.loops import windows
 from phalanx.utils.errors import MisconfigurationError
 
 
-class FakeLogger:
+class FakeLogger(Logger):
     def __init__(self) -> None:
         self.rows: list[tuple[int | None, dict[str, float]]] = []
 

@@ -128,7 +128,7 @@ SEED_JOB = JOBS / "trainer_seed.py"
 def test_ranks_seeded_differently_still_shard_one_permutation(tmp_path: Path) -> None:
     """The samplers' seed is rank 0's torch seed, broadcast (no environment variable): every sample is
     read exactly once per epoch, and the order is the one rank 0's seed gives."""
-    from phalanx.trainer.data import TrainSampler
+    from phalanx.trainer.loaders import TrainSampler
 
     reps = run_job(SEED_JOB, tmp_path).check().reports
     permutation = torch.randperm(16, generator=torch.Generator().manual_seed(100)).tolist()  # DistributedSampler's

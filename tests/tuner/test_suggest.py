@@ -22,7 +22,8 @@ import torch
 from trainer_support import Regressor, loader, quiet
 
 import phalanx
-from phalanx.tuner import LearningRateFinder, LRFinderResult, Tuner
+from phalanx.callbacks import LearningRateFinder
+from phalanx.tuner import LRFinderResult, Tuner
 from phalanx.tuner.suggest import suggest
 from phalanx.utils.errors import PhalanxWarning
 

@@ -1,20 +1,16 @@
 """Callbacks for ``phalanx.Trainer``. Any object with methods of the hook names works as a callback;
-these ship with phalanx, under Lightning's names.
-
-``LearningRateFinder`` and ``BatchSizeFinder`` live with the tuner they run (:mod:`phalanx.tuner`, a
-layer above the Trainer: the search drives the Trainer's loops). This package names them too, as
-Lightning does, and imports them on first use, so importing it loads nothing above it. These two are
-the only upward edges in the layers; pyproject.toml's layers contract lists them, so any other fails
-``lint-imports``."""
+these ship with phalanx, under Lightning's names. ``LearningRateFinder`` and ``BatchSizeFinder`` run the
+tuner's searches (:mod:`phalanx.tuner`, a layer below: it uses the Trainer only through the methods
+:class:`phalanx.tuner.view.TunedTrainer` declares)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from phalanx.callbacks.base import Callback
+from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lambda_function import LambdaCallback
+from phalanx.callbacks.lr_finder import LearningRateFinder
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary, RichModelSummary
@@ -44,14 +40,3 @@ __all__ = [
     "Timer",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "LearningRateFinder":
-        from phalanx.tuner.lr_finder_callback import LearningRateFinder
-
-        return LearningRateFinder
-    if name == "BatchSizeFinder":
-        from phalanx.tuner.batch_size_callback import BatchSizeFinder
-
-        return BatchSizeFinder
-    raise AttributeError(f"module 'phalanx.callbacks' has no attribute {name!r}")

@@ -69,7 +69,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path = ""
         self.best_model_score: float | None = None
         self.last_model_path = ""
-        self._kept: list[str] = []  # files saved without a monitor, oldest first
+        self._kept: list[str] = []  # files saved without a monitor, oldest first (kept_model_paths)
         self._last_step_saved = -1
 
     @property
@@ -196,6 +196,11 @@ class ModelCheckpoint(Callback):
         while str(path) in self.best_k_models or str(path) in self._kept:
             path, version = self.dirpath / f"{stem}-v{version}.ckpt", version + 1
         return path
+
+    @property
+    def kept_model_paths(self) -> list[str]:
+        """The files saved without a monitor that are kept (``save_top_k`` of them), oldest first."""
+        return list(self._kept)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -91,6 +91,10 @@ class AsyncCheckpoint:
     def done(self) -> bool:
         return self._finished.is_set()
 
+    def wait_finished(self) -> None:
+        """Block until this rank's part has ended, successful or not (:meth:`wait` then raises a failure)."""
+        self._finished.wait()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until this rank's part is finished; raise ``CheckpointError`` if it failed."""
         if not self._finished.wait(timeout):
@@ -216,7 +220,7 @@ class AsyncSaves:
 
         def wait() -> None:
             with self._scope("save: waiting for the asynchronous checkpoint write"):
-                pending._finished.wait()
+                pending.wait_finished()
             pending.wait()
 
         run_together(owner, "save: the asynchronous write finished", f"The asynchronous save of {pending.path}", wait,
@@ -226,7 +230,7 @@ class AsyncSaves:
         """Teardown, on this rank alone: wait for a write still running (its process group must not be
         destroyed under it) and free the staging copy."""
         if self.pending is not None:
-            self.pending._finished.wait()
+            self.pending.wait_finished()
             self.pending = None
         self._staging.close()
 

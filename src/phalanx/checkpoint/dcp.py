@@ -3,16 +3,13 @@
 Two things live here, both torch's own machinery behind a small surface:
 
 * :class:`DCPShards`, the shard layout of a directory checkpoint (``.metadata`` + ``__<rank>_0.distcp``):
-  every rank writes its shards; a checkpoint written on N ranks loads on M (DCP reshards);
-  ``read_all`` rebuilds full tensors in one plain process (``phalanx consolidate``).
+  every rank writes its shards; a checkpoint written on N ranks loads on M (DCP reshards). Reading one
+  in a plain process, tensor by tensor, is the layer's reader's (:mod:`phalanx.checkpoint.sources`).
 * full-state gather/scatter for single files: the unsharded state gathered to rank 0's CPU, and a
   full state dict broadcast from rank 0 with each rank keeping its shard.
 
 Optimizer state in a single file uses torch's index-keyed layout (what ``optimizer.state_dict()``
 gives unsharded), so any strategy or plain torch reads it; in DCP it is keyed by parameter name.
-
-torch's private helpers are imported where used, with the public fallback beside them, so a rename
-in torch breaks at most one code path of ``phalanx consolidate``, never ``strategy="fsdp"`` itself.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import io
 import pathlib
 import pickle
 import warnings
@@ -152,30 +148,6 @@ def load_full_optimizer_state(
 
 
 # ---------------------------------------------------------------------- shards (directories)
-def _read_all_private(directory: Path) -> dict[str, Any] | None:
-    """Every tensor of a DCP directory, built from its metadata (what torch's own dcp_to_torch_save
-    does, without writing a file); None where this torch lacks the private helpers."""
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError:
-        return None
-    sd: dict[str, Any] = {}
-    _load_state_dict(sd, FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return sd
-
-
-def _read_all_public(directory: Path) -> dict[str, Any]:
-    """The same through torch's public converter (one more copy in memory)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    buffer = io.BytesIO()
-    dcp_to_torch_save(str(directory), buffer)  # type: ignore[arg-type]
-    buffer.seek(0)
-    out: dict[str, Any] = torch.load(buffer, map_location="cpu", weights_only=True)
-    return out
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP's ``.metadata`` (a plain pickle that torch loads with ``pickle.load``) allowing only the
     inert types DCP puts there: its own dataclasses and enums, dtypes, sizes, layouts and paths. A
@@ -306,15 +278,3 @@ class DCPShards:
                     set_model_state_dict(e.obj, template[e.key], options=StateDictOptions(strict=strict))
                 else:
                     set_optimizer_state_dict(_require_module(e.module, e.obj), e.obj, template[e.key])
-
-    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
-        self.check(directory, info, [], weights_only)
-        try:
-            sd = _read_all_private(directory)
-            if sd is None:
-                sd = _read_all_public(directory)
-        except (Exception, CheckpointException) as err:
-            raise CheckpointError(f"Cannot read the sharded checkpoint {directory}: {_first_cause(err)}") from err
-        for key in info.get("optimizers", []):
-            sd[key] = to_index_keyed(sd[key])
-        return sd

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint.format import DEEPSPEED_LAYOUT
-from phalanx.checkpoint.protocol import Entry, Shapes
+from phalanx.checkpoint.format import DEEPSPEED_LAYOUT, META_KEY, read_file
+from phalanx.checkpoint.protocol import DEEPSPEED, MODULE, Entry, Shapes, Source, guess_kind, placeholder
 from phalanx.utils.errors import CheckpointError
 
 TAG = "checkpoint"
@@ -228,4 +229,88 @@ def _optimizer(param_shapes: list[dict[str, Any]], torch_states: list[dict[int, 
     return {"state": state, "param_groups": groups}
 
 
-__all__ = ["DeepSpeedShards"]
+
+# ---------------------------------------------------------------------- opened tensor by tensor
+def _model_states(directory: Path) -> Path:
+    """DeepSpeed's model-states file (ZeRO 1/2: one for all ranks; ZeRO-3: rank 0's holds the same shapes)."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        found = sorted(directory.glob(f"*/{name}"))
+        if len(found) == 1:
+            return found[0]
+    raise CheckpointError(f"{directory} does not hold one DeepSpeed engine checkpoint (a folder with "
+                          "mp_rank_00_model_states.pt).")
+
+
+def open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any], full: bool,
+                   verified: bool | None) -> Source:
+    """The checkpoint as a ``Source`` (``phalanx.checkpoint.sources``): with ``full`` everything merged now;
+    otherwise the weights' shapes from DeepSpeed's model-states file, read through zero_to_fp32 when asked for."""
+    meta = marker[META_KEY]
+    info = meta.get("shards", {})
+    entries = meta.get("entries", {})
+    sharded = list(info.get("sharded", []))
+    model_key = next((k for k in sharded if entries.get(k) == MODULE), "model")
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    rest = {k: entries.get(k) or guess_kind(v) for k, v in marker["extras"].items()}
+    if full:
+        # ZeRO keeps each parameter group as one flat partition per rank: the state is rebuilt whole.
+        merged = DeepSpeedShards().read_all(directory, info, weights_only)
+        return Source(directory, DEEPSPEED, meta, {**merged, **marker["extras"]},
+                      {**{k: entries.get(k, MODULE) for k in merged}, **rest}, files, verified=verified)
+    # Shapes without reading the partitions: DeepSpeed's model-states file holds them (and the buffers).
+    states = read_file(_model_states(directory), True, what="DeepSpeed model states")
+    buffers = set(states.get("buffer_names", []))
+    shapes: dict[str, Any] = {}
+    for group in states.get("param_shapes", []):
+        shapes.update(group)
+    shapes.update(states.get("frozen_param_shapes") or {})
+    module: dict[str, Any] = {}
+    for name, value in states.get("module", {}).items():
+        if name in buffers:
+            module[name] = value.float() if value.is_floating_point() else value  # zero_to_fp32's choice
+    for name, shape in shapes.items():
+        module[name] = placeholder(shape, torch.float32)  # the float32 master weights
+    for alias, target in (states.get("shared_params") or {}).items():
+        if target in module:
+            module[alias] = module[target]
+    source = Source(directory, DEEPSPEED, meta, {model_key: module, **marker["extras"]}, {model_key: MODULE, **rest},
+                    files, verified=verified)
+    merged_weights: dict[str, Any] = {}
+
+    def weight(name: str) -> torch.Tensor:
+        if not merged_weights:
+            merged_weights.update(_zero_to_fp32(directory, weights_only))
+        value = merged_weights[name]
+        return value if isinstance(value, torch.Tensor) else value.contiguous()  # ZeRO-3's lazy gathered tensor
+
+    for name, value in module.items():
+        if value.is_meta:
+            source.loaders[id(value)] = lambda name=name: weight(name)  # type: ignore[misc]
+    skipped = [k for k in sharded if k != model_key]
+    if skipped:
+        how = "is read when converting" if not full else "is not read here"
+        source.notes.append(f"{', '.join(skipped)}: DeepSpeed's partitioned optimizer state (laid out for "
+                            f"{info.get('world_size')} ranks at ZeRO stage {info.get('stage')}) {how}.")
+    return source
+
+
+def _zero_to_fp32(directory: Path, weights_only: bool) -> dict[str, Any]:
+    """The model's float32 weights through DeepSpeed's own zero_to_fp32 (its files unpickled in full)."""
+    if weights_only:
+        raise CheckpointError(
+            f"{directory} is a DeepSpeed engine checkpoint: its optimizer files hold DeepSpeed objects that only "
+            "unpickling (which can run code) rebuilds. If you trust where it comes from, pass --trust."
+        )
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as err:
+        raise CheckpointError(f"Reading the DeepSpeed checkpoint {directory} needs deepspeed "
+                              "(pip install phalanx[deepspeed]).") from err
+    # DeepSpeed prints its progress: keep stdout for phalanx's own output (--json).
+    with contextlib.redirect_stdout(sys.stderr):
+        out: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
+            str(directory), tag=_model_states(directory).parent.name, lazy_mode=True)
+    return out
+
+
+__all__ = ["DeepSpeedShards", "open_deepspeed"]

@@ -108,12 +108,14 @@ def _refused_global(err: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint") -> dict[str, Any]:
-    """Load a checkpoint file onto the CPU, turning every way it can be unreadable into a clear error."""
+def read_file(path: Path, weights_only: bool = True, what: str = "Checkpoint", mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint file onto the CPU, turning every way it can be unreadable into a clear error. ``mmap``:
+    map its tensors instead of reading them into memory (their pages are read when used; verifying reads each
+    once)."""
     path = Path(path)
     size = path.stat().st_size
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=weights_only)
+        ckpt = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except (ImportError, AttributeError) as err:
         raise CheckpointError(
             f"{what} {path} refers to code that cannot be imported here ({type(err).__name__}: {err}). "

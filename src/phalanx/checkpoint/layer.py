@@ -11,7 +11,6 @@ checkpoint).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from phalanx.checkpoint.format import (
     DCP_LAYOUT,
     DEEPSPEED_LAYOUT,
     FILE_LAYOUT,
-    FORMAT_VERSION,
     MARKER,
     META_KEY,
     check_directory,
@@ -34,55 +32,10 @@ from phalanx.checkpoint.format import (
 )
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, ShardIO, StateOwner, of_kind
 from phalanx.checkpoint.replace import is_checkpoint_file, publish_directory
+from phalanx.checkpoint.sources import locate, read_everything, read_marker
 from phalanx.checkpoint.state import check_entries, module_mismatch, sort_state
 from phalanx.distributed.outcome import run_on_rank0, run_together
-from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError, CollectiveError
-
-
-# ---------------------------------------------------------------------- where a checkpoint is
-@dataclass(frozen=True)
-class Found:
-    """A checkpoint on disk: ``path`` (the previous checkpoint's ``.old-`` copy when ``recovered``),
-    and ``problem``: why it cannot be loaded, or None."""
-
-    path: Path
-    recovered: bool
-    problem: str | None
-
-
-def _incomplete(path: Path) -> str:
-    hint = (" (If it is a torch.distributed.checkpoint directory written without phalanx, `phalanx consolidate` "
-            "turns it into one file.)" if (path / ".metadata").is_file() else "")
-    return (
-        f"{path} is not a complete sharded checkpoint: {MARKER} is missing. phalanx moves a checkpoint directory "
-        "into place only after every rank finished writing, so this directory was not produced by a completed "
-        f"phalanx save (or was copied incompletely). Use an earlier checkpoint.{hint}"
-    )
-
-
-def find(path: str | Path) -> Found | None:
-    """Whether a checkpoint exists at ``path`` and is complete (no process group needed; reads no data)."""
-    if snapshot.is_reference(path):
-        return Found(Path(path), False, snapshot.problem_with(Path(path)))
-    located = storage.locate(Path(path))
-    if located is None:
-        return None
-    found, recovered = located
-    return Found(found, recovered, _incomplete(found) if found.is_dir() and not (found / MARKER).is_file() else None)
-
-
-def _locate_for_load(path: Path) -> Path:
-    found = find(path)
-    if found is None:
-        raise CheckpointError(f"No checkpoint at {path}.")
-    if found.recovered:
-        diagnostics.notice(
-            f"A save of {path} was interrupted while replacing it; loading the previous checkpoint, {found.path}."
-        )
-    if found.problem:
-        raise CheckpointError(found.problem)
-    return found.path
 
 
 # ---------------------------------------------------------------------- save
@@ -191,20 +144,8 @@ def _write_shards(shards: ShardIO, tmp: Path, path: Path, entries: list[Entry]) 
 
 
 # ---------------------------------------------------------------------- load
-def _read_marker(directory: Path, weights_only: bool) -> dict[str, Any]:
-    marker = read_file(directory / MARKER, weights_only, what="Checkpoint marker")
-    meta = marker.get(META_KEY)
-    if not isinstance(meta, dict) or "layout" not in meta or not isinstance(marker.get("extras"), dict):
-        raise CheckpointError(
-            f"{directory / MARKER} is not a marker this phalanx version reads (format "
-            f"{meta.get('format_version') if isinstance(meta, dict) else '?'}). Load it with the phalanx version "
-            "that wrote it and save it again."
-        )
-    return marker
-
-
-def _reader(owner: StateOwner | None, layout: str, path: Path) -> ShardIO:
-    io = owner.checkpoint_shards(layout) if owner is not None else None
+def _reader(owner: StateOwner, layout: str, path: Path) -> ShardIO:
+    io = owner.checkpoint_shards(layout)
     if io is None and layout == DCP_LAYOUT:
         from phalanx.checkpoint.dcp import DCPShards
 
@@ -214,30 +155,13 @@ def _reader(owner: StateOwner | None, layout: str, path: Path) -> ShardIO:
         from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
         from phalanx.checkpoint.reshard import FullStateReader
 
-        io = DeepSpeedShards() if owner is None else FullStateReader(DeepSpeedShards(), owner)
+        io = FullStateReader(DeepSpeedShards(), owner)
     if io is None:
         raise CheckpointError(
-            f"{path} holds {layout} shards, which {'this strategy' if owner is None else repr(owner.name)} cannot "
-            "read. Load it with the strategy that wrote it (or save it there with state_dict_type='full', a single "
-            "file every strategy reads)."
+            f"{path} holds {layout} shards, which {owner.name!r} cannot read. Load it with the strategy that wrote "
+            "it (or save it there with state_dict_type='full', a single file every strategy reads)."
         )
     return io
-
-
-def read_everything(path: str | Path, weights_only: bool = True, owner: StateOwner | None = None) -> dict[str, Any]:
-    """Every entry of a checkpoint as plain CPU state (full tensors), without a process group."""
-    found = _locate_for_load(Path(path))
-    if not found.is_dir():
-        return read_file(found, weights_only)
-    marker = _read_marker(found, weights_only)
-    meta = marker[META_KEY]
-    io = _reader(owner, meta["layout"], found)
-    io.check(found, meta.get("shards", {}), [], weights_only)  # a file that could run code: that error first
-    check_directory(found, meta)
-    out = io.read_all(found, meta.get("shards", {}), weights_only)
-    out.update(marker["extras"])
-    out[META_KEY] = meta
-    return out
 
 
 def _plan(
@@ -245,10 +169,10 @@ def _plan(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Rank 0: check the checkpoint against ``entries``. Returns what every rank needs (plain, small)
     and, for a single file, the file's content (kept on rank 0)."""
-    found = _locate_for_load(path)
+    found = locate(path).path
     names = {e.key for e in entries}
     if found.is_dir():
-        marker = _read_marker(found, weights_only)
+        marker = read_marker(found, weights_only)
         meta, extras = marker[META_KEY], marker["extras"]
         info = meta.get("shards", {})
         io = _reader(owner, meta["layout"], found)
@@ -308,7 +232,7 @@ def load(
     if state is None:
         # Each rank reads everything for itself; nothing to agree on but the end.
         everything = run_together(owner, "load (finish)", f"Loading {path}",
-                               lambda: strip_meta(read_everything(path, weights_only, owner)), CheckpointError)
+                               lambda: strip_meta(read_everything(path, weights_only)), CheckpointError)
         return everything
     entries = sort_state(state)
     local: dict[str, Any] = {}
@@ -388,25 +312,6 @@ def load_raw(owner: StateOwner, path: str | Path, obj: Any, strict: bool, weight
         owner.scatter_optimizer_state(entry.module, entry.obj, sd, False)
     else:
         raise CheckpointError(f"load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
-
-
-def consolidate(src: str | Path, dst: str | Path, weights_only: bool = True) -> dict[str, Any]:
-    """One single-file checkpoint (what ``torch.load`` and every strategy read) from a sharded one."""
-    src, dst = Path(src), Path(dst)
-    if src.is_file():
-        raise CheckpointError(f"{src} is a file, not a sharded checkpoint directory.")
-    if src.is_dir() and not (src / MARKER).is_file():
-        from phalanx.checkpoint.dcp import DCPShards  # a plain torch.distributed.checkpoint directory?
-
-        sd = DCPShards().read_all(src, {}, weights_only)
-    else:
-        sd = read_everything(src, weights_only)
-        record = checksums.of_state(strip_meta(sd), FILE_LAYOUT)  # the new file's (the shards were verified)
-        sd[META_KEY] = {k: v for k, v in sd[META_KEY].items() if k != "shards"} | {
-            "layout": FILE_LAYOUT, "format_version": FORMAT_VERSION, "checksums": record}
-    check_plain(sd, "checkpoint")
-    storage.write_file(sd, dst)
-    return sd
 
 
 # ---------------------------------------------------------------------- remove

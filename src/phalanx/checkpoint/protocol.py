@@ -1,4 +1,5 @@
-"""The narrow interface between the checkpoint layer and a strategy.
+"""The narrow interface between the checkpoint layer and a strategy, and what a layout's reader hands over
+(``Source``: a checkpoint opened tensor by tensor).
 
 The layer (``phalanx.checkpoint.layer``) owns everything that is the same for every backend: sorting
 the state, atomic publishing, reading safely, checking keys and shapes, telling every rank about a
@@ -9,13 +10,16 @@ from importing each other and copying each other's logic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from phalanx.utils.errors import CheckpointError
 
 Shapes = dict[str, tuple[int, ...] | None]
 
@@ -32,6 +36,21 @@ class Entry(NamedTuple):
     obj: Any
     #: For optimizers: the module set up together with it (None if phalanx does not know it).
     module: nn.Module | None = None
+
+
+class Wrapper:
+    """Base of the objects that stand in a ``state`` dict for another whose state it is: Fabric's set-up module
+    and optimizer (:mod:`phalanx.fabric.wrappers`). The checkpoint layer saves and loads
+    :meth:`checkpoint_target` in their place. A base class, not a structural protocol, so that no user object is
+    unwrapped for happening to have the same method names."""
+
+    def checkpoint_target(self) -> Any:
+        """The object whose state a checkpoint holds for this entry."""
+        raise NotImplementedError
+
+    def checkpoint_module(self) -> nn.Module | None:
+        """For an optimizer: the module set up together with it (None where unknown, and for a module)."""
+        return None
 
 
 def of_kind(entries: Iterable[Entry], *kinds: str) -> list[Entry]:
@@ -54,7 +73,8 @@ class PrecisionState(Protocol):
 class ShardIO(Protocol):
     """How a backend writes and reads the shards of a directory checkpoint. ``write``/``read`` are
     collectives (every rank calls them); ``check``/``saved_shapes`` run on rank 0 alone before a load
-    and must not communicate; ``read_all`` runs in any single process."""
+    and must not communicate. Reading a whole checkpoint in one plain process is not a backend's: the
+    layer's one reader does it for every layout (:mod:`phalanx.checkpoint.sources`)."""
 
     #: Recorded in the checkpoint; picks the reader on load.
     layout: str
@@ -76,10 +96,6 @@ class ShardIO(Protocol):
 
     def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
         """Restore ``entries`` (all of them sharded in this checkpoint) in place."""
-        ...
-
-    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
-        """Every sharded entry as full CPU tensors in the single-file layout, without a process group."""
         ...
 
 
@@ -142,3 +158,73 @@ class StateOwner(Protocol):
     def load_local_state(self, kind: str, obj: Any, saved: dict[str, Any], strict: bool) -> None:
         """Put ``saved`` (what ``local_state`` gave, read back) into ``obj`` in place, without communicating."""
         ...
+
+
+# ---------------------------------------------------------------------- what a layout's reader hands over
+#: What a ``Source`` was opened from (``Source.kind``).
+SINGLE, SHARDED, DEEPSPEED, PLAIN_DCP, STATE_DICT = "single", "sharded", "deepspeed", "dcp", "state_dict"
+SAFETENSORS = "safetensors"
+
+
+def placeholder(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor that records shape and dtype and holds no data (its bytes are read on ``Source.load``)."""
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+@dataclass
+class Source:
+    """An opened checkpoint (:func:`phalanx.checkpoint.sources.open_source`): ``tree`` holds its entries, every
+    tensor either real or a placeholder whose data ``load`` reads. ``kinds``: entry -> module/optimizer/...;
+    ``name_keyed``: optimizer entries whose state is keyed by parameter name (DCP's form) rather than
+    torch's index; ``notes``: what a conversion leaves out, said to the user."""
+
+    path: Path
+    kind: str
+    meta: dict[str, Any]
+    tree: dict[str, Any]
+    kinds: dict[str, str]
+    files: list[Path]
+    name_keyed: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+    loaders: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    #: Told the order ``load`` will be called in (before the first call), a layout may read ahead in batches.
+    expect: Callable[[list[torch.Tensor]], None] = lambda order: None
+    #: Whether the recorded checksums were verified: True, False (none recorded), None (not asked to).
+    verified: bool | None = None
+
+    def load(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The data of a tensor of ``tree``, on the CPU and contiguous (read from disk if a placeholder)."""
+        loader = self.loaders.get(id(tensor))
+        out = loader() if loader is not None else tensor
+        if out.is_meta:
+            raise CheckpointError(f"{self.path}: a tensor of shape {tuple(out.shape)} has no data to read.")
+        out = out.detach().cpu().contiguous()
+        if tuple(out.shape) != tuple(tensor.shape) or out.dtype != tensor.dtype:
+            raise CheckpointError(f"{self.path}: a tensor read as {tuple(out.shape)} {out.dtype}, but its metadata "
+                                  f"says {tuple(tensor.shape)} {tensor.dtype}; the checkpoint is inconsistent.")
+        return out
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``tree`` with its path (``entry/key/...``)."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from tensors(value, f"{prefix}/{key}" if prefix else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from tensors(value, f"{prefix}/{i}" if prefix else str(i))
+
+
+def guess_kind(value: Any) -> str:
+    """The kind of an entry in a file without phalanx's entry record."""
+    if isinstance(value, dict) and {"state", "param_groups"} <= set(value):
+        return OPTIMIZER
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return MODULE
+    return PLAIN

@@ -3,7 +3,7 @@
 A sharded checkpoint is written in its backend's own layout (DCP's per-rank shards, DeepSpeed's ZeRO
 partitions). A strategy that cannot re-cut that layout itself (DeepSpeed cannot read DCP; its ZeRO
 partitions are flattened per parameter group) still resumes from it: every rank reads the full state
-through the layout's own single-process reader (``ShardIO.read_all``: full CPU tensors, the optimizer
+through the checkpoint layer's one reader (``sources.read_everything``: full CPU tensors, the optimizer
 in torch's index-keyed layout) and hands it to the strategy's full-state load, the same path a
 single-file checkpoint takes. That costs a full copy of the state per rank in CPU memory, which is
 why a strategy's native reader is preferred whenever it has one.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes, ShardIO, StateOwner, of_kind
+from phalanx.checkpoint.sources import read_everything
 from phalanx.utils.errors import CheckpointError, CollectiveError
 
 
@@ -40,8 +41,9 @@ class FullStateReader:
     def read(self, directory: Path, info: dict[str, Any], entries: list[Entry], strict: bool) -> None:
         with converting(directory, info, self.layout, f"{self.owner.name!r} on {self.owner.world_size} ranks"):
             # Every rank reads everything for itself (no collective), so the strategy's load below sees the
-            # same full state on every rank, as with a single file that every rank reads.
-            full = self.source.read_all(directory, info)
+            # same full state on every rank, as with a single file that every rank reads. Rank 0 verified the
+            # checksums before any rank reads (the layer's load plan).
+            full = read_everything(directory, verify=False)
             missing = [e.key for e in entries if e.key not in full]
             if missing:
                 raise CheckpointError(f"the shards hold no entry {missing}, only {sorted(full)}")
@@ -50,9 +52,6 @@ class FullStateReader:
                 self.owner.scatter_module_state(e.obj, full[e.key], strict, False)
             for e in of_kind(entries, OPTIMIZER):
                 self.owner.scatter_optimizer_state(e.module, e.obj, full[e.key], False)
-
-    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
-        return self.source.read_all(directory, info, weights_only)
 
 
 @contextlib.contextmanager

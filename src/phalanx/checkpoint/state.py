@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.checkpoint.format import META_KEY
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, plain_shapes
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN, STATEFUL, Entry, Wrapper, plain_shapes
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 
@@ -22,7 +22,7 @@ _A = {MODULE: "a module", OPTIMIZER: "an optimizer", STATEFUL: "an object with s
 
 
 def kind_of(value: Any) -> str:
-    raw = getattr(value, "_phalanx_unwrapped", value)
+    raw = value.checkpoint_target() if isinstance(value, Wrapper) else value
     if isinstance(raw, nn.Module):
         return MODULE
     if isinstance(raw, Optimizer):
@@ -44,8 +44,10 @@ def sort_state(state: dict[str, Any]) -> list[Entry]:
             out.append(Entry(key, PLAIN, value))
             continue
         kind = kind_of(value)
-        raw = getattr(value, "_phalanx_unwrapped", value) if kind != PLAIN else value
-        out.append(Entry(key, kind, raw, getattr(value, "_phalanx_module", None) if kind == OPTIMIZER else None))
+        if isinstance(value, Wrapper):
+            out.append(Entry(key, kind, value.checkpoint_target(), value.checkpoint_module()))
+        else:
+            out.append(Entry(key, kind, value))
     return out
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from phalanx.utils.errors import CheckpointError
 
@@ -22,11 +21,13 @@ from phalanx.utils.errors import CheckpointError
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "consolidate",
-        help="turn a sharded (FSDP) checkpoint directory into one file that torch.load reads",
-        description="Read every shard of SHARDED_DIR and write one torch.save file OUT_FILE (atomically).",
+        help="turn a sharded checkpoint directory into one file that torch.load reads",
+        description="Read SHARDED_DIR shard by shard and write one torch.save file OUT_FILE (atomically, with "
+                    "checksums; it must not exist): what `phalanx ckpt convert SHARDED_DIR OUT_FILE --to single` does.",
     )
-    p.add_argument("sharded_dir", help="checkpoint directory written by fabric.save under strategy='fsdp'")
-    p.add_argument("out_file", help="file to write")
+    p.add_argument("sharded_dir", help="checkpoint directory (fabric.save under strategy='fsdp' or 'deepspeed', or a "
+                                       "plain torch.distributed.checkpoint directory)")
+    p.add_argument("out_file", help="file to write (must not exist)")
     p.set_defaults(func=_cmd_consolidate)
     _add_ckpt(sub)
 
@@ -68,7 +69,8 @@ def _add_ckpt(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _fail(command: str, err: Exception, code: int = 1) -> int:
-    print(f"phalanx ckpt {command}: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+    name = "phalanx consolidate" if command == "consolidate" else f"phalanx ckpt {command}"
+    print(f"{name}: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
     return code
 
 
@@ -87,23 +89,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
+def _cmd_convert(args: argparse.Namespace, command: str = "convert") -> int:
     from phalanx.offline.convert import convert
     from phalanx.offline.summary import human
 
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists() and not src.is_symlink():
-        return _fail("convert", FileNotFoundError(f"no such file or directory: {src}"), 2)
+        return _fail(command, FileNotFoundError(f"no such file or directory: {src}"), 2)
     if dst.exists() or dst.is_symlink():
-        return _fail("convert", FileExistsError(f"{dst} exists; convert never overwrites: remove it or choose "
-                                                "another DST"), 2)
+        return _fail(command, FileExistsError(f"{dst} exists; convert never overwrites: remove it or choose "
+                                              "another DST"), 2)
     if args.to != "safetensors" and (args.entry or args.prefix is not None or args.config):
-        return _fail("convert", ValueError("--entry, --prefix and --config apply to --to safetensors only"), 2)
+        return _fail(command, ValueError("--entry, --prefix and --config apply to --to safetensors only"), 2)
     try:
         out = convert(src, dst, args.to, weights_only=not args.trust, entry=args.entry, prefix=args.prefix,
                       config=args.config)
     except CheckpointError as err:
-        return _fail("convert", err)
+        return _fail(command, err)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -115,26 +117,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(sd: dict[str, Any]) -> str:
-    parts = []
-    for key, value in sd.items():
-        if key.startswith("__"):
-            continue
-        parts.append(f"{key} ({len(value)} entries)" if isinstance(value, dict) else key)
-    return ", ".join(parts)
-
-
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from phalanx.checkpoint import consolidate
-
-    src, dst = Path(args.sharded_dir), Path(args.out_file)
-    if src.resolve() == dst.resolve():
-        print("phalanx consolidate: OUT_FILE must differ from SHARDED_DIR", file=sys.stderr)
-        return 2
-    try:
-        sd = consolidate(src, dst)
-    except CheckpointError as err:
-        print(f"phalanx consolidate: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {dst} ({dst.stat().st_size / 2**20:.1f} MiB): {_describe(sd)}")
-    return 0
+    """``phalanx ckpt convert SHARDED_DIR OUT_FILE --to single`` (one code path), for a directory only, as
+    Lightning's ``fabric consolidate`` takes one."""
+    if Path(args.sharded_dir).is_file():
+        return _fail("consolidate", CheckpointError(f"{args.sharded_dir} is a file, not a sharded checkpoint "
+                                                    "directory."))
+    single = argparse.Namespace(src=args.sharded_dir, dst=args.out_file, to="single", entry=None, prefix=None,
+                                config=None, json=False, trust=False)
+    return _cmd_convert(single, "consolidate")

@@ -43,7 +43,7 @@ class AccumulationSchedule:
         return len({n for _, n in self._entries}) == 1
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AccumulationSchedule) and other._entries == self._entries
+        return isinstance(other, AccumulationSchedule) and other.scheduling == self.scheduling
 
     def __hash__(self) -> int:
         return hash(self._entries)

@@ -115,6 +115,9 @@ def to_hparams(value: Any) -> AttributeDict | MutableMapping[str, Any]:
 class HyperparametersMixin:
     """``save_hyperparameters``, ``hparams`` and ``hparams_initial`` (shared by Module and DataModule)."""
 
+    #: Whether the Trainer sends ``hparams`` to its loggers when a fit starts (``save_hyperparameters(logger=)``).
+    hparams_to_loggers: bool = True
+
     def save_hyperparameters(
         self,
         *args: Any,
@@ -129,7 +132,7 @@ class HyperparametersMixin:
         * names: ``save_hyperparameters("lr", "hidden")`` records those arguments;
         * one dict / Namespace: ``save_hyperparameters(config)`` records its entries.
         """
-        self._log_hyperparams = logger
+        self.hparams_to_loggers = logger
         if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
             return  # an empty container: nothing to record
         if frame is None:

@@ -79,7 +79,7 @@ def load_module(
             "by trainer.save_checkpoint / ModelCheckpoint?"
         )
     model = cls(**_constructor_kwargs(cls, ckpt, "hyper_parameters", hparams_file, kwargs))
-    if strict is not None and model._strict_loading is not None and strict != model.strict_loading:
+    if strict is not None and model.strict_loading_set and strict != model.strict_loading:
         raise MisconfigurationError(
             f"load_from_checkpoint(strict={strict}) contradicts {cls.__name__}.strict_loading={model.strict_loading};"
             " set one of them."

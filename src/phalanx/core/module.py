@@ -28,6 +28,7 @@ from phalanx.utils.errors import MisconfigurationError
 if TYPE_CHECKING:
     from phalanx.core.view import TrainerView
     from phalanx.fabric.fabric import Fabric
+    from phalanx.fabric.models import FabricLink
 
 __all__ = ["REDUCE_FX", "Module", "check_reduce_fx", "no_op_hooks", "overrides"]
 
@@ -48,12 +49,12 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trainer: TrainerView | None = None
-        self._fabric: Fabric | None = None  # set by fabric.setup() when the module runs in a Fabric loop
-        self._fabric_optimizers: list[Any] = []
+        self.fabric_link: FabricLink | None = None  # set by fabric.setup() when the module runs in a Fabric loop
         self._automatic_optimization = True
         self._strict_loading: bool | None = None
         self._example_input_array: Any = None
-        self._toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]] = {}
+        # The requires_grad flags toggle_optimizer changed (core/toggling.py), put back by untoggle_optimizer.
+        self.toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]] = {}
 
     # ------------------------------------------------------------------ links to the trainer
     @property
@@ -72,8 +73,8 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
     @property
     def fabric(self) -> Fabric | None:
         """The Fabric running this module: the one that set it up in a Fabric loop, or the Trainer's."""
-        if self._fabric is not None:
-            return self._fabric
+        if self.fabric_link is not None:
+            return self.fabric_link.fabric  # type: ignore[no-any-return]
         return self._trainer.fabric if self._trainer is not None else None
 
     @property
@@ -139,6 +140,11 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
     @strict_loading.setter
     def strict_loading(self, value: bool) -> None:
         self._strict_loading = bool(value)
+
+    @property
+    def strict_loading_set(self) -> bool:
+        """Whether ``strict_loading`` was set (``load_from_checkpoint(strict=...)`` may not contradict it)."""
+        return self._strict_loading is not None
 
     @property
     def example_input_array(self) -> Any:
@@ -237,9 +243,9 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
                                 rank_zero_only)
         trainer = self._trainer
         if trainer is None:
-            if self._fabric is not None:
+            if self.fabric_link is not None:
                 if logger:  # in a Fabric loop the loggers are the only destination
-                    self._fabric.log(name, value)
+                    self.fabric_link.fabric.log(name, value)
                 return
             trainer = self.trainer  # raises, saying how to attach the module
         trainer.logger_connector.sink(trainer.current_stage).log(
@@ -256,8 +262,8 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
 
         Their ``step()`` is the real step (through the strategy's sync checks) and counts as a
         ``global_step``; with manual optimization call it yourself in ``training_step``."""
-        if self._trainer is None and self._fabric is not None:
-            opts: list[Any] = list(self._fabric_optimizers)
+        if self._trainer is None and self.fabric_link is not None:
+            opts: list[Any] = list(self.fabric_link.optimizers)
         else:
             opts = list(self.trainer.step_optimizers if use_pl_optimizer else self.trainer.optimizers)
         return opts[0] if len(opts) == 1 else opts
@@ -272,16 +278,16 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward with loss scaling and gradient sync (use it instead of ``loss.backward()``)."""
-        if self._trainer is None and self._fabric is not None:
-            self._fabric.backward(loss, *args, **kwargs)
+        if self._trainer is None and self.fabric_link is not None:
+            self.fabric_link.fabric.backward(loss, *args, **kwargs)
             return
         self.trainer.manual_backward(loss, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The backward of automatic optimization (override to customise; the default is
         ``fabric.backward`` through the set-up model)."""
-        if self._trainer is None and self._fabric is not None:
-            self._fabric.backward(loss, *args, **kwargs)
+        if self._trainer is None and self.fabric_link is not None:
+            self.fabric_link.fabric.backward(loss, *args, **kwargs)
             return
         self.trainer.fabric.backward(loss, *args, model=self.trainer.model, **kwargs)
 
@@ -291,7 +297,8 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
         if trainer is not None:
             trainer.toggle_optimizer(self, optimizer)
         else:  # a Fabric loop (or no runner yet): the optimizers fabric.setup gave this module
-            toggle_params(self, unwrapped(optimizer), [unwrapped(o) for o in self._fabric_optimizers])
+            opts = self.fabric_link.optimizers if self.fabric_link is not None else ()
+            toggle_params(self, unwrapped(optimizer), [unwrapped(o) for o in opts])
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         trainer = self._trainer
@@ -312,13 +319,13 @@ class Module(HyperparametersMixin, ModelHooks, DataHooks):
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
         """Clip the gradients of ``optimizer``'s parameters by total norm ("norm") or by value ("value")."""
-        if self._trainer is None and self._fabric is not None:
+        if self._trainer is None and self.fabric_link is not None:
             algorithm = gradient_clip_algorithm or "norm"
             if gradient_clip_val:
                 if algorithm == "value":
-                    self._fabric.clip_gradients(self, optimizer, clip_val=gradient_clip_val)
+                    self.fabric_link.fabric.clip_gradients(self, optimizer, clip_val=gradient_clip_val)
                 else:
-                    self._fabric.clip_gradients(self, optimizer, max_norm=gradient_clip_val)
+                    self.fabric_link.fabric.clip_gradients(self, optimizer, max_norm=gradient_clip_val)
             return
         self.trainer.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -20,7 +20,7 @@ from phalanx.fabric.wrappers import FabricOptimizer
 class Toggleable(Protocol):
     """A module that remembers the ``requires_grad`` flags toggling changed (``phalanx.Module`` does)."""
 
-    _toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]]
+    toggled_requires_grad: dict[int, tuple[torch.nn.Parameter, bool]]
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
@@ -33,7 +33,7 @@ def toggle_params(module: Toggleable, mine: torch.optim.Optimizer, everything: I
     """Freeze every parameter of the other optimizers in ``everything`` (remembering requires_grad on
     ``module``) so only ``mine``'s parameters get gradients. (Plain torch optimizers: the runner unwraps.)"""
     own = {id(p) for g in mine.param_groups for p in g["params"]}
-    saved = module._toggled_requires_grad
+    saved = module.toggled_requires_grad
     for opt in everything:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -45,6 +45,6 @@ def toggle_params(module: Toggleable, mine: torch.optim.Optimizer, everything: I
 
 def untoggle_params(module: Toggleable) -> None:
     """Undo :func:`toggle_params`: every parameter it froze gets its requires_grad back."""
-    for p, requires_grad in module._toggled_requires_grad.values():
+    for p, requires_grad in module.toggled_requires_grad.values():
         p.requires_grad = requires_grad
-    module._toggled_requires_grad.clear()
+    module.toggled_requires_grad.clear()

@@ -287,7 +287,7 @@ def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tu
     try:
         result = fn(fabric, *args)
     except Exception as err:
-        fabric._leave_job(err)  # peers waiting on this rank learn why at once, and the launcher (error file)
+        fabric.teardown(err)  # peers waiting on this rank learn why at once, and the launcher (error file)
         # The traceback goes to this rank's stderr (its log file when phalanx redirects it). Exiting instead
         # of raising keeps the error file phalanx wrote (torch's @record would replace it with a message
         # that does not say where the error was raised) and keeps torch's agent from logging the traceback
@@ -297,12 +297,12 @@ def _function_entry(factory: Callable[[], Any], fn: Callable[..., Any], args: tu
         sys.stderr.flush()
         raise SystemExit(1) from None
     except BaseException as err:
-        fabric._leave_job(err)
+        fabric.teardown(err)
         raise
     # This process stays alive until every rank has returned (the launcher collects return values), so
     # it must leave the group now: a peer still inside a collective then fails at once, naming this rank,
     # instead of waiting for the process-group timeout.
-    fabric._leave_job(None)
+    fabric.teardown()
     return result
 
 

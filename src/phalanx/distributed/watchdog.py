@@ -99,7 +99,7 @@ class Watchdog:
         # and a long backward must not cost store traffic.
         self.check_after = min(2.0, max(RENDEZVOUS_CHECK_AFTER, guard_timeout / 4))
         self.main_thread = main_thread
-        self.abort, self.on_fatal, self._exit = abort, on_fatal, exit
+        self.abort, self.on_fatal, self._exit_process = abort, on_fatal, exit
         self.pid, self.host = os.getpid(), socket.gethostname()
         self.beat = 0
         self.status, self.detail = "", ""
@@ -410,7 +410,7 @@ class Watchdog:
             except Exception:
                 pass
         self._stop.set()
-        self._exit(1)
+        self._exit_process(1)
 
 
 __all__ = [

@@ -33,7 +33,7 @@ class Backward:
         anomaly = self._anomaly
         if anomaly is not None:
             anomaly.before_backward(tensor)
-        self._strategy.backward(tensor, [m._fwd for m in targets], *args, **kwargs)
+        self._strategy.backward(tensor, [m.forward_module for m in targets], *args, **kwargs)
         if anomaly is not None:
             anomaly.after_backward([m.module for m in targets])
         watch = self.loss_watch

@@ -8,12 +8,13 @@ silent choice between the two.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
+from phalanx.fabric.config import FabricConfig
 from phalanx.precision import canonical_precision
 from phalanx.strategies import Strategy, resolve_strategy
 from phalanx.strategies.parallel import running_job_world_size
@@ -28,19 +29,18 @@ _CLI_ENV = {
     "strategy": "PHALANX_STRATEGY",
     "precision": "PHALANX_PRECISION",
 }
-_DEFAULTS: dict[str, Any] = {
-    "accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "32-true",
-}
 
 
-def apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
-    out = dict(args)
+def apply_cli_overrides(config: FabricConfig) -> FabricConfig:
+    """``config`` with the flags of ``phalanx run`` applied; an argument the script set to something else is
+    overridden with a warning (a strategy object is kept: its options are more than the flag says)."""
+    overrides: dict[str, Any] = {}
     for key, var in _CLI_ENV.items():
         value = os.environ.get(var)
         if value is None:
             continue
-        given = args[key]
-        if given != _DEFAULTS[key] and str(given) != value and not isinstance(given, Strategy):
+        given = getattr(config, key)
+        if not config.is_default(key) and str(given) != value and not isinstance(given, Strategy):
             env = launcher.detect_environment()
             warn(
                 f"The code sets {key}={given!r} but the job was launched with --{key.replace('_', '-')} {value}; "
@@ -49,35 +49,35 @@ def apply_cli_overrides(args: dict[str, Any]) -> dict[str, Any]:
             )
         if isinstance(given, Strategy) and key == "strategy":
             continue
-        out[key] = int(value) if key == "num_nodes" else value
-    return out
+        overrides[key] = int(value) if key == "num_nodes" else value
+    return dataclasses.replace(config, **overrides)
 
 
-def configured_strategy(args: dict[str, Any]) -> Strategy:
-    """The strategy ``Fabric(**args)`` runs on: flags applied (not to a local Fabric inside a running job),
-    devices and nodes resolved, precision and lockstep mode set (``configure`` validates the combination
-    before any process starts)."""
-    if not _local_inside_job(args):
-        args = apply_cli_overrides(args)
-    device_type = resolve_accelerator(args["accelerator"])
-    n_devices = resolve_devices(args["devices"], device_type)
-    n_nodes = int(args["num_nodes"])
+def configured_strategy(config: FabricConfig) -> Strategy:
+    """The strategy ``Fabric`` runs on: flags applied (not to a local Fabric inside a running job), devices
+    and nodes resolved, precision and lockstep mode set (``configure`` validates the combination before any
+    process starts)."""
+    if not _local_inside_job(config):
+        config = apply_cli_overrides(config)
+    device_type = resolve_accelerator(config.accelerator)
+    n_devices = resolve_devices(config.devices, device_type)
+    n_nodes = int(config.num_nodes)
     if n_nodes < 1:
         raise MisconfigurationError(f"num_nodes must be >= 1, got {n_nodes}.")
-    strategy = resolve_strategy(args["strategy"], n_devices * n_nodes)
+    strategy = resolve_strategy(config.strategy, n_devices * n_nodes)
     strategy.configure(
-        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=canonical_precision(args["precision"])
+        device_type=device_type, devices=n_devices, num_nodes=n_nodes, precision=canonical_precision(config.precision)
     )
-    if args.get("lockstep") is not None:
-        strategy.set_lockstep(args["lockstep"])
+    if config.lockstep is not None:
+        strategy.set_lockstep(config.lockstep)
     return strategy
 
 
-def _local_inside_job(args: dict[str, Any]) -> bool:
+def _local_inside_job(config: FabricConfig) -> bool:
     """``Fabric(devices=1)`` built while a Fabric of this process runs a larger job: local work on this rank
     (LitGPT's merge_lora). ``phalanx run``'s flags describe the job; applied to this Fabric, ``--devices 2``
     would make it a second job Fabric on one rank only, taking the job's process group over."""
-    return str(args["devices"]) == "1" and str(args["num_nodes"]) == "1" and running_job_world_size() > 1
+    return str(config.devices) == "1" and str(config.num_nodes) == "1" and running_job_world_size() > 1
 
 
 def refuse_plugins(plugins: Any) -> None:
@@ -87,11 +87,3 @@ def refuse_plugins(plugins: Any) -> None:
             "with precision=..., the cluster environment is detected from torchrun/SLURM/`phalanx run`, and "
             "checkpoint I/O belongs to the strategy (pass a Strategy instance with its options)."
         )
-
-
-def as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-        return list(value)
-    return [value]

@@ -33,14 +33,17 @@ from phalanx.fabric.accelerators import Accelerator, CPUAccelerator, CUDAAcceler
 from phalanx.fabric.anomaly import LOSS_WATCH_VARIABLE, AnomalyDetector, LossWatch
 from phalanx.fabric.backward import Backward
 from phalanx.fabric.collectives import Collectives
-from phalanx.fabric.connector import as_list, configured_strategy, refuse_plugins
+from phalanx.fabric.config import FabricConfig, as_tuple
+from phalanx.fabric.connector import configured_strategy, refuse_plugins
 from phalanx.fabric.data import setup_dataloader
 from phalanx.fabric.job import Job
+from phalanx.fabric.logging import Logging
 from phalanx.fabric.models import Models
 from phalanx.fabric.persistence import Persistence
 from phalanx.fabric.preemption import Preemption
 from phalanx.fabric.snapshots import Snapshots
 from phalanx.fabric.wrappers import FabricModule, FabricOptimizer
+from phalanx.loggers import Logger
 from phalanx.strategies import Strategy
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.init import skipping_init
@@ -48,7 +51,7 @@ from phalanx.utils.seed import seed_everything as _seed_everything
 from phalanx.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.checkpoint.snapshot import Cadence
 
 
@@ -62,7 +65,7 @@ class Fabric:
         num_nodes: number of machines.
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or a Strategy instance.
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
-        loggers: a logger or a list of loggers (objects with ``log_metrics(metrics, step)``).
+        loggers: a logger or a list of loggers (``phalanx.loggers.Logger`` subclasses, e.g. ``CSVLogger``).
         callbacks: objects whose methods ``fabric.call(name, ...)`` invokes.
         lockstep: ``"default"`` (compare operation names and tensor shapes before each collective) or
             ``"strict"`` (also compare call sites); None keeps the strategy's choice (or the
@@ -83,36 +86,33 @@ class Fabric:
 
     def __init__(
         self,
-        accelerator: str | Accelerator = "auto",
-        devices: int | str = "auto",
-        num_nodes: int = 1,
-        strategy: str | Strategy = "auto",
-        precision: str | int | None = "32-true",
+        accelerator: str | Accelerator = FabricConfig.accelerator,
+        devices: int | str = FabricConfig.devices,
+        num_nodes: int = FabricConfig.num_nodes,
+        strategy: str | Strategy = FabricConfig.strategy,
+        precision: str | int | None = FabricConfig.precision,
         loggers: Any = None,
         callbacks: Any = None,
-        lockstep: str | None = None,
-        detect_anomaly: bool = False,
+        lockstep: str | None = FabricConfig.lockstep,
+        detect_anomaly: bool = FabricConfig.detect_anomaly,
         plugins: Any = None,
-        warn_nonfinite_loss: bool = True,
-        max_restarts: int = 0,
-        preemption_signals: Any = None,
-        root_dir: str | Path | None = None,
+        warn_nonfinite_loss: bool = FabricConfig.warn_nonfinite_loss,
+        max_restarts: int = FabricConfig.max_restarts,
+        preemption_signals: Any = FabricConfig.preemption_signals,
+        root_dir: str | Path | None = FabricConfig.root_dir,
     ) -> None:
         refuse_plugins(plugins)
-        if precision is None:
-            precision = "32-true"
-        accelerator = accelerator_name(accelerator)
-        self._init_kwargs: dict[str, Any] = {
-            "accelerator": accelerator, "devices": devices, "num_nodes": num_nodes, "strategy": strategy,
-            "precision": precision, "loggers": loggers, "callbacks": callbacks, "lockstep": lockstep,
-            "detect_anomaly": detect_anomaly, "warn_nonfinite_loss": warn_nonfinite_loss,
-            "max_restarts": launcher.check_max_restarts(max_restarts), "preemption_signals": preemption_signals,
-            "root_dir": root_dir,
-        }
-        self._loggers, self._callbacks = as_list(loggers), as_list(callbacks)
-        loggers_root = next((Path(lg.root_dir) for lg in self._loggers if hasattr(lg, "root_dir")), None)
-        self._run_root = Path(root_dir) if root_dir is not None else loggers_root
-        self._strategy = strategy_ = configured_strategy(self._init_kwargs)
+        self.config = config = FabricConfig(
+            accelerator=accelerator_name(accelerator), devices=devices, num_nodes=num_nodes, strategy=strategy,
+            precision=FabricConfig.precision if precision is None else precision, loggers=as_tuple(loggers),
+            callbacks=as_tuple(callbacks), lockstep=lockstep, detect_anomaly=detect_anomaly,
+            warn_nonfinite_loss=warn_nonfinite_loss, max_restarts=launcher.check_max_restarts(max_restarts),
+            preemption_signals=preemption_signals, root_dir=Path(root_dir) if root_dir is not None else None,
+        )
+        self._logging = Logging(list(config.loggers), lambda: self.is_global_zero)
+        self._callbacks = list(config.callbacks)
+        self._run_root = config.root_dir if config.root_dir is not None else self._logging.root_dir
+        self._strategy = strategy_ = configured_strategy(config)
         self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals), self._run_root)
         self._snapshots = Snapshots(strategy_)
         self._persistence = Persistence(strategy_, self._snapshots, self._run_root)
@@ -132,9 +132,8 @@ class Fabric:
         (this process only supervises them and exits with the job's code), and ``launch(fn, *args)``
         runs ``fn(fabric, *args)`` in N processes and returns rank 0's result.
         """
-        factory = functools.partial(Fabric, **self._init_kwargs)
-        return self._job.launch(self, function, args, kwargs, factory, self._init_kwargs["max_restarts"],
-                                self._run_root)
+        factory = functools.partial(Fabric, **self.config.arguments())
+        return self._job.launch(self, function, args, kwargs, factory, self.config.max_restarts, self._run_root)
 
     @property
     def launched(self) -> bool:
@@ -183,12 +182,12 @@ class Fabric:
         return self.global_rank == 0
 
     @property
-    def loggers(self) -> list[Any]:
-        return self._loggers
+    def loggers(self) -> list[Logger]:
+        return self._logging.loggers
 
     @property
-    def logger(self) -> Any:
-        return self._loggers[0] if self._loggers else None
+    def logger(self) -> Logger | None:
+        return self._logging.loggers[0] if self._logging.loggers else None
 
     # ------------------------------------------------------------------ setup
     def setup(
@@ -460,11 +459,16 @@ class Fabric:
 
     def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send metrics to every logger, on rank 0 only (reduce them first if you need global values)."""
-        if not self.is_global_zero or not self._loggers:
-            return
-        plain = {k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-        for logger in self._loggers:
-            logger.log_metrics(plain, step=step)
+        self._logging.log_metrics(metrics, step)
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Send hyperparameters to every logger, on rank 0 only."""
+        self._logging.log_hyperparams(params)
+
+    def finalize_loggers(self, status: str = "success") -> None:
+        """End every logger's run (rank 0; ``status`` "success" or "failed"): what the job's end does, and the
+        Trainer at the end of each stage. A logger may log again afterwards."""
+        self._logging.finalize(status)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name(*args, **kwargs)`` on every callback that defines it."""
@@ -477,20 +481,14 @@ class Fabric:
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         return _seed_everything(seed, bool(workers), verbose=verbose)
 
-    def teardown(self) -> None:
-        """Flush loggers and leave the process group now (otherwise both happen at interpreter exit)."""
-        self._leave_job(None)
-
-    def _leave_job(self, error: BaseException | None) -> None:
-        """Finalize loggers and leave the job; ``error`` (or the exception ending the interpreter) is what
-        the other ranks are told this rank ended with."""
+    def teardown(self, error: BaseException | None = None) -> None:
+        """Finalize the loggers and leave the job now (otherwise both happen at interpreter exit). ``error``:
+        what this rank ends with, which its peers are told at once instead of waiting for it in a collective
+        (the launcher's ``launch(fn)`` passes the exception ``fn`` raised); an exception ending the
+        interpreter counts too."""
         failed = error is not None or getattr(sys, "last_value", None) is not None
         self._backward.flush()
-        if self.is_global_zero:
-            for logger in self._loggers:
-                finalize = getattr(logger, "finalize", None)
-                if callable(finalize):
-                    finalize("failed" if failed else "success")
+        self._logging.finalize("failed" if failed else "success")
         self._preemption.signals.uninstall()
         self._snapshots.end(failed)
         self._persistence.end(failed or self._preemption.exited)

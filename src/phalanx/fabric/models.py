@@ -7,7 +7,8 @@ optimizer over parameters of no set-up model would let each rank silently train 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -21,10 +22,27 @@ if TYPE_CHECKING:
     from phalanx.strategies import Strategy
 
 
+@dataclass(frozen=True)
+class FabricLink:
+    """What ``fabric.setup`` tells a module that asks (:class:`FabricLinked`): the Fabric that set it up, which
+    a :class:`phalanx.Module` run in a Fabric loop logs and steps through (its ``self.log``,
+    ``self.manual_backward``), and the optimizers set up with it (its ``self.optimizers()``)."""
+
+    fabric: Any  # the Fabric (fabric.py imports this module, so it is not named here)
+    optimizers: tuple[FabricOptimizer, ...]
+
+
+@runtime_checkable
+class FabricLinked(Protocol):
+    """A module that declares ``fabric_link`` (``phalanx.Module`` does, None until set up) is given its
+    :class:`FabricLink` by ``fabric.setup``/``setup_module``."""
+
+    fabric_link: FabricLink | None
+
+
 class Models:
-    """The set-up models of one Fabric (:attr:`modules`, in setup order). ``fabric``: what a phalanx or
-    Lightning Module run in a Fabric loop logs and steps through (its ``self.log``, ``self.optimizers()``).
-    The caller has joined the job."""
+    """The set-up models of one Fabric (:attr:`modules`, in setup order). ``fabric``: the Fabric a module
+    that declares ``fabric_link`` is linked to. The caller has joined the job."""
 
     def __init__(self, strategy: Strategy, fabric: object) -> None:
         self._strategy, self._fabric = strategy, fabric
@@ -100,9 +118,8 @@ class Models:
             )
 
     def _link(self, module: nn.Module, optimizers: list[FabricOptimizer]) -> None:
-        if hasattr(module, "_fabric_optimizers") and hasattr(module, "_fabric"):
-            setattr(module, "_fabric", self._fabric)  # noqa: B010 - any module with these slots, not one class
-            setattr(module, "_fabric_optimizers", list(optimizers))  # noqa: B010
+        if isinstance(module, FabricLinked):
+            module.fabric_link = FabricLink(self._fabric, tuple(optimizers))
 
     def _check_owned(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
         """Refuse parameters of no set-up module: nothing would sync (DDP) or shard (FSDP) them, so each

@@ -28,7 +28,7 @@ from phalanx.offline.summary import counters
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.fabric.snapshots import Snapshots
     from phalanx.strategies import Strategy
 

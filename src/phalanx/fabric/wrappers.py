@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.checkpoint import Wrapper
 from phalanx.precision import Precision
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ _OWN_MODULE_ATTRS = frozenset(
 )
 
 
-class FabricModule(nn.Module):
+class FabricModule(nn.Module, Wrapper):
     """Wraps a set-up module. ``model(x)`` and custom methods (``model.generate(x)``) run through the
     strategy's forward (DDP's reducer, autocast, input conversion). Attributes and submodules
     (``model.student``) resolve to the original module; gradients computed through them are still
@@ -61,8 +62,8 @@ class FabricModule(nn.Module):
         """The module the strategy runs forward through (e.g. the DDP wrapper)."""
         return self._fwd
 
-    @property
-    def _phalanx_unwrapped(self) -> nn.Module:
+    def checkpoint_target(self) -> nn.Module:
+        """A checkpoint holds the user's module's state (its keys carry no wrapper prefix)."""
         return self._orig
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -185,7 +186,7 @@ _PASSTHROUGH_METHODS = frozenset(dir(nn.Module))
 _OWN_OPTIMIZER_ATTRS = frozenset({"_optimizer", "_strategy", "_phalanx_module", "step"})
 
 
-class FabricOptimizer:
+class FabricOptimizer(Wrapper):
     """Wraps a set-up optimizer; ``step()`` goes through the strategy (loss scaling, sync checks).
 
     It is an instance of the wrapped optimizer's class too, and every attribute read or write is
@@ -206,9 +207,11 @@ class FabricOptimizer:
     def optimizer(self) -> Optimizer:
         return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
 
-    @property
-    def _phalanx_unwrapped(self) -> Optimizer:
+    def checkpoint_target(self) -> Optimizer:
         return self.__dict__["_optimizer"]  # type: ignore[no-any-return]
+
+    def checkpoint_module(self) -> nn.Module | None:
+        return self.__dict__["_phalanx_module"]  # type: ignore[no-any-return]
 
     def step(self, closure: Callable[[], Any] | None = None) -> float | None:
         strategy = self._strategy

@@ -1,5 +1,7 @@
-"""Metric loggers. Any object with ``log_metrics(metrics, step)`` works; these ship with phalanx under
-Lightning's names."""
+"""Metric loggers under Lightning's names. Every logger subclasses :class:`Logger` (``phalanx.loggers.base``),
+whose methods do nothing until overridden: a new logger is one file with its subclass (``log_metrics`` and what
+its backend does), plus its name here. Fabric's ``Logging`` (``phalanx.fabric.logging``) is what calls them.
+``LitLogger`` is no logger: constructing it is refused, naming the alternatives."""
 
 from phalanx.loggers.base import Logger
 from phalanx.loggers.csv import CSVLogger

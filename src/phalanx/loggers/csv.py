@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from phalanx.loggers.base import flatten_hparams, log_dir_of
+from phalanx.loggers.base import FolderLogger, flatten_hparams
 
 
-class CSVLogger:
+class CSVLogger(FolderLogger):
     """Writes ``<root_dir>/<name>/version_<n>/metrics.csv`` and ``hparams.json``.
 
     Rows are buffered and appended every ``flush_every`` rows, so a flush costs O(rows since the last
@@ -26,30 +27,17 @@ class CSVLogger:
         # save_dir / flush_logs_every_n_steps: Lightning's names for root_dir / flush_every.
         root_dir = save_dir if save_dir is not None else root_dir
         flush_every = flush_logs_every_n_steps if flush_logs_every_n_steps is not None else flush_every
-        self._root, self._name, self._version = Path(root_dir), name, version
-        self._log_dir: Path | None = None
+        super().__init__(root_dir, name, version)
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []  # every key logged so far, in order of appearance
         self._header: list[str] | None = None  # metrics.csv's columns as last read or written
         self._flush_every = flush_every
 
     @property
-    def root_dir(self) -> Path:
-        """The folder holding ``<name>/version_<n>`` (Lightning's name); a Fabric's run logs go there too."""
-        return self._root
-
-    @property
-    def log_dir(self) -> Path:
-        # Resolved lazily, so only the rank that logs (rank 0) creates the folder.
-        if self._log_dir is None:
-            self._log_dir = log_dir_of(self._root, self._name, self._version)
-        return self._log_dir
-
-    @property
     def metrics_file(self) -> Path:
         return self.log_dir / "metrics.csv"
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / "hparams.json").write_text(json.dumps(flatten_hparams(params), indent=2))
 
@@ -98,6 +86,3 @@ class CSVLogger:
             writer.writerows(self._rows)
         os.replace(tmp, self.metrics_file)
         self._header = header
-
-    def finalize(self, status: str = "success") -> None:
-        self.save()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import re
 import time
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from phalanx.loggers.base import flatten_hparams
+from phalanx.loggers.base import Logger, flatten_hparams
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
 
@@ -31,7 +32,7 @@ def _mlflow() -> Any:
     return optional_module("mlflow", "MLFlowLogger", "mlflow")
 
 
-class MLFlowLogger:
+class MLFlowLogger(Logger):
     """Args (Lightning's):
         experiment_name: created if it does not exist.
         run_name / tags: of the new run (ignored when ``run_id`` continues an existing run).
@@ -137,10 +138,10 @@ class MLFlowLogger:
         return {} if self._synchronous is None else {"synchronous": self._synchronous}
 
     # ------------------------------------------------------------------ logging
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         from mlflow.entities import Param
 
-        flat = flatten_hparams(dict(params))
+        flat = flatten_hparams(params)
         # MLflow caps a parameter value at 6000 characters and fails the whole batch beyond it.
         entries = [Param(k, str(v)[:6000]) for k, v in flat.items()]
         for start in range(0, len(entries), 100):
@@ -159,8 +160,6 @@ class MLFlowLogger:
             self.experiment.log_batch(self.run_id, metrics=entries, **self._kwargs())
             self._finished = False
 
-    def log_graph(self, model: Any, input_array: Any = None) -> None: ...
-
     # ------------------------------------------------------------------ checkpoints
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         if checkpoint_callback not in self._checkpoint_callbacks:
@@ -177,8 +176,6 @@ class MLFlowLogger:
                 continue
             self.experiment.log_artifact(self.run_id, str(file), artifact_path=f"model/checkpoints/{file.stem}")
             self._logged_checkpoints[path] = file.stat().st_mtime
-
-    def save(self) -> None: ...
 
     def finalize(self, status: str = "success") -> None:
         # Each stage ends the run (as in Lightning); the interpreter-exit call then has nothing to do.

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from phalanx.loggers.base import flatten_hparams, log_dir_of
+from phalanx.loggers.base import FolderLogger, flatten_hparams
 from phalanx.utils.tensors import optional_module
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(FolderLogger):
     """Writes event files to ``<root_dir>/<name>/version_<n>/``."""
 
     def __init__(
@@ -22,23 +23,9 @@ class TensorBoardLogger:
         # save_dir: Lightning's name for root_dir. prefix: "<prefix>-<name>" metric names; sub_dir: a folder
         # inside the version folder for the event files.
         root_dir = save_dir if save_dir is not None else root_dir
-        self._prefix, self._sub_dir = prefix, sub_dir
-        self._root, self._name, self._version = Path(root_dir), name, version
-        self._log_dir: Path | None = None
+        super().__init__(root_dir, name, version, sub_dir)
+        self._prefix = prefix
         self._writer: SummaryWriter | None = None
-
-    @property
-    def root_dir(self) -> Path:
-        """The folder holding ``<name>/version_<n>`` (Lightning's name); a Fabric's run logs go there too."""
-        return self._root
-
-    @property
-    def log_dir(self) -> Path:
-        if self._log_dir is None:
-            self._log_dir = log_dir_of(self._root, self._name, self._version)
-            if self._sub_dir is not None:
-                self._log_dir = self._log_dir / self._sub_dir
-        return self._log_dir
 
     @property
     def experiment(self) -> SummaryWriter:
@@ -48,7 +35,7 @@ class TensorBoardLogger:
             self._writer = board.SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         flat = flatten_hparams(params)
         self.experiment.add_text("hparams", "\n".join(f"{k}: {v}" for k, v in flat.items()))
 

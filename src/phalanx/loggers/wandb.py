@@ -8,10 +8,11 @@ without any network (``wandb sync`` uploads it later). Called on global rank 0 o
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from phalanx.loggers.base import flatten_hparams
+from phalanx.loggers.base import Logger, flatten_hparams
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
 
@@ -20,7 +21,7 @@ def _wandb() -> Any:
     return optional_module("wandb", "WandbLogger", "wandb")
 
 
-class WandbLogger:
+class WandbLogger(Logger):
     """Args (Lightning's): name, save_dir, version (= id, to resume a run), offline, dir (= save_dir),
     id, anonymous, project (default "lightning_logs"), log_model (False / True: checkpoints at the end
     of training / "all": each as it is written), experiment (an existing run), prefix,
@@ -94,16 +95,14 @@ class WandbLogger:
     def log_dir(self) -> str:
         return self._save_dir
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        self.experiment.config.update(flatten_hparams(dict(params)), allow_val_change=True)
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        self.experiment.config.update(flatten_hparams(params), allow_val_change=True)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         row = {(f"{self._prefix}-{k}" if self._prefix else k): v for k, v in metrics.items()}
         if step is not None:
             row["trainer/global_step"] = step
         self.experiment.log(row)
-
-    def log_graph(self, model: Any, input_array: Any = None) -> None: ...
 
     def watch(self, model: Any, log: str | None = "gradients", log_freq: int = 100, log_graph: bool = True) -> None:
         self.experiment.watch(model, log=log, log_freq=log_freq, log_graph=log_graph)
@@ -130,8 +129,6 @@ class WandbLogger:
             aliases = ["latest", "best"] if path == best else ["latest"]
             self.experiment.log_artifact(artifact, aliases=aliases)
             self._logged_checkpoints[path] = file.stat().st_mtime
-
-    def save(self) -> None: ...
 
     def finalize(self, status: str = "success") -> None:
         if self._run is None:

@@ -5,7 +5,7 @@ Targets: ``single`` (one ``torch.save`` file, weights_only-safe: what ``torch.lo
 which ``fabric.load`` reads at any world size) and ``safetensors`` (one module's weights as
 ``model.safetensors`` in a directory, for Hugging Face ``from_pretrained``).
 
-Every writer pulls tensors from the source one at a time (:mod:`phalanx.offline.sources`), so memory
+Every writer pulls tensors from the source one at a time (:mod:`phalanx.checkpoint.sources`), so memory
 stays near the largest tensor (or one batch of DCP shards) instead of the whole checkpoint: the
 single-file writer emits torch's zip format record by record, the DCP writer hands DCP each tensor
 only when it writes it, and the safetensors writer streams the format's header and bytes. Outputs
@@ -35,15 +35,8 @@ import phalanx.checkpoint.checksums as checksums
 import phalanx.checkpoint.storage as storage
 from phalanx.checkpoint.dcp import to_index_keyed
 from phalanx.checkpoint.format import DCP_LAYOUT, FILE_LAYOUT, FORMAT_VERSION, MARKER, META_KEY, check_plain
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER
-from phalanx.offline.sources import (
-    SAFETENSORS,
-    SAFETENSORS_CHECKSUMS,
-    SAFETENSORS_FILE,
-    Source,
-    open_source,
-    tensors,
-)
+from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, SAFETENSORS, Source, tensors
+from phalanx.checkpoint.sources import SAFETENSORS_CHECKSUMS, SAFETENSORS_FILE, open_source
 from phalanx.utils.errors import CheckpointError
 
 TARGETS = ("single", "sharded", "safetensors")

@@ -6,8 +6,8 @@ Python values are accepted (nothing in the file can run code), and tensor data s
 memory-mapped copy-on-write, until it is touched. Each tensor comes back as a
 :class:`NotYetLoadedTensor`, which knows its shape and dtype without reading anything and becomes a
 real tensor when a torch function receives it (``model.load_state_dict(lazy_load(path))`` copies one
-parameter at a time) or when ``_load_tensor()`` is called. Converting a checkpoint larger than memory
-therefore needs only as much memory as the tensors being worked on.
+parameter at a time) or when ``materialize()`` (Lightning: ``_load_tensor()``) is called. Converting a
+checkpoint larger than memory therefore needs only as much memory as the tensors being worked on.
 
 A phalanx checkpoint's checksums (:mod:`phalanx.checkpoint.checksums`) are verified lazily too: the
 non-tensor values when the file is opened, each tensor when it is first loaded, which raises
@@ -62,6 +62,10 @@ class NotYetLoadedTensor:
         return self._source.numel()
 
     def _load_tensor(self) -> torch.Tensor:
+        """Lightning's name of :meth:`materialize`."""
+        return self.materialize()
+
+    def materialize(self) -> torch.Tensor:
         """The tensor itself. Its pages are read from the file as they are used (copy-on-write: writing to
         it never changes the file)."""
         if self._expected is not None:
@@ -86,7 +90,7 @@ class NotYetLoadedTensor:
         # Anything else a tensor has (``.T``, ``.to(dtype)``, ``.float()``...) works on the loaded tensor.
         if name.startswith("__") or name in ("_source", "_name", "_expected"):
             raise AttributeError(name)
-        return getattr(self._load_tensor(), name)
+        return getattr(self.materialize(), name)
 
     def __repr__(self) -> str:
         where = f"{self._name!r}, " if self._name else ""
@@ -95,7 +99,7 @@ class NotYetLoadedTensor:
 
 def _loaded(value: Any) -> Any:
     if isinstance(value, NotYetLoadedTensor):
-        return value._load_tensor()
+        return value.materialize()
     if isinstance(value, tuple):
         return tuple(_loaded(v) for v in value)
     if isinstance(value, list):

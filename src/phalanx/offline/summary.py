@@ -13,16 +13,8 @@ from typing import Any
 
 import torch
 
-from phalanx.offline.sources import (
-    DEEPSPEED,
-    PLAIN_DCP,
-    SAFETENSORS,
-    SHARDED,
-    SINGLE,
-    STATE_DICT,
-    open_source,
-    tensors,
-)
+from phalanx.checkpoint.protocol import DEEPSPEED, PLAIN_DCP, SAFETENSORS, SHARDED, SINGLE, STATE_DICT, tensors
+from phalanx.checkpoint.sources import open_source
 
 _LAYOUTS = {
     SINGLE: "single file (torch.save)",

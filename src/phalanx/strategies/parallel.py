@@ -72,7 +72,7 @@ def running_job_world_size() -> int:
     up and held); 0 when there is none. A one-process Fabric created inside such a job is a deliberate
     local one (:meth:`phalanx.strategies.single.SingleDeviceStrategy.job_environment`)."""
     holder = _holder.strategy() if _holder.strategy is not None else None
-    if holder is None or holder._guard is None or not dist.is_initialized():
+    if holder is None or not holder.holds_group or not dist.is_initialized():
         return 0
     return holder.world_size
 
@@ -202,7 +202,7 @@ class ParallelStrategy(Strategy):
         Every rank builds its new Fabric at the same point of the script, so the guard's sequence of
         operations stays in step; nothing is exchanged here."""
         previous = _holder.strategy() if _holder.strategy is not None else None
-        if previous is None or previous._guard is None:
+        if previous is None or not previous.holds_group:
             raise MisconfigurationError(
                 "torch.distributed is already initialized in this process, but not by a phalanx Fabric that is "
                 "still running. Let phalanx create the process group (remove your init_process_group call)."
@@ -223,10 +223,24 @@ class ParallelStrategy(Strategy):
                 f"use the same settings; they differ ({'; '.join(differs)}). Give both the same, or run the "
                 "second in its own job."
             )
-        self._guard, self._collectives, self._owns_group = previous._guard, previous._collectives, True
-        previous._guard, previous._collectives, previous._owns_group = None, None, False
-        previous._successor = weakref.ref(self)
+        self._guard, self._collectives = previous.hand_group_over(self)
+        self._owns_group = True
         _holder.strategy = weakref.ref(self)
+
+    @property
+    def holds_group(self) -> bool:
+        """Whether this strategy runs the process group now (it joined or took it over, and has not handed it
+        over or torn down)."""
+        return self._guard is not None
+
+    def hand_group_over(self, successor: ParallelStrategy) -> tuple[Lockstep, Collectives]:
+        """Give the process group's guard and collectives to ``successor`` (a second Fabric of this process,
+        :meth:`_take_over`); this strategy keeps no part of the group and says so if used again."""
+        assert self._guard is not None and self._collectives is not None
+        handed = self._guard, self._collectives
+        self._guard, self._collectives, self._owns_group = None, None, False
+        self._successor = weakref.ref(successor)
+        return handed
 
     @staticmethod
     def _abort_group() -> None:

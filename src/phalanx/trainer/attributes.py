@@ -30,6 +30,7 @@ import torch
 from phalanx.core.accumulation import AccumulationSchedule
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module
+from phalanx.core.optimizers import SchedulerConfig
 from phalanx.core.toggling import Toggleable, untoggle_params
 from phalanx.fabric.fabric import Fabric
 from phalanx.profilers import Profiler
@@ -38,7 +39,7 @@ from phalanx.trainer.data_connector import DataConnector
 from phalanx.trainer.hooks import HookDispatcher
 from phalanx.trainer.logger_connector import LoggerConnector
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import SchedulerConfig, parse_all_optimizers
+from phalanx.trainer.model_connector import ModelConnector
 from phalanx.trainer.settings import ReadOnly, Settings
 from phalanx.trainer.state import LoopState
 from phalanx.trainer.stepping import StepOptimizer
@@ -66,11 +67,7 @@ class TrainerAttributes:
         self.current_stage: str | None = None  # the loop running now: "train", "validate", "test"
         self.sanity_checking = False
         self.interrupted = False
-        self._module: Module | None = None
-        self.model: Any = None  # the set-up (wrapped) module
-        self.optimizers: list[Any] = []  # set-up optimizers (torch.optim.Optimizer instances)
-        self.step_optimizers: list[StepOptimizer] = []  # what module.optimizers() returns
-        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self.model_connector = ModelConnector(self, fabric, settings.sync_batchnorm, self.loop_state, self.hooks)
         self.data = DataConnector(fabric, settings)
 
     # ------------------------------------------------------------------ the settings (Trainer arguments)
@@ -158,18 +155,14 @@ class TrainerAttributes:
     def should_stop(self) -> bool:
         """Set it to True to stop after the current optimizer step. A request made before ``min_epochs``
         / ``min_steps`` are reached waits until they are."""
-        return self.loop_state.stop_requested and self._minimum_reached()
+        settings, state = self.settings, self.loop_state
+        epochs_ok = settings.min_epochs is None or state.current_epoch >= settings.min_epochs
+        steps_ok = settings.min_steps is None or state.global_step >= settings.min_steps
+        return state.stop_requested and epochs_ok and steps_ok
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
         self.loop_state.stop_requested = bool(value)
-
-    def _minimum_reached(self) -> bool:
-        """``min_epochs`` and ``min_steps`` are met (a stop request waits for them)."""
-        settings, state = self.settings, self.loop_state
-        epochs_ok = settings.min_epochs is None or state.current_epoch >= settings.min_epochs
-        steps_ok = settings.min_steps is None or state.global_step >= settings.min_steps
-        return epochs_ok and steps_ok
 
     @property
     def max_steps_reached(self) -> bool:
@@ -229,7 +222,7 @@ class TrainerAttributes:
         """The first logger's folder, or default_root_dir. Rank 0 decides and broadcasts it, so read
         it on every rank (it is a collective)."""
         logger = self.logger
-        local = str(logger.log_dir) if logger is not None and hasattr(logger, "log_dir") else str(self.default_root_dir)
+        local = str(logger.log_dir if logger is not None and logger.log_dir is not None else self.default_root_dir)
         return Path(self.fabric.broadcast(local if self.is_global_zero else None))
 
     @property
@@ -262,13 +255,11 @@ class TrainerAttributes:
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
         return self.fabric.strategy.distributed_sampler_kwargs()
 
-    # ------------------------------------------------------------------ model, optimizers, callbacks
+    # ------------------------------------------------------------------ model, optimizers (the model connector)
     @property
     def module(self) -> Module:
         """The user's Module (``trainer.model`` is the set-up wrapper that runs its steps)."""
-        if self._module is None:
-            raise MisconfigurationError("The Trainer has no model yet: call fit/validate/test/predict with one.")
-        return self._module
+        return self.model_connector.attached()
 
     @property
     def lightning_module(self) -> Module:
@@ -276,9 +267,49 @@ class TrainerAttributes:
         return self.module
 
     @property
+    def model(self) -> Any:
+        """The set-up module (the strategy's wrapper that runs the steps); None until a stage sets it up."""
+        return self.model_connector.model
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """The set-up optimizers (torch optimizers), as ``configure_optimizers`` returned them."""
+        return self.model_connector.optimizers
+
+    @optimizers.setter
+    def optimizers(self, value: list[Any]) -> None:
+        self.model_connector.optimizers = list(value)
+
+    @property
     def optimizer(self) -> Any:
         """The first set-up optimizer (None before fit)."""
         return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def step_optimizers(self) -> list[StepOptimizer]:
+        """What ``module.optimizers()`` returns: the optimizers whose ``step()`` counts a global step."""
+        return self.model_connector.step_optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]:
+        return self.model_connector.lr_scheduler_configs
+
+    @lr_scheduler_configs.setter
+    def lr_scheduler_configs(self, value: list[SchedulerConfig]) -> None:
+        self.model_connector.lr_scheduler_configs = list(value)
+
+    def setup_optimizers(self) -> None:
+        """Call ``configure_optimizers`` again and set up what it returns (e.g. after the LR finder changed
+        ``model.lr``)."""
+        self.model_connector.setup_optimizers()
+
+    def using_module(self, module: Module) -> contextlib.AbstractContextManager[None]:
+        """Run ``module`` (e.g. a scratch copy) in place of the attached one inside the block; afterwards what was
+        set up for it is released and the attached module and its optimizers are back (see
+        :meth:`phalanx.trainer.model_connector.ModelConnector.using`)."""
+        return self.model_connector.using(module)
+
+    # ------------------------------------------------------------------ callbacks
 
     @property
     def callbacks(self) -> list[Any]:
@@ -431,48 +462,3 @@ class TrainerAttributes:
         """Create the model directly on the device and in the precision's dtype."""
         with self.fabric.init_module(empty_init):
             yield
-
-    # ------------------------------------------------------------------ setting the model and data up
-    def _wrap(self, optimizers: list[Any] | None = None) -> None:
-        """Set up the module once; set up (new) optimizers on every call that passes some."""
-        if self.model is None:
-            module = self.module
-            if self.sync_batchnorm:
-                module = self._with_sync_batchnorm(module)
-            if not optimizers:
-                self.model = self.fabric.setup_module(module)
-            else:
-                self.model, *opts = self.fabric.setup(module, *optimizers)
-                self._set_optimizers(opts)
-                return
-        if optimizers:
-            out = self.fabric.setup_optimizers(*optimizers)
-            self._set_optimizers(list(out) if isinstance(out, tuple) else [out])
-
-    def _with_sync_batchnorm(self, module: Module) -> Module:
-        if self.world_size > 1 and self.fabric.device.type == "cpu":
-            raise MisconfigurationError(
-                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on CPU processes. Remove it, or "
-                "train on CUDA devices."
-            )
-        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)  # converts children in place; the root is a Module
-        return module
-
-    def _set_optimizers(self, optimizers: list[Any]) -> None:
-        self.optimizers = optimizers
-        self.step_optimizers = [StepOptimizer(opt, self.fabric, self.model, self.module, optimizers, self.loop_state,
-                                              self.hooks) for opt in optimizers]
-
-    def setup_optimizers(self) -> None:
-        """Call ``configure_optimizers`` again and set up what it returns (e.g. after the LR finder
-        changed ``model.lr``)."""
-        module = self.lightning_module
-        optimizers, configs = parse_all_optimizers(module.configure_optimizers())
-        if module.automatic_optimization and len(optimizers) != 1:
-            raise MisconfigurationError(
-                f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization steps exactly "
-                "one. Put all parameters in one optimizer (param groups for different settings), or set "
-                "self.automatic_optimization = False and step them yourself in training_step."
-            )
-        self._wrap(optimizers)
-        self.lr_scheduler_configs = configs

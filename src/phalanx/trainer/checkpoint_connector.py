@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from phalanx import checkpoint
-from phalanx.checkpoint.format import find_unsafe
+from phalanx.checkpoint import find_unsafe
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.distributed import restarts

@@ -1,13 +1,13 @@
 """``DataConnector``: the Trainer's data, from the loaders it was given (or the DataModule's, or the
 Module's own) to the set-up loaders, the training sampler whose position a checkpoint saves, and the
-batch counts the limits allow. The samplers themselves are :mod:`phalanx.trainer.data`."""
+batch counts the limits allow. The samplers themselves are :mod:`phalanx.trainer.loaders`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from phalanx.core.module import overrides
-from phalanx.trainer.data import as_list, num_batches, prepare_eval_loader, prepare_train_loader
+from phalanx.trainer.loaders import as_list, num_batches, prepare_eval_loader, prepare_train_loader
 from phalanx.trainer.settings import sequential
 from phalanx.utils.errors import MisconfigurationError
 

@@ -18,11 +18,7 @@ def make_loggers(logger: Any, root_dir: Path) -> list[Any]:
         return [CSVLogger(root_dir=root_dir, name="phalanx_logs")]
     if logger is False or logger is None:
         return []
-    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
-    for lg in loggers:
-        if not callable(getattr(lg, "log_metrics", None)):
-            raise MisconfigurationError(f"logger {lg!r} has no log_metrics(metrics, step) method.")
-    return loggers
+    return list(logger) if isinstance(logger, (list, tuple)) else [logger]  # Fabric checks each is a Logger
 
 
 def make_callbacks(callbacks: Any, settings: Settings, max_time: Any) -> list[Any]:

@@ -103,9 +103,7 @@ class HookDispatcher:
         if not self.trainer.is_global_zero:
             return
         for lg in self.trainer.loggers:
-            after = getattr(lg, "after_save_checkpoint", None)
-            if callable(after):
-                after(checkpoint_callback)
+            lg.after_save_checkpoint(checkpoint_callback)
 
     def batch_start(self, batch: Any, batch_idx: int) -> bool:
         """``on_train_batch_start``; False when the module returned -1 to end the epoch here. Every rank must

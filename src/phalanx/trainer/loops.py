@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
-from phalanx.trainer.data import empty_loader_error, num_batches
+from phalanx.core.optimizers import step_schedulers
+from phalanx.trainer.loaders import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import step_schedulers
 from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
@@ -291,7 +291,7 @@ def run_train_epoch(trainer: TrainerAttributes, check_preemption: Callable[[], N
         if boundary:
             check_preemption()  # every rank, same step
         # (t.should_stop or t.max_steps_reached, read without the two property calls: this runs per step)
-        if boundary and ((state.stop_requested and t._minimum_reached()) or 0 <= max_steps <= state.global_step):
+        if boundary and (t.should_stop or 0 <= max_steps <= state.global_step):
             break
     del iterator
     if not seen and not mid:

@@ -23,6 +23,7 @@ scale, again at every recurrence) would hide it.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -72,6 +73,7 @@ class LossCheck:
         self._buffer: torch.Tensor | None = None
         self._where: list[tuple[int, int, int, int]] = []  # per row: epoch, global step, last batch, window size
         self._sent: list[tuple[LateRead, list[tuple[int, int, int, int]]]] = []
+        self._lent: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers holding a found_inf of this check
 
     def window(self, losses: list[tuple[int, torch.Tensor]], epoch: int, step: int, optimizer: Any) -> None:
         """The window's losses, before the optimizer step that ends it (which would be the ``step + 1``-th)."""
@@ -91,15 +93,14 @@ class LossCheck:
             # the step count alone where found_inf is nonzero. Removed again by :meth:`stepped`.
             optimizer.found_inf = (~torch.isfinite(self._buffer[row])).float()
             optimizer.grad_scale = None
-            optimizer._phalanx_found_inf = True
+            self._lent.add(optimizer)
         if row + 1 == self._rows:
             self._send()
 
-    @staticmethod
-    def stepped(optimizer: Any) -> None:
+    def stepped(self, optimizer: Any) -> None:
         """After the optimizer step: take back what :meth:`window` lent it (unless GradScaler replaced it)."""
-        if getattr(optimizer, "_phalanx_found_inf", False):
-            del optimizer._phalanx_found_inf
+        if optimizer in self._lent:
+            self._lent.discard(optimizer)
             for name in ("found_inf", "grad_scale"):
                 if hasattr(optimizer, name):
                     delattr(optimizer, name)

@@ -28,9 +28,23 @@ from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.datamodule import DataModule
+    from phalanx.core.module import Module
 
-__all__ = ["ReadOnly", "Settings", "check_limit", "check_weights_only", "checkpoint_marks", "deterministic",
-           "off_in_fast_dev_run", "parse_duration", "refuse_plugins", "resolve", "sequential", "split_datamodule"]
+__all__ = [
+    "ReadOnly",
+    "Settings",
+    "TrainerArguments",
+    "check_limit",
+    "check_weights_only",
+    "checkpoint_marks",
+    "deterministic",
+    "off_in_fast_dev_run",
+    "parse_duration",
+    "refuse_plugins",
+    "resolve_settings",
+    "sequential",
+    "split_datamodule",
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,47 @@ class Settings:
     enable_autolog_hparams: bool
     barebones: bool
     default_root_dir: Path
+
+
+@dataclass(frozen=True)
+class TrainerArguments:
+    """The ``Trainer(...)`` arguments :func:`resolve_settings` reads, as given (defaults are the Trainer's
+    signature; the others go to its Fabric, callbacks and profiler)."""
+
+    logger: Any
+    fast_dev_run: int | bool
+    max_epochs: int | None
+    min_epochs: int | None
+    max_steps: int
+    min_steps: int | None
+    limit_train_batches: int | float | None
+    limit_val_batches: int | float | None
+    limit_test_batches: int | float | None
+    limit_predict_batches: int | float | None
+    overfit_batches: int | float
+    val_check_interval: Any  # an int or float; a time interval is refused with a reason
+    check_val_every_n_epoch: int | None
+    num_sanity_val_steps: int | None
+    log_every_n_steps: int | None
+    enable_checkpointing: bool | None
+    enable_progress_bar: bool | None
+    enable_model_summary: bool | None
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str | None
+    deterministic: bool | str | None
+    benchmark: bool | None
+    inference_mode: bool
+    use_distributed_sampler: bool
+    profiler: Any
+    detect_anomaly: bool
+    barebones: bool
+    plugins: Any
+    sync_batchnorm: bool
+    reload_dataloaders_every_n_epochs: int
+    default_root_dir: str | Path | None
+    enable_autolog_hparams: bool
+    model_registry: str | None
 
 
 T = TypeVar("T")
@@ -116,24 +171,27 @@ def _refuse_unless_disabled(barebones: bool, name: str, value: Any, disabled: An
         )
 
 
-def resolve(args: dict[str, Any]) -> Settings:
-    """Lightning's defaults and interactions: barebones, fast_dev_run, overfit_batches, the limits.
-    ``args``: the Trainer's keyword arguments by name."""
-    barebones = bool(args["barebones"])
-    for name, disabled in (("logger", False), ("enable_checkpointing", False), ("enable_progress_bar", False),
-                           ("enable_model_summary", False), ("num_sanity_val_steps", 0), ("profiler", None),
-                           ("detect_anomaly", False)):
-        _refuse_unless_disabled(barebones, name, args[name], disabled)
-    if barebones and args["log_every_n_steps"] is not None:
+def resolve_settings(args: TrainerArguments) -> Settings:
+    """Lightning's defaults and interactions: barebones, fast_dev_run, overfit_batches, the limits."""
+    barebones = bool(args.barebones)
+    for name, value, disabled in (
+        ("logger", args.logger, False), ("enable_checkpointing", args.enable_checkpointing, False),
+        ("enable_progress_bar", args.enable_progress_bar, False),
+        ("enable_model_summary", args.enable_model_summary, False),
+        ("num_sanity_val_steps", args.num_sanity_val_steps, 0), ("profiler", args.profiler, None),
+        ("detect_anomaly", args.detect_anomaly, False),
+    ):
+        _refuse_unless_disabled(barebones, name, value, disabled)
+    if barebones and args.log_every_n_steps is not None:
         raise MisconfigurationError("Trainer(barebones=True) logs nothing; remove log_every_n_steps.")
 
-    fast_dev_run = args["fast_dev_run"]
+    fast_dev_run = args.fast_dev_run
     if isinstance(fast_dev_run, bool):
         fast_dev_run = int(fast_dev_run)
     if not isinstance(fast_dev_run, int) or fast_dev_run < 0:
-        raise MisconfigurationError(f"fast_dev_run={args['fast_dev_run']!r}; use True or an int >= 0 (batches).")
+        raise MisconfigurationError(f"fast_dev_run={args.fast_dev_run!r}; use True or an int >= 0 (batches).")
 
-    val_check_interval = args["val_check_interval"]
+    val_check_interval = args.val_check_interval
     if isinstance(val_check_interval, (str, dict, datetime.timedelta)):
         raise MisconfigurationError(
             f"val_check_interval={val_check_interval!r} (a time interval) is not supported: validating when a time "
@@ -142,21 +200,23 @@ def resolve(args: dict[str, Any]) -> Settings:
         )
     val_check_interval = check_limit("val_check_interval", val_check_interval)
 
-    overfit = check_limit("overfit_batches", args["overfit_batches"] or 0.0)
-    limits = {s: check_limit(f"limit_{s}_batches", args[f"limit_{s}_batches"])
-              for s in ("train", "val", "test", "predict")}
-    sanity = args["num_sanity_val_steps"]
+    overfit = check_limit("overfit_batches", args.overfit_batches or 0.0)
+    limits = {"train": check_limit("limit_train_batches", args.limit_train_batches),
+              "val": check_limit("limit_val_batches", args.limit_val_batches),
+              "test": check_limit("limit_test_batches", args.limit_test_batches),
+              "predict": check_limit("limit_predict_batches", args.limit_predict_batches)}
+    sanity = args.num_sanity_val_steps
     sanity = (0 if barebones else 2) if sanity is None else sanity
     if isinstance(sanity, bool) or not isinstance(sanity, int) or sanity < -1:
         raise MisconfigurationError(f"num_sanity_val_steps={sanity!r}; use an int >= 0, or -1 for all batches.")
     sanity_steps: int | float = float("inf") if sanity == -1 else sanity
-    log_every = 50 if args["log_every_n_steps"] is None else args["log_every_n_steps"]
+    log_every = 50 if args.log_every_n_steps is None else args.log_every_n_steps
     if log_every < 1:
         raise MisconfigurationError(f"log_every_n_steps must be >= 1, got {log_every}.")
 
-    max_epochs, max_steps = args["max_epochs"], args["max_steps"]
-    check_every = args["check_val_every_n_epoch"]
-    logger = args["logger"]
+    max_epochs, max_steps = args.max_epochs, args.max_steps
+    check_every = args.check_val_every_n_epoch
+    logger = args.logger
     if logger is None:
         logger = not barebones
     if fast_dev_run:
@@ -169,29 +229,28 @@ def resolve(args: dict[str, Any]) -> Settings:
     if overfit:
         limits["train"] = limits["val"] = overfit
 
-    algorithm = args["gradient_clip_algorithm"]
+    algorithm = args.gradient_clip_algorithm
     algorithm = "norm" if algorithm is None else str(algorithm).lower()
     if algorithm not in ("norm", "value"):
         raise MisconfigurationError(
-            f"gradient_clip_algorithm={args['gradient_clip_algorithm']!r}; use 'norm' or 'value'."
+            f"gradient_clip_algorithm={args.gradient_clip_algorithm!r}; use 'norm' or 'value'."
         )
-    for name in ("max_epochs", "min_epochs"):
-        value = args[name]
-        if value is not None and value < (0 if name == "min_epochs" else -1):
+    for name, value, least in (("max_epochs", args.max_epochs, -1), ("min_epochs", args.min_epochs, 0)):
+        if value is not None and value < least:
             raise MisconfigurationError(f"{name} must be >= 0 (or -1 for max_epochs: no limit), got {value}.")
 
-    refuse_plugins(args["plugins"])
-    if args["model_registry"] is not None:
+    refuse_plugins(args.plugins)
+    if args.model_registry is not None:
         raise MisconfigurationError(
-            f"model_registry={args['model_registry']!r} is not supported: phalanx uploads nothing. Remove it and copy "
+            f"model_registry={args.model_registry!r} is not supported: phalanx uploads nothing. Remove it and copy "
             "the checkpoint (ModelCheckpoint.best_model_path) to your registry yourself."
         )
-    accumulate, reload_every = args["accumulate_grad_batches"], args["reload_dataloaders_every_n_epochs"]
+    accumulate, reload_every = args.accumulate_grad_batches, args.reload_dataloaders_every_n_epochs
     if accumulate < 1:
         raise MisconfigurationError(f"accumulate_grad_batches must be >= 1, got {accumulate}.")
     if reload_every < 0:
         raise MisconfigurationError(f"reload_dataloaders_every_n_epochs must be >= 0, got {reload_every}.")
-    deterministic, benchmark = args["deterministic"], args["benchmark"]
+    deterministic, benchmark = args.deterministic, args.benchmark
     if deterministic not in (None, True, False, "warn"):
         raise MisconfigurationError(f"deterministic={deterministic!r}; use True, False or 'warn'.")
     if benchmark and deterministic:
@@ -199,23 +258,23 @@ def resolve(args: dict[str, Any]) -> Settings:
     # Lightning: no max_epochs means 1000 epochs, unless max_steps bounds the run; -1 means no limit.
     if max_epochs is None or max_epochs == -1:
         max_epochs = (1000 if max_steps < 0 else sys.maxsize) if max_epochs is None else sys.maxsize
-    root = args["default_root_dir"]
+    root = args.default_root_dir
 
-    def flag(name: str) -> bool:
-        return (not barebones) if args[name] is None else bool(args[name])
+    def flag(value: bool | None) -> bool:
+        return (not barebones) if value is None else bool(value)
 
     return Settings(
-        max_epochs=max_epochs, min_epochs=args["min_epochs"], max_steps=max_steps, min_steps=args["min_steps"],
+        max_epochs=max_epochs, min_epochs=args.min_epochs, max_steps=max_steps, min_steps=args.min_steps,
         limit_train_batches=limits["train"], limit_val_batches=limits["val"], limit_test_batches=limits["test"],
         limit_predict_batches=limits["predict"], overfit_batches=overfit, val_check_interval=val_check_interval,
         check_val_every_n_epoch=check_every, num_sanity_val_steps=sanity_steps, log_every_n_steps=log_every,
-        fast_dev_run=fast_dev_run, enable_checkpointing=flag("enable_checkpointing") and not fast_dev_run,
-        enable_progress_bar=flag("enable_progress_bar"), enable_model_summary=flag("enable_model_summary"),
-        logger=logger, accumulate_grad_batches=accumulate, gradient_clip_val=args["gradient_clip_val"],
-        gradient_clip_algorithm=algorithm, gradient_clip_algorithm_given=args["gradient_clip_algorithm"] is not None,
-        deterministic=deterministic, benchmark=benchmark, inference_mode=bool(args["inference_mode"]),
-        use_distributed_sampler=bool(args["use_distributed_sampler"]), sync_batchnorm=bool(args["sync_batchnorm"]),
-        reload_dataloaders_every_n_epochs=reload_every, enable_autolog_hparams=bool(args["enable_autolog_hparams"]),
+        fast_dev_run=fast_dev_run, enable_checkpointing=flag(args.enable_checkpointing) and not fast_dev_run,
+        enable_progress_bar=flag(args.enable_progress_bar), enable_model_summary=flag(args.enable_model_summary),
+        logger=logger, accumulate_grad_batches=accumulate, gradient_clip_val=args.gradient_clip_val,
+        gradient_clip_algorithm=algorithm, gradient_clip_algorithm_given=args.gradient_clip_algorithm is not None,
+        deterministic=deterministic, benchmark=benchmark, inference_mode=bool(args.inference_mode),
+        use_distributed_sampler=bool(args.use_distributed_sampler), sync_batchnorm=bool(args.sync_batchnorm),
+        reload_dataloaders_every_n_epochs=reload_every, enable_autolog_hparams=bool(args.enable_autolog_hparams),
         barebones=barebones, default_root_dir=Path(root) if root is not None else Path.cwd(),
     )
 
@@ -256,7 +315,7 @@ def sequential(loader: Any) -> Any:
     """overfit_batches: the same first batches every epoch, so the training loader must not shuffle."""
     from torch.utils.data import DataLoader, RandomSampler
 
-    from phalanx.trainer.data import rebuild_loader
+    from phalanx.trainer.loaders import rebuild_loader
 
     if isinstance(loader, DataLoader) and isinstance(loader.sampler, RandomSampler):
         diagnostics.warn("overfit_batches: the training dataloader shuffles; phalanx reads it in order instead.")
@@ -276,7 +335,7 @@ def checkpoint_marks(callback: Any) -> tuple[Any, ...] | None:
     if not hasattr(callback, "best_model_path") or not hasattr(callback, "last_model_path"):
         return None
     return (callback.best_model_path, callback.last_model_path, tuple(getattr(callback, "best_k_models", {})),
-            tuple(getattr(callback, "_kept", ())))
+            tuple(getattr(callback, "kept_model_paths", ())))
 
 
 @contextlib.contextmanager
@@ -300,3 +359,46 @@ def deterministic(mode: bool | str | None, benchmark: bool | None) -> Iterator[N
         torch.backends.cudnn.benchmark = cudnn_benchmark
         if cublas is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def refuse_batch_transfer_hooks(module: Module, datamodule: DataModule | None) -> None:
+    """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves batches to the
+    device inside its data loaders."""
+    from phalanx.core.module import overrides
+
+    for owner in (module, datamodule):
+        if owner is None:
+            continue
+        found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+                 if overrides(owner, h)]
+        if found:
+            raise MisconfigurationError(
+                f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
+                "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
+                "the move) or at the start of the *_step methods (after it), and remove the overrides."
+            )
+
+
+def check_manual_optimization(module: Module, strategy: Any, settings: Settings) -> None:
+    """Manual optimization (``automatic_optimization = False``) refuses what only automatic optimization does,
+    and strategies whose forward gathers the parameters."""
+    if module.automatic_optimization:
+        return
+    if not strategy.supports_calls_outside_forward:
+        raise MisconfigurationError(
+            f"Manual optimization (automatic_optimization = False) is not supported with strategy="
+            f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
+            "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
+            "automatic optimization, strategy='ddp', or a Fabric loop."
+        )
+    if settings.accumulate_grad_batches != 1:
+        raise MisconfigurationError(
+            "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
+            "accumulate in training_step (step the optimizer every N batches) and remove the argument."
+        )
+    if settings.gradient_clip_val is not None:
+        raise MisconfigurationError(
+            "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
+            "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
+            "optimizer.step() and remove the Trainer argument."
+        )

@@ -34,19 +34,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.core.module import overrides
+from phalanx.core.optimizers import step_schedulers
 from phalanx.core.toggling import Toggleable, toggle_params, untoggle_params
 from phalanx.fabric.wrappers import FabricOptimizer
 from phalanx.profilers import PassThroughProfiler
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.optim import step_schedulers
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
+    from phalanx.core.optimizers import SchedulerConfig
     from phalanx.fabric.fabric import Fabric
     from phalanx.profilers import Profiler
     from phalanx.trainer.hooks import HookDispatcher
-    from phalanx.trainer.optim import SchedulerConfig
     from phalanx.trainer.settings import Settings
     from phalanx.trainer.state import LoopState
 
@@ -64,6 +64,11 @@ class StepOptimizer:
         raw = optimizer.optimizer
         # An instance of the user's optimizer class too, so isinstance checks in ported code hold.
         object.__setattr__(self, "__class__", type("Step" + type(raw).__name__, (StepOptimizer, type(raw)), {}))
+
+    @property
+    def fabric_optimizer(self) -> FabricOptimizer:
+        """The set-up optimizer this one steps through."""
+        return self._fabric_optimizer  # type: ignore[no-any-return]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -168,7 +173,7 @@ def clip(settings: Settings, fabric: Fabric, model: Any, optimizer: Any, value: 
         raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; use 'norm' or 'value'.")
     if not value:
         return
-    fabric_opt = getattr(optimizer, "_fabric_optimizer", optimizer)
+    fabric_opt: Any = optimizer.fabric_optimizer if isinstance(optimizer, StepOptimizer) else optimizer
     if algorithm == "norm":
         fabric.clip_gradients(model, fabric_opt, max_norm=value, error_if_nonfinite=False)
     else:
@@ -275,7 +280,7 @@ def train_batch(plan: StepPlan, batch: Any, batch_idx: int, window_size: int, bo
         if plan.custom_zero_grad:
             module.optimizer_zero_grad(state.current_epoch, batch_idx, optimizer)
         else:
-            optimizer._fabric_optimizer.zero_grad()
+            optimizer.fabric_optimizer.zero_grad()
     if not boundary:
         output, loss = plan.run_accumulating(plan, batch, batch_idx, window_size)
         window.append((batch_idx, loss.detach()))
@@ -285,7 +290,7 @@ def train_batch(plan: StepPlan, batch: Any, batch_idx: int, window_size: int, bo
         # The default optimizer_step is optimizer.step(closure=closure): run the closure's body, then step.
         output = _last_micro_batch(plan, optimizer, batch, batch_idx, window_size)[0]
         optimizer.step_and_count()
-        LossCheck.stepped(optimizer.optimizer)
+        plan.loss_check.stepped(optimizer.optimizer)
     else:
         ran: list[Any] = []
 
@@ -296,7 +301,7 @@ def train_batch(plan: StepPlan, batch: Any, batch_idx: int, window_size: int, bo
 
         plan.sync_metrics()  # the user's override may read callback_metrics (on one rank only)
         module.optimizer_step(state.current_epoch, batch_idx, optimizer, closure)
-        LossCheck.stepped(optimizer.optimizer)
+        plan.loss_check.stepped(optimizer.optimizer)
         if not ran:
             raise MisconfigurationError(
                 f"{type(module).__name__}.optimizer_step did not run its optimizer_closure, so this batch's "

@@ -16,8 +16,9 @@ original process only supervises them (it exits with the job's code when they fi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
@@ -28,10 +29,21 @@ from phalanx.trainer import loops
 from phalanx.trainer.attributes import TrainerAttributes
 from phalanx.trainer.checkpoint_connector import CheckpointConnector
 from phalanx.trainer.defaults import make_callbacks, make_loggers, ordered
-from phalanx.trainer.settings import check_weights_only, deterministic, resolve, split_datamodule
+from phalanx.trainer.settings import (
+    TrainerArguments,
+    check_manual_optimization,
+    check_weights_only,
+    deterministic,
+    refuse_batch_transfer_hooks,
+    resolve_settings,
+    split_datamodule,
+)
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError, note_step
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from phalanx.tuner.view import TunedTrainer
 
 
 class Trainer(TrainerAttributes):
@@ -62,7 +74,7 @@ class Trainer(TrainerAttributes):
         accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm ("norm" or "value").
         benchmark: ``torch.backends.cudnn.benchmark`` (None: leave it, False when deterministic).
         inference_mode: evaluate under ``torch.inference_mode`` (else ``torch.no_grad``).
-        use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.data).
+        use_distributed_sampler: let phalanx shard the data across ranks (see phalanx.trainer.loaders).
         profiler: "simple", "advanced", "pytorch" or a :class:`phalanx.profilers.Profiler`.
         barebones: turn off everything that costs time outside the steps (refuses arguments that need it).
         plugins: refused (see :func:`phalanx.trainer.settings.refuse_plugins` for each equivalent).
@@ -127,10 +139,25 @@ class Trainer(TrainerAttributes):
         model_registry: str | None = None,
         max_restarts: int = 0,
     ) -> None:
-        settings = resolve(dict(locals()))
+        settings = resolve_settings(TrainerArguments(
+            logger=logger, fast_dev_run=fast_dev_run, max_epochs=max_epochs, min_epochs=min_epochs,
+            max_steps=max_steps, min_steps=min_steps, limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches, limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches, overfit_batches=overfit_batches,
+            val_check_interval=val_check_interval, check_val_every_n_epoch=check_val_every_n_epoch,
+            num_sanity_val_steps=num_sanity_val_steps, log_every_n_steps=log_every_n_steps,
+            enable_checkpointing=enable_checkpointing, enable_progress_bar=enable_progress_bar,
+            enable_model_summary=enable_model_summary, accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+            deterministic=deterministic, benchmark=benchmark, inference_mode=inference_mode,
+            use_distributed_sampler=use_distributed_sampler, profiler=profiler, detect_anomaly=detect_anomaly,
+            barebones=barebones, plugins=plugins, sync_batchnorm=sync_batchnorm,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, default_root_dir=default_root_dir,
+            enable_autolog_hparams=enable_autolog_hparams, model_registry=model_registry,
+        ))
         fabric = Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-            precision=precision if precision is not None else "32-true",
+            precision=precision,
             loggers=make_loggers(settings.logger, settings.default_root_dir), detect_anomaly=detect_anomaly,
             # The Trainer checks every window's losses itself and stops on a non-finite one (stepping.py).
             warn_nonfinite_loss=False, max_restarts=max_restarts, root_dir=settings.default_root_dir,
@@ -165,11 +192,11 @@ class Trainer(TrainerAttributes):
             raise MisconfigurationError(
                 "trainer.fit() got both dataloaders and a datamodule; pass one source of data."
             )
-        self._run("fit", model, datamodule, self._fit, train_dataloaders, val_dataloaders, ckpt_path)
+        self.run_stage("fit", model, datamodule, self._fit, train_dataloaders, val_dataloaders, ckpt_path)
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         self.loop_state.stop_requested = False
-        self._check_manual_optimization()
+        check_manual_optimization(self.module, self.fabric.strategy, self.settings)
         self.prepare_fit(train_dataloaders, val_dataloaders)
         path = self.checkpoint_connector.starting_point(ckpt_path)
         self.ckpt_path = str(path) if path is not None else None
@@ -178,14 +205,12 @@ class Trainer(TrainerAttributes):
         self.checkpoint_connector.started_from(path)
         self.checkpoint_connector.announce_resume(path)
         module = self.lightning_module
-        if self.enable_autolog_hparams and self.is_global_zero and getattr(module, "_log_hyperparams", True):
+        if self.enable_autolog_hparams and self.is_global_zero and module.hparams_to_loggers:
             hparams = dict(module.hparams)
-            if self.datamodule is not None and getattr(self.datamodule, "_log_hyperparams", True):
+            if self.datamodule is not None and self.datamodule.hparams_to_loggers:
                 hparams.update(self.datamodule.hparams)
             if hparams:
-                for lg in self.loggers:
-                    if callable(getattr(lg, "log_hyperparams", None)):
-                        lg.log_hyperparams(hparams)
+                self.fabric.log_hyperparams(hparams)
         self.hooks.call("on_fit_start")
         module.on_fit_start()
         self._sanity_check()
@@ -209,7 +234,7 @@ class Trainer(TrainerAttributes):
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
         self.data.set_fit_sources(train_dataloaders, val_dataloaders)
-        self.data.prepare_train(self._module)
+        self.data.prepare_train(self.module)
         self.logger_connector.reset_results()
         self.setup_optimizers()
 
@@ -227,7 +252,7 @@ class Trainer(TrainerAttributes):
                 self.hooks.call("on_sanity_check_start")
                 limited = max(self.num_val_batches)  # what limit_val_batches allows, per Lightning's min(...)
                 limit = self.limit_val_batches if math.isinf(n) else int(min(n, limited))
-                loops.run_evaluation(self, "validate", self.val_dataloaders, limit)
+                self.run_evaluation("validate", self.val_dataloaders, limit)
                 self.hooks.call("on_sanity_check_end")
             finally:
                 self.sanity_checking = False
@@ -240,7 +265,8 @@ class Trainer(TrainerAttributes):
         """Run ``validation_step`` over the data; returns one dict of epoch metrics per dataloader."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        return self._run("validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
+        return self.run_stage(  # type: ignore[no-any-return]
+            "validate", model, datamodule, self._evaluate, "validate", dataloaders, ckpt_path, verbose)
 
     def test(
         self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
@@ -249,11 +275,12 @@ class Trainer(TrainerAttributes):
         """Run ``test_step`` over the data; returns one dict of epoch metrics per dataloader."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        return self._run("test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)  # type: ignore[no-any-return]
+        return self.run_stage(  # type: ignore[no-any-return]
+            "test", model, datamodule, self._evaluate, "test", dataloaders, ckpt_path, verbose)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
         getter = "val_dataloader" if stage == "validate" else "test_dataloader"
-        loaders = self.data.eval_loaders(dataloaders, getter, self._module)
+        loaders = self.data.eval_loaders(dataloaders, getter, self.module)
         if not loaders:
             raise MisconfigurationError(
                 f"trainer.{stage}() needs data: pass dataloaders= or datamodule=, or implement the module's {getter}()."
@@ -262,12 +289,12 @@ class Trainer(TrainerAttributes):
             self.data.test_dataloaders = loaders
         else:
             self.data.val_dataloaders = loaders
-        self._wrap()
+        self.model_connector.setup()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
             self.checkpoint_connector.load_weights(path)
         limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-        out = loops.run_evaluation(self, stage, loaders, limit)
+        out = self.run_evaluation(stage, loaders, limit)
         if verbose:
             for i, metrics in enumerate(out):
                 shown = ", ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()))
@@ -283,23 +310,23 @@ class Trainer(TrainerAttributes):
         ``trainer.fabric.all_gather`` if every rank needs all of them."""
         check_weights_only(weights_only)
         dataloaders, datamodule = split_datamodule(dataloaders, datamodule)
-        out = self._run("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
+        out = self.run_stage("predict", model, datamodule, self._predict, dataloaders, ckpt_path)
         return None if return_predictions is False else out
 
     def _predict(self, dataloaders: Any, ckpt_path: Any) -> list[Any]:
-        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self._module)
+        loaders = self.data.eval_loaders(dataloaders, "predict_dataloader", self.module)
         if not loaders:
             raise MisconfigurationError(
                 "trainer.predict() needs data: pass dataloaders= or datamodule=, or implement the module's "
                 "predict_dataloader()."
             )
         self.data.predict_dataloaders = loaders
-        self._wrap()
+        self.model_connector.setup()
         path = self._resolve_ckpt_path(ckpt_path)
         if path is not None:
             self.checkpoint_connector.load_weights(path)
         self.current_stage = "predict"
-        out = loops.run_predict(self, loaders, self.limit_predict_batches)
+        out = self.run_predict(loaders, self.limit_predict_batches)
         return out[0] if len(out) == 1 else out
 
     def save_checkpoint(
@@ -323,24 +350,46 @@ class Trainer(TrainerAttributes):
         return self.checkpoint_connector.snapshot(folder, keep, overlap, every_n_steps, max_overhead,
                                                   self._snapshot_rng)
 
+    # ------------------------------------------------------------------ loop pieces (what the tuners run)
+    def training_windows(self, epoch: int) -> Iterator[tuple[int, Any, int, bool]]:
+        """Epoch ``epoch`` of the training data from its first batch, as the fit reads it (sampler epoch, device
+        moves, accumulation windows): ``(batch_idx, batch, window size, whether the window's step follows)``."""
+        batches = loops.start_epoch(self.fabric, self.train_dataloader, epoch)
+        return loops.windows(batches, 0, self.num_training_batches, self.accumulate_grad_batches)
+
+    def training_micro_batch(self, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
+        """Forward and backward of one training micro-batch through the set-up model (gradient sync skipped
+        inside a window), without hooks; returns ``training_step``'s output and its loss."""
+        return loops.micro_batch(self, batch, batch_idx, window_size, boundary)
+
+    def optimizer_step_without_hooks(self, optimizer: Any) -> None:
+        """One real optimizer step without hooks or counting: the Trainer's clipping, ``step``, ``zero_grad``."""
+        loops.optimizer_step(self, optimizer)
+
+    def run_evaluation(self, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:
+        """The ``stage`` loop ("validate" or "test") over ``loaders`` (at most ``limit`` batches of each), with
+        its hooks; returns each loader's epoch metrics."""
+        return loops.run_evaluation(self, stage, loaders, limit)
+
+    def run_predict(self, loaders: list[Any], limit: int | float) -> list[list[Any]]:
+        """The predict loop over ``loaders`` (at most ``limit`` batches of each), with its hooks."""
+        return loops.run_predict(self, loaders, limit)
+
     def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
         return self.checkpoint_connector.resolve(ckpt_path)
 
     # ------------------------------------------------------------------ running a stage
     def _attach(self, model: Module | None, datamodule: DataModule | None, stage: str) -> Module:
         if model is None:
-            if self._module is None:
+            if self.model_connector.module is None:
                 raise MisconfigurationError(f"trainer.{stage}() needs a model: pass one (no earlier fit set one).")
-            model = self._module
+            model = self.model_connector.module
         if not isinstance(model, Module):
             raise MisconfigurationError(
                 f"The Trainer runs phalanx.Module subclasses (LightningModule); got {type(model).__name__}. Subclass "
                 "phalanx.LightningModule (or write the loop yourself with phalanx.Fabric)."
             )
-        if self._module is not None and model is not self._module and self.model is not None:
-            self._release_model()
-        self._module = model
-        model._trainer = self
+        self.model_connector.attach(model)
         if datamodule is not None:
             if not isinstance(datamodule, DataModule) and not hasattr(datamodule, "train_dataloader"):
                 raise MisconfigurationError(
@@ -360,17 +409,6 @@ class Trainer(TrainerAttributes):
             self.datamodule.setup(stage)
         return model
 
-    def _release_model(self) -> None:
-        """Another model after an earlier stage (Lightning's ``trainer.test(other_model)`` after ``fit``): the
-        strategy frees what it built for the old one (DDP's reducer, DeepSpeed's engine), and the new model is
-        set up in the same processes on the same process group. Optimizers and schedulers belonged to the old
-        model and go with it; the old module keeps its trained weights and can still be used on its own."""
-        self.fabric.release(self.model)
-        if self._module is not None:
-            self._module._trainer = None
-        self.model = None
-        self.optimizers, self.step_optimizers, self.lr_scheduler_configs = [], [], []
-
     def _launch(self) -> None:
         """Start or join the processes (see the module docstring), then put per-process state on the
         device this rank got."""
@@ -378,12 +416,16 @@ class Trainer(TrainerAttributes):
             self.fabric.launch()
             self.logger_connector.reset_results()
 
-    def _run(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+    def run_stage(self, stage: str, model: Module | None, datamodule: DataModule | None, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` as stage ``stage`` of this Trainer, as fit/validate/test/predict do: start or join
+        the processes, attach ``model`` (None: the one attached before) and ``datamodule``, and call the setup
+        and teardown hooks of the callbacks, the module and the datamodule around it (the loggers' runs end with
+        it). The tuner runs its searches through it (``stage="lr_find"``). Returns what ``fn`` returns."""
         if self.stage is not None:
             raise MisconfigurationError(f"trainer.{stage}() was called while trainer.{self.stage}() is running.")
         self._launch()
         module = self._attach(model, datamodule, stage)
-        self._refuse_batch_transfer_hooks(module)
+        refuse_batch_transfer_hooks(module, self.datamodule)
         self.stage = stage
         self.interrupted = False
         self._add_module_callbacks(module)
@@ -412,34 +454,13 @@ class Trainer(TrainerAttributes):
             module.teardown(stage)
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
-            if self.is_global_zero:
-                status = "failed" if self.interrupted else "success"
-                for lg in self.loggers:  # as in Lightning, each stage ends its loggers' runs
-                    if callable(getattr(lg, "finalize", None)):
-                        lg.finalize(status)
-                    elif callable(getattr(lg, "save", None)):
-                        lg.save()
+            self.fabric.finalize_loggers("failed" if self.interrupted else "success")  # as in Lightning, per stage
             self.profiler.describe()
             self.profiler.teardown(stage)
             # After the fit's last write. A preempted fit ended as it should: its rerun is a new run.
             self.checkpoint_connector.release_folder(failed=self.interrupted and self.fabric.preemption is None)
             self.stage = None
             self.current_stage = None
-
-    def _refuse_batch_transfer_hooks(self, module: Module) -> None:
-        """Lightning's batch-transfer hooks are refused rather than silently skipped: phalanx moves
-        batches to the device inside its data loaders."""
-        for owner in (module, self.datamodule):
-            if owner is None:
-                continue
-            found = [h for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-                     if overrides(owner, h)]
-            if found:
-                raise MisconfigurationError(
-                    f"{type(owner).__name__} overrides {found}, which phalanx does not call: its data loaders move "
-                    "each batch to the device themselves. Do that work in the DataLoader's collate_fn (before "
-                    "the move) or at the start of the *_step methods (after it), and remove the overrides."
-                )
 
     def _add_module_callbacks(self, module: Module) -> None:
         """``configure_callbacks()``: the module's callbacks replace the Trainer's of the same type."""
@@ -451,25 +472,8 @@ class Trainer(TrainerAttributes):
         kept = [c for c in self.callbacks if type(c) not in types]
         self.callbacks = ordered(kept + extra)
 
-    def _check_manual_optimization(self) -> None:
-        if self.module.automatic_optimization:
-            return
-        strategy = self.fabric.strategy
-        if not strategy.supports_calls_outside_forward:
-            raise MisconfigurationError(
-                f"Manual optimization (automatic_optimization = False) is not supported with strategy="
-                f"{strategy.name!r}: training_step runs outside the strategy's forward so that every "
-                "manual_backward is synchronized, and this strategy gathers its parameters in that forward. Use "
-                "automatic optimization, strategy='ddp', or a Fabric loop."
-            )
-        if self.settings.accumulate_grad_batches != 1:
-            raise MisconfigurationError(
-                "accumulate_grad_batches is for automatic optimization; with automatic_optimization = False, "
-                "accumulate in training_step (step the optimizer every N batches) and remove the argument."
-            )
-        if self.gradient_clip_val is not None:
-            raise MisconfigurationError(
-                "gradient_clip_val is for automatic optimization; with automatic_optimization = False call "
-                "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) before "
-                "optimizer.step() and remove the Trainer argument."
-            )
+
+if TYPE_CHECKING:
+    def _tuned(trainer: Trainer) -> TunedTrainer:
+        """Where mypy checks that the Trainer has every member the tuners use (``TunedTrainer``)."""
+        return trainer

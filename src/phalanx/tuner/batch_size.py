@@ -24,7 +24,7 @@ from phalanx.utils import diagnostics
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.tuner.view import TunedTrainer
 
 _METHODS = ("fit", "validate", "test", "predict")
 
@@ -36,7 +36,7 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("out of memory" in text or "CUDNN_STATUS_NOT_SUPPORTED" in text)
 
 
-def _holders(trainer: Trainer, name: str) -> list[Any]:
+def _holders(trainer: TunedTrainer, name: str) -> list[Any]:
     module, dm = trainer.module, trainer.datamodule
     candidates = [module, module.hparams]
     if dm is not None:
@@ -44,7 +44,7 @@ def _holders(trainer: Trainer, name: str) -> list[Any]:
     return [c for c in candidates if (name in c if isinstance(c, dict) else hasattr(c, name))]
 
 
-def get_size(trainer: Trainer, name: str) -> int:
+def get_size(trainer: TunedTrainer, name: str) -> int:
     holders = _holders(trainer, name)
     if not holders:
         raise MisconfigurationError(
@@ -55,7 +55,7 @@ def get_size(trainer: Trainer, name: str) -> int:
     return int(first[name] if isinstance(first, dict) else getattr(first, name))
 
 
-def set_size(trainer: Trainer, name: str, value: int) -> None:
+def set_size(trainer: TunedTrainer, name: str, value: int) -> None:
     for holder in _holders(trainer, name):
         if isinstance(holder, dict):
             holder[name] = value
@@ -63,7 +63,7 @@ def set_size(trainer: Trainer, name: str, value: int) -> None:
             setattr(holder, name, value)
 
 
-def _dataset_length(trainer: Trainer, method: str) -> int | None:
+def _dataset_length(trainer: TunedTrainer, method: str) -> int | None:
     loader = trainer.train_dataloader if method == "fit" else None
     if method != "fit":
         loaders = {"validate": trainer.val_dataloaders, "test": trainer.test_dataloaders,
@@ -76,9 +76,8 @@ def _dataset_length(trainer: Trainer, method: str) -> int | None:
         return None
 
 
-def _trial(trainer: Trainer, method: str, steps: int) -> None:
+def _trial(trainer: TunedTrainer, method: str, steps: int) -> None:
     """A few steps at the current size, with the loaders rebuilt from their methods."""
-    from phalanx.trainer import loops
 
     t = trainer
     if method == "fit":
@@ -86,34 +85,32 @@ def _trial(trainer: Trainer, method: str, steps: int) -> None:
         optimizer = t.optimizers[0]
         t.current_stage = "train"
         t.module.train()
-        batches = loops.start_epoch(t.fabric, t.train_dataloader, 0)
         done = 0
-        for batch_idx, batch, size, boundary in loops.windows(batches, 0, t.num_training_batches,
-                                                               t.accumulate_grad_batches):
-            loops.micro_batch(t, batch, batch_idx, size, boundary)
+        for batch_idx, batch, size, boundary in t.training_windows(0):
+            t.training_micro_batch(batch, batch_idx, size, boundary)
             if boundary:
-                loops.optimizer_step(t, optimizer)
+                t.optimizer_step_without_hooks(optimizer)
                 done += 1
                 if done >= steps:
                     break
         return
     getter = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[method]
-    loaders = t.data.eval_loaders(None, getter, t._module)
+    loaders = t.data.eval_loaders(None, getter, t.module)
     if not loaders:
         raise MisconfigurationError(f"scale_batch_size(method={method!r}) needs the module's {getter}().")
-    t._wrap()
+    t.model_connector.setup()
     if method == "predict":
         t.data.predict_dataloaders = loaders
-        loops.run_predict(t, loaders, steps)
+        t.run_predict(loaders, steps)
     else:
         if method == "test":
             t.data.test_dataloaders = loaders
         else:
             t.data.val_dataloaders = loaders
-        loops.run_evaluation(t, "validate" if method == "validate" else "test", loaders, steps)
+        t.run_evaluation("validate" if method == "validate" else "test", loaders, steps)
 
 
-def _outcome(trainer: Trainer, method: str, steps: int) -> bool:
+def _outcome(trainer: TunedTrainer, method: str, steps: int) -> bool:
     """Whether the trial fit in memory on every rank."""
     ok = True
     try:
@@ -133,7 +130,7 @@ def _outcome(trainer: Trainer, method: str, steps: int) -> bool:
 
 
 def search(
-    trainer: Trainer, method: str, mode: str, steps_per_trial: int, init_val: int, max_trials: int,
+    trainer: TunedTrainer, method: str, mode: str, steps_per_trial: int, init_val: int, max_trials: int,
     batch_arg_name: str, margin: float, max_val: int,
 ) -> int:
     """Run the search (the caller restores the trainer's state afterwards); returns the size found."""
@@ -189,7 +186,7 @@ def search(
 
 
 def scale_batch_size(
-    trainer: Trainer, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+    trainer: TunedTrainer, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
     dataloaders: Any = None, datamodule: Any = None, method: str = "fit", mode: str = "power",
     steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25, batch_arg_name: str = "batch_size",
     margin: float = 0.05, max_val: int = 8192,
@@ -205,13 +202,13 @@ def scale_batch_size(
         )
     t = trainer
     refuse_without_separate_optimizers(t, "scale_batch_size", "(it re-creates the optimizer for every trial)")
-    inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+    inside_fit = t.stage == "fit" and t.model is not None and t.module is model
 
     def run() -> int:
         if t.model is None and method == "fit":
             t.prepare_fit(None, None)
         elif t.model is None:
-            t._wrap()
+            t.model_connector.setup()
         point = TrainerRestorePoint(t)
         sources = (t.train_dataloader, t.train_sampler, t.num_training_batches, list(t.val_dataloaders),
                    t.optimizers, t.step_optimizers)
@@ -220,14 +217,14 @@ def scale_batch_size(
         finally:
             (t.data.train_dataloader, t.data.train_sampler, t.data.num_training_batches, t.data.val_dataloaders, opts,
              steps) = sources
-            t.optimizers, t.step_optimizers = opts, steps
+            t.model_connector.optimizers, t.model_connector.step_optimizers = opts, steps
             point.restore(t)
         set_size(t, batch_arg_name, found)
         if inside_fit:
-            t.data.prepare_train(t._module)  # the fit continues with loaders of the size found
+            t.data.prepare_train(t.module)  # the fit continues with loaders of the size found
         return found
 
     if inside_fit:
         return run()
-    found: int = t._run("scale_batch_size", model, datamodule, run)
+    found: int = t.run_stage("scale_batch_size", model, datamodule, run)
     return found

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from phalanx.core.module_state import preserved
-from phalanx.trainer.loops import micro_batch, optimizer_step, start_epoch, windows
-from phalanx.trainer.optim import parse_optimizers
+from phalanx.core.optimizers import parse_optimizers
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.diagnostics import warn
@@ -32,7 +31,7 @@ from phalanx.utils.tensors import optional_module
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.tuner.view import TunedTrainer
 
 
 _T = TypeVar("_T")
@@ -125,7 +124,7 @@ class LRFinderResult:
 class Tuner:
     """Hyperparameter helpers that run on a Trainer without disturbing it."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TunedTrainer) -> None:
         self.trainer = trainer
 
     def scale_batch_size(
@@ -182,7 +181,7 @@ class Tuner:
         t = self.trainer
         if update_attr:
             attr_name = lr_attribute(model, attr_name)
-        inside_fit = t.stage == "fit" and t.model is not None and t._module is model
+        inside_fit = t.stage == "fit" and t.model is not None and t.module is model
         separate = t.fabric.strategy.sets_up_optimizers_separately
         if inside_fit:
             refuse_without_separate_optimizers(t, "lr_find", "inside a fit (the LearningRateFinder callback)")
@@ -190,10 +189,10 @@ class Tuner:
         elif not separate:
             if t.model is not None:
                 refuse_without_separate_optimizers(t, "lr_find", "after this Trainer set the model up")
-            result = t._run("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
+            result = t.run_stage("lr_find", model, datamodule, self._on_scratch_copy, train_dataloaders, min_lr, max_lr,
                             num_training, mode, early_stop_threshold, probe)
         else:
-            result = t._run("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
+            result = t.run_stage("lr_find", model, datamodule, self._standalone, train_dataloaders, min_lr, max_lr,
                             num_training, mode, early_stop_threshold, probe)
         if update_attr:
             lr = result.suggestion()
@@ -229,18 +228,10 @@ class Tuner:
     def _on_copy(self, train_dataloaders: Any, work: Callable[[Any], _T]) -> _T:
         """``work(optimizer)`` on a fresh copy of the module, set up with its optimizer, then released."""
         t = self.trainer
-        original = t.module
-        scratch = copy.deepcopy(original, memo={id(t): t, id(t.fabric): t.fabric})
-        t._module = scratch
-        try:
-            with preserved(t):
-                t.prepare_fit(train_dataloaders, None)
-                return work(t.optimizers[0])
-        finally:
-            if t.model is not None:
-                t.fabric.release(t.model)
-            t._module, t.model = original, None
-            t.optimizers, t.step_optimizers, t.lr_scheduler_configs = [], [], []
+        scratch = copy.deepcopy(t.module, memo={id(t): t, id(t.fabric): t.fabric})
+        with t.using_module(scratch), preserved(t):
+            t.prepare_fit(train_dataloaders, None)
+            return work(t.optimizers[0])
 
     def _in_place(self, work: Callable[[Any], _T]) -> _T:
         """``work(None)`` (a fresh optimizer of its own) on the module, put back exactly afterwards."""
@@ -326,19 +317,17 @@ class Tuner:
                 t.train_sampler.skip = 0
             window_losses: list[torch.Tensor] = []
             progressed = False
-            batches = start_epoch(t.fabric, t.train_dataloader, epoch)
-            for batch_idx, batch, size, boundary in windows(batches, 0, t.num_training_batches,
-                                                           t.accumulate_grad_batches):
+            for batch_idx, batch, size, boundary in t.training_windows(epoch):
                 progressed = True
                 if not window_losses:
                     for group in optimizer.param_groups:
                         group["lr"] = lr_at(step)
                 t.logger_connector.set_batch("train", batch)
-                _, loss = micro_batch(t, batch, batch_idx, size, boundary)
+                _, loss = t.training_micro_batch(batch, batch_idx, size, boundary)
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
                     continue
-                optimizer_step(t, optimizer)
+                t.optimizer_step_without_hooks(optimizer)
                 mean = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
                 window_losses = []
                 step += 1

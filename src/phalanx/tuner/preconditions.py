@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
-    from phalanx.trainer.trainer import Trainer
+    from phalanx.tuner.view import TunedTrainer
 
 
-def refuse_without_separate_optimizers(trainer: Trainer, tuner: str, where: str) -> None:
+def refuse_without_separate_optimizers(trainer: TunedTrainer, tuner: str, where: str) -> None:
     """The tuners search with an optimizer of their own and the fit then builds the real one: a
     strategy that builds its engine once from the model and its optimizer (DeepSpeed) cannot, once the
     model is set up (a standalone ``lr_find`` before the fit searches on a scratch copy instead)."""

@@ -73,6 +73,10 @@ for name in ("ckpt", "ckpt.pt"):
     })
     train(model, opt, sched, counter, 1)  # continuing must match the run that never stopped
     report(fabric, **{name + ":after": full_params(model)})
+    everything = fabric.load(name)  # no state: every entry as plain full tensors, read by each rank itself
+    whole = torch.cat([v.reshape(-1).double() for v in everything["model"].values()])
+    report(fabric, **{name + ":whole": whole, name + ":whole_keys": sorted(everything),
+                      name + ":whole_opt": sorted(everything["optimizer"]["state"])})
 if PRECISION == "16-mixed":
     scaler = cast(MixedPrecision, fabric.strategy.precision).scaler
     assert scaler is not None

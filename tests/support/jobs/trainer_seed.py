@@ -8,7 +8,7 @@ from job_runner import report
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from phalanx.trainer.data import prepare_train_loader
+from phalanx.trainer.loaders import prepare_train_loader
 
 fabric = phalanx.Fabric(accelerator="cpu", devices=2)
 fabric.launch()

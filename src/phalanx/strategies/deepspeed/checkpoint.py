@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx import checkpoint
 from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, Entry, Shapes
 from phalanx.checkpoint.reshard import converting
@@ -176,8 +177,9 @@ class DeepSpeedCheckpointIO:
         if not self._native(info):
             loader = f"'deepspeed' ZeRO stage {self.stage} on {self.world_size} ranks"
             with converting(directory, info, self.layout, loader):
-                # Every rank merges the partitions itself (no collective), then loads like a single file.
-                full = DeepSpeedShards().read_all(directory, info)
+                # Every rank merges the partitions itself (no collective), then loads like a single file. Rank 0
+                # verified the checksums before any rank reads (the checkpoint layer's load plan).
+                full = checkpoint.read_everything(directory, verify=False)
                 if model is not None:
                     self.load_full_module_state(full[model.key])
                 if opt is not None:
@@ -190,9 +192,6 @@ class DeepSpeedCheckpointIO:
             )
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load the engine checkpoint in {directory} (see its log above).")
-
-    def read_all(self, directory: Path, info: dict[str, Any], weights_only: bool = True) -> dict[str, Any]:
-        return DeepSpeedShards().read_all(directory, info, weights_only)
 
     # ------------------------------------------------------------------ full form
     def _module_entries(self) -> dict[str, Any]:

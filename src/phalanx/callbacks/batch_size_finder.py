@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.callbacks.base import Callback
+from phalanx.tuner.batch_size import scale_batch_size, set_size
 
 
 class BatchSizeFinder(Callback):
@@ -24,8 +25,6 @@ class BatchSizeFinder(Callback):
         self.optimal_batch_size: int | None = None
 
     def scale_batch_size(self, trainer: Any, module: Any, method: str) -> None:
-        from phalanx.tuner.batch_size import scale_batch_size, set_size
-
         if self.optimal_batch_size is not None and method == "fit" and trainer.ckpt_path is not None:
             set_size(trainer, self.batch_arg_name, self.optimal_batch_size)
             trainer.data.prepare_train(trainer.module)

@@ -1,4 +1,5 @@
-"""Any phalanx checkpoint, opened for reading tensor by tensor in one plain process (no process group).
+"""Any checkpoint, opened for reading tensor by tensor in one plain process (no process group): the one
+reader of the checkpoint layer's format.
 
 ``open_source(path)`` recognises the three layouts phalanx writes (one file; a directory of
 ``torch.distributed.checkpoint`` shards plus the marker file; a directory holding DeepSpeed's engine
@@ -7,24 +8,25 @@ checkpoint plus the marker), a plain DCP directory written without phalanx, and 
 every tensor either real (a memory-mapped file's) or a ``meta`` placeholder of the right shape and dtype
 whose data ``Source.load`` reads when asked. Converting a checkpoint therefore holds about one tensor
 (or one batch of shards) in memory at a time, not the whole checkpoint (``phalanx ckpt``).
+``read_everything(path)`` is the same reader with every tensor read: what ``fabric.load(path)`` without
+state, ``load_from_checkpoint`` and a strategy that cannot re-cut another's shards get.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import phalanx.checkpoint.checksums as checksums
-from phalanx.checkpoint import find
-from phalanx.checkpoint.deepspeed_shards import DeepSpeedShards
+import phalanx.checkpoint.snapshot as snapshot
+import phalanx.checkpoint.storage as storage
+from phalanx.checkpoint.deepspeed_shards import open_deepspeed
 from phalanx.checkpoint.format import (
     DCP_LAYOUT,
     DEEPSPEED_LAYOUT,
@@ -36,11 +38,21 @@ from phalanx.checkpoint.format import (
     looks_like_raw_state_dict,
     read_file,
 )
-from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, PLAIN
+from phalanx.checkpoint.protocol import (
+    MODULE,
+    PLAIN_DCP,
+    SAFETENSORS,
+    SHARDED,
+    SINGLE,
+    STATE_DICT,
+    Source,
+    guess_kind,
+    placeholder,
+    tensors,
+)
+from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError
 
-SINGLE, SHARDED, DEEPSPEED, PLAIN_DCP, STATE_DICT = "single", "sharded", "deepspeed", "dcp", "state_dict"
-SAFETENSORS = "safetensors"
 #: ``phalanx ckpt convert --to safetensors`` writes a directory with these (and config.json if given).
 SAFETENSORS_FILE, SAFETENSORS_CHECKSUMS = "model.safetensors", "phalanx_checksums.json"
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -51,77 +63,80 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 BATCH_BYTES = 16 * 2**20
 
 
-def placeholder(shape: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor that records shape and dtype and holds no data (its bytes are read on ``Source.load``)."""
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-@dataclass
-class Source:
-    """An opened checkpoint (see the module docstring). ``kinds``: entry -> module/optimizer/...;
-    ``name_keyed``: optimizer entries whose state is keyed by parameter name (DCP's form) rather than
-    torch's index; ``notes``: what a conversion leaves out, said to the user."""
+# ---------------------------------------------------------------------- where a checkpoint is
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint on disk: ``path`` (the previous checkpoint's ``.old-`` copy when ``recovered``),
+    and ``problem``: why it cannot be loaded, or None."""
 
     path: Path
-    kind: str
-    meta: dict[str, Any]
-    tree: dict[str, Any]
-    kinds: dict[str, str]
-    files: list[Path]
-    name_keyed: set[str] = field(default_factory=set)
-    notes: list[str] = field(default_factory=list)
-    loaders: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
-    #: Told the order ``load`` will be called in (before the first call), a layout may read ahead in batches.
-    expect: Callable[[list[torch.Tensor]], None] = lambda order: None
-    #: Whether the recorded checksums were verified: True, False (none recorded), None (not asked to).
-    verified: bool | None = None
-
-    def load(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The data of a tensor of ``tree``, on the CPU and contiguous (read from disk if a placeholder)."""
-        loader = self.loaders.get(id(tensor))
-        out = loader() if loader is not None else tensor
-        if out.is_meta:
-            raise CheckpointError(f"{self.path}: a tensor of shape {tuple(out.shape)} has no data to read.")
-        out = out.detach().cpu().contiguous()
-        if tuple(out.shape) != tuple(tensor.shape) or out.dtype != tensor.dtype:
-            raise CheckpointError(f"{self.path}: a tensor read as {tuple(out.shape)} {out.dtype}, but its metadata "
-                                  f"says {tuple(tensor.shape)} {tensor.dtype}; the checkpoint is inconsistent.")
-        return out
-
-    @property
-    def disk_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
+    recovered: bool
+    problem: str | None
 
 
-def tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``tree`` with its path (``entry/key/...``)."""
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from tensors(value, f"{prefix}/{key}" if prefix else str(key))
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            yield from tensors(value, f"{prefix}/{i}" if prefix else str(i))
+def _incomplete(path: Path) -> str:
+    hint = (" (If it is a torch.distributed.checkpoint directory written without phalanx, `phalanx consolidate` "
+            "turns it into one file.)" if (path / ".metadata").is_file() else "")
+    return (
+        f"{path} is not a complete sharded checkpoint: {MARKER} is missing. phalanx moves a checkpoint directory "
+        "into place only after every rank finished writing, so this directory was not produced by a completed "
+        f"phalanx save (or was copied incompletely). Use an earlier checkpoint.{hint}"
+    )
 
 
-def guess_kind(value: Any) -> str:
-    """The kind of an entry in a file without phalanx's entry record."""
-    if isinstance(value, dict) and {"state", "param_groups"} <= set(value):
-        return OPTIMIZER
-    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-        return MODULE
-    return PLAIN
+def find(path: str | Path) -> Found | None:
+    """Whether a checkpoint exists at ``path`` and is complete (no process group needed; reads no data)."""
+    if snapshot.is_reference(path):
+        return Found(Path(path), False, snapshot.problem_with(Path(path)))
+    located = storage.locate(Path(path))
+    if located is None:
+        return None
+    found, recovered = located
+    return Found(found, recovered, _incomplete(found) if found.is_dir() and not (found / MARKER).is_file() else None)
+
+
+def locate(path: Path, complete: bool = True) -> Found:
+    """The checkpoint to read for ``path`` (saying so when it is the previous one, a save having been
+    interrupted while replacing it); raises ``CheckpointError`` if there is none, or, with ``complete``,
+    if it is not a complete checkpoint."""
+    found = find(path)
+    if found is None:
+        raise CheckpointError(f"No checkpoint at {path}.")
+    if found.recovered:
+        diagnostics.notice(
+            f"A save of {path} was interrupted while replacing it; loading the previous checkpoint, {found.path}."
+        )
+    if complete and found.problem:
+        raise CheckpointError(found.problem)
+    return found
+
+
+def read_marker(directory: Path, weights_only: bool, mmap: bool = False) -> dict[str, Any]:
+    """The marker of a directory checkpoint: ``{META_KEY: meta, "extras": entries the shards do not hold}``
+    (which may be large: an optimizer state the shards could not name); ``mmap``: as :func:`format.read_file`."""
+    marker = read_file(directory / MARKER, weights_only, what="Checkpoint marker", mmap=mmap)
+    meta = marker.get(META_KEY)
+    if not isinstance(meta, dict) or "layout" not in meta or not isinstance(marker.get("extras"), dict):
+        raise CheckpointError(
+            f"{directory / MARKER} is not a marker this phalanx version reads (format "
+            f"{meta.get('format_version') if isinstance(meta, dict) else '?'}). Load it with the phalanx version "
+            "that wrote it and save it again."
+        )
+    return marker
 
 
 # ---------------------------------------------------------------------- one file
-def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
-    try:  # memory-mapped: nothing is read until a tensor is used
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except Exception:
-        ckpt = read_file(path, weights_only)  # torch's pre-zip format, or the clear error for a damaged file
+def _open_file(path: Path, weights_only: bool, verify: bool, mmap: bool) -> Source:
+    ckpt, checked = None, False
+    if mmap:
+        try:  # memory-mapped: nothing is read until a tensor is used
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except Exception:
+            pass  # torch's pre-zip format, or a damaged file: read_file says which
+    if ckpt is None:
+        ckpt, checked = read_file(path, weights_only), True  # read_file verifies what it reads
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a dict of state.")
     if looks_like_raw_state_dict(ckpt):
@@ -129,8 +144,8 @@ def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
                       verified=False if verify else None)
     meta = ckpt.get(META_KEY, {})
     record = check_format(meta, path) if META_KEY in ckpt else None  # none: not written by phalanx
-    checked = record is not None and record.get("entries") is not None
-    if verify and record is not None and checked:
+    recorded = record is not None and record.get("entries") is not None
+    if verify and record is not None and recorded and not checked:
         # Converting a damaged file would hand on wrong values under new, unrecorded checksums: refuse.
         found = checksums.check_state(ckpt, record, path)
         if found:
@@ -139,7 +154,7 @@ def _open_file(path: Path, weights_only: bool, verify: bool) -> Source:
     saved = meta.get("entries") if isinstance(meta, dict) else None
     kinds = {k: (saved or {}).get(k) or guess_kind(v) for k, v in tree.items()}
     return Source(path, SINGLE, meta if isinstance(meta, dict) else {}, tree, kinds, [path],
-                  verified=checked if verify else None)
+                  verified=recorded if verify else None)
 
 
 # ---------------------------------------------------------------------- torch.distributed.checkpoint shards
@@ -215,7 +230,8 @@ def _open_dcp(directory: Path, weights_only: bool, marker: dict[str, Any] | None
     from phalanx.checkpoint.dcp import METADATA, check_metadata
 
     if not (directory / METADATA).is_file():
-        raise CheckpointError(f"{directory} is not a complete sharded checkpoint: {METADATA} is missing.")
+        raise CheckpointError(f"{directory} is not a complete sharded checkpoint: {METADATA} is missing. Use an "
+                              "earlier checkpoint.")
     if weights_only:
         check_metadata(directory)  # torch unpickles .metadata; refuse one that could run code first
     checked = _check_shards(directory, marker, verify)
@@ -276,94 +292,6 @@ def _read_bytes(directory: Path, keys: list[str], weights_only: bool) -> dict[st
     return flat
 
 
-# ---------------------------------------------------------------------- DeepSpeed's engine checkpoint
-def _model_states(directory: Path) -> Path:
-    """DeepSpeed's model-states file (ZeRO 1/2: one for all ranks; ZeRO-3: rank 0's holds the same shapes)."""
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        found = sorted(directory.glob(f"*/{name}"))
-        if len(found) == 1:
-            return found[0]
-    raise CheckpointError(f"{directory} does not hold one DeepSpeed engine checkpoint (a folder with "
-                          "mp_rank_00_model_states.pt).")
-
-
-def _open_deepspeed(directory: Path, weights_only: bool, marker: dict[str, Any], full: bool, verify: bool) -> Source:
-    meta = marker[META_KEY]
-    info = meta.get("shards", {})
-    entries = meta.get("entries", {})
-    sharded = list(info.get("sharded", []))
-    model_key = next((k for k in sharded if entries.get(k) == MODULE), "model")
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    rest = {k: entries.get(k) or guess_kind(v) for k, v in marker["extras"].items()}
-    checked = _check_shards(directory, marker, verify)
-    if full:
-        # ZeRO keeps each parameter group as one flat partition per rank: the state is rebuilt whole.
-        merged = _read_deepspeed(directory, info, weights_only)
-        if merged is not None:
-            return Source(directory, DEEPSPEED, meta, {**merged, **marker["extras"]},
-                          {**{k: entries.get(k, MODULE) for k in merged}, **rest}, files, verified=checked)
-    # Shapes without reading the partitions: DeepSpeed's model-states file holds them (and the buffers).
-    states = read_file(_model_states(directory), True, what="DeepSpeed model states")
-    buffers = set(states.get("buffer_names", []))
-    shapes: dict[str, Any] = {}
-    for group in states.get("param_shapes", []):
-        shapes.update(group)
-    shapes.update(states.get("frozen_param_shapes") or {})
-    module: dict[str, Any] = {}
-    for name, value in states.get("module", {}).items():
-        if name in buffers:
-            module[name] = value.float() if value.is_floating_point() else value  # zero_to_fp32's choice
-    for name, shape in shapes.items():
-        module[name] = placeholder(shape, torch.float32)  # the float32 master weights
-    for alias, target in (states.get("shared_params") or {}).items():
-        if target in module:
-            module[alias] = module[target]
-    source = Source(directory, DEEPSPEED, meta, {model_key: module, **marker["extras"]}, {model_key: MODULE, **rest},
-                    files, verified=checked)
-    merged_weights: dict[str, Any] = {}
-
-    def weight(name: str) -> torch.Tensor:
-        if not merged_weights:
-            merged_weights.update(_zero_to_fp32(directory, weights_only))
-        value = merged_weights[name]
-        return value if isinstance(value, torch.Tensor) else value.contiguous()  # ZeRO-3's lazy gathered tensor
-
-    for name, value in module.items():
-        if value.is_meta:
-            source.loaders[id(value)] = lambda name=name: weight(name)  # type: ignore[misc]
-    skipped = [k for k in sharded if k != model_key]
-    if skipped:
-        how = "is read when converting" if full is False else "is not read here"
-        source.notes.append(f"{', '.join(skipped)}: DeepSpeed's partitioned optimizer state (laid out for "
-                            f"{info.get('world_size')} ranks at ZeRO stage {info.get('stage')}) {how}.")
-    return source
-
-
-def _read_deepspeed(directory: Path, info: dict[str, Any], weights_only: bool) -> dict[str, Any] | None:
-    """Weights and optimizer state merged from ZeRO's partitions (the checkpoint layer's reader)."""
-    out: dict[str, Any] = DeepSpeedShards().read_all(directory, info, weights_only)
-    return out
-
-
-def _zero_to_fp32(directory: Path, weights_only: bool) -> dict[str, Any]:
-    """The model's float32 weights through DeepSpeed's own zero_to_fp32 (its files unpickled in full)."""
-    if weights_only:
-        raise CheckpointError(
-            f"{directory} is a DeepSpeed engine checkpoint: its optimizer files hold DeepSpeed objects that only "
-            "unpickling (which can run code) rebuilds. If you trust where it comes from, pass --trust."
-        )
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError as err:
-        raise CheckpointError(f"Reading the DeepSpeed checkpoint {directory} needs deepspeed "
-                              "(pip install phalanx[deepspeed]).") from err
-    # DeepSpeed prints its progress: keep stdout for phalanx's own output (--json).
-    with contextlib.redirect_stdout(sys.stderr):
-        out: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
-            str(directory), tag=_model_states(directory).parent.name, lazy_mode=True)
-    return out
-
-
 def _check_shards(directory: Path, marker: dict[str, Any] | None, verify: bool) -> bool | None:
     """Whether the shard files were verified against the checksums the marker recorded: True, False (no
     marker: a plain torch.distributed.checkpoint directory), None (not asked to)."""
@@ -418,34 +346,67 @@ def _open_safetensors(directory: Path, verify: bool) -> Source:
 
 
 # ---------------------------------------------------------------------- any of them
-def open_source(path: str | Path, weights_only: bool = True, full: bool = False, verify: bool | None = None) -> Source:
+def open_source(path: str | Path, weights_only: bool = True, full: bool = False, verify: bool | None = None,
+                foreign: bool = True, mmap: bool = True) -> Source:
     """Open the checkpoint at ``path`` (see the module docstring); raises ``CheckpointError`` with the reason.
     ``full``: the caller will read every tensor (a conversion): layouts that can only be read whole (DeepSpeed's
     flat ZeRO partitions) are read now, optimizer state included; without it no tensor data is read beyond what
     verifying takes. ``verify`` (default: ``full``): first check the checksums the checkpoint recorded (a
-    mismatch raises :class:`~phalanx.utils.errors.CorruptCheckpointError`, naming the tensor)."""
+    mismatch raises :class:`~phalanx.utils.errors.CorruptCheckpointError`, naming the tensor). ``foreign``:
+    also open what phalanx did not write as a checkpoint (a plain DCP directory, a safetensors export), which
+    ``fabric.load`` refuses. ``mmap``: map a single file rather than read it into memory."""
     path = Path(path)
     verify = full if verify is None else verify
-    if path.is_file() and path.suffix == ".safetensors" and path.name == SAFETENSORS_FILE:
+    if foreign and path.is_file() and path.suffix == ".safetensors" and path.name == SAFETENSORS_FILE:
         path = path.parent
-    if (path / SAFETENSORS_FILE).is_file():
+    if foreign and (path / SAFETENSORS_FILE).is_file():
         return _open_safetensors(path, verify)
-    found = find(path)
-    if found is None:
-        raise CheckpointError(f"No checkpoint at {path}.")
+    found = locate(path, complete=not foreign)
     target = found.path
     if target.is_file():
-        return _open_file(target, weights_only, verify)
+        return _open_file(target, weights_only, verify, mmap)
     if not (target / MARKER).is_file():
         if (target / ".metadata").is_file():
             return _open_dcp(target, weights_only, None, verify)  # written by torch.distributed.checkpoint directly
         raise CheckpointError(found.problem or f"{target} is not a checkpoint.")
-    marker = read_file(target / MARKER, weights_only, what="Checkpoint marker")
-    meta = marker.get(META_KEY)
-    if not isinstance(meta, dict) or not isinstance(marker.get("extras"), dict):
-        raise CheckpointError(f"{target / MARKER} is not a marker this phalanx version reads.")
-    if meta.get("layout") == DCP_LAYOUT:
+    marker = read_marker(target, weights_only, mmap)
+    meta = marker[META_KEY]
+    if meta["layout"] == DCP_LAYOUT:
         return _open_dcp(target, weights_only, marker, verify)
-    if meta.get("layout") == DEEPSPEED_LAYOUT:
-        return _open_deepspeed(target, weights_only, marker, full, verify)
-    raise CheckpointError(f"{target} holds {meta.get('layout')!r} shards, which phalanx ckpt cannot read.")
+    if meta["layout"] == DEEPSPEED_LAYOUT:
+        return open_deepspeed(target, weights_only, marker, full, _check_shards(target, marker, verify))
+    raise CheckpointError(f"{target} holds {meta['layout']!r} shards, which this phalanx version cannot read.")
+
+
+def read_everything(path: str | Path, weights_only: bool = True, verify: bool = True) -> dict[str, Any]:
+    """Every entry of the checkpoint at ``path`` as plain CPU values, in the single-file layout (full tensors,
+    optimizer state keyed by index) with phalanx's metadata under ``META_KEY``; a plain state-dict file as it
+    is. Only what ``fabric.load`` accepts (no plain DCP directory, no safetensors export), checked against its
+    recorded checksums unless ``verify`` is False (the caller checked them already)."""
+    source = open_source(path, weights_only, full=True, verify=verify, foreign=False, mmap=False)
+    if source.kind == STATE_DICT:
+        return dict(source.tree["model"])
+    if source.expect is not None:
+        source.expect([t for _, t in tensors(source.tree) if id(t) in source.loaders])
+    done: dict[int, torch.Tensor] = {}
+
+    def read(node: Any) -> Any:
+        # Placeholders sit in the dicts and lists a layout's reader built; every other value is returned as is.
+        if isinstance(node, torch.Tensor) and id(node) in source.loaders:
+            if id(node) not in done:
+                done[id(node)] = source.load(node)
+            return done[id(node)]
+        if isinstance(node, dict):
+            return {k: read(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [read(v) for v in node]
+        return node
+
+    out = {k: read(v) for k, v in source.tree.items()}
+    if source.name_keyed:
+        from phalanx.checkpoint.dcp import to_index_keyed
+
+        out.update({k: to_index_keyed(out[k]) for k in source.name_keyed})
+    if source.meta:
+        out[META_KEY] = source.meta
+    return out

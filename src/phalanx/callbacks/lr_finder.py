@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.base import Callback
-from phalanx.trainer.trainer import Trainer
+from phalanx.tuner.lr_find import LRFinderResult, Tuner, lr_attribute
+from phalanx.tuner.view import TunedTrainer
 from phalanx.utils.diagnostics import info
 from phalanx.utils.errors import MisconfigurationError
 
 if TYPE_CHECKING:
     from phalanx.core.module import Module
     from phalanx.core.view import TrainerView
-    from phalanx.tuner.lr_find import LRFinderResult
 
 
 class LearningRateFinder(Callback):
@@ -45,9 +45,7 @@ class LearningRateFinder(Callback):
         self.lr: float | None = None  # its suggestion (None: there was none)
 
     def on_fit_start(self, trainer: TrainerView, module: Module) -> None:
-        from phalanx.tuner.lr_find import Tuner, lr_attribute
-
-        if not isinstance(trainer, Trainer):  # the search runs the Trainer's own loop pieces
+        if not isinstance(trainer, TunedTrainer):  # the search runs the Trainer's own loop pieces
             raise MisconfigurationError(f"LearningRateFinder runs in a phalanx.Trainer, not {type(trainer).__name__}.")
         if trainer.ckpt_path is not None:
             if self.lr is not None and self.update_attr:
