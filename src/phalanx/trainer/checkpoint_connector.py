@@ -51,7 +51,7 @@ from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, Miscon
 from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
-    from phalanx.checkpoint.async_sharded import AsyncCheckpoint
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.trainer.attributes import TrainerAttributes
 
 FORMAT = 1
