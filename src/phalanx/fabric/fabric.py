@@ -80,8 +80,9 @@ class Fabric:
             restarts the job's processes after one fails (torch's elastic agent; 0: a failure ends the job).
         preemption_signals: the signals :meth:`stop_requested` reports (default SIGTERM and SIGUSR1, or
             ``PHALANX_PREEMPTION_SIGNALS``); ``[]`` turns preemption handling off.
-        root_dir: the folder the launcher's run logs go under (``<root_dir>/phalanx_logs/<run id>``); None: the
-            first logger's ``root_dir``, else the working directory.
+        root_dir: the run's folder: the launcher's run logs go under it (``<root_dir>/phalanx_logs/<run id>``),
+            and :meth:`exit_preempted` records a preempted run there (``preempted.json``); None: the first
+            logger's ``root_dir``, else the working directory.
     """
 
     def __init__(
@@ -406,7 +407,8 @@ class Fabric:
         """End this rank after a preemption stop: rank 0 prints one line (step, signal, rank, checkpoint,
         how to resume) and, under SLURM, requeues the job; every rank exits with code 75
         (:data:`phalanx.distributed.preemption.EXIT_PREEMPTED`) without a traceback. Call it on every
-        rank, after the checkpoint is saved."""
+        rank, after the checkpoint is saved: a complete one is recorded in the run's folder (``preempted.json``),
+        and no later run saves over it before loading it."""
         self._preemption.exit(checkpoint_path, step)
 
     @property

@@ -24,6 +24,7 @@ from phalanx import checkpoint
 from phalanx.distributed import restarts
 from phalanx.distributed.launch import restart_count
 from phalanx.distributed.runfolder import PreemptedRun
+from phalanx.distributed.runlogs import shown_path
 from phalanx.offline.summary import counters
 from phalanx.utils.errors import MisconfigurationError
 
@@ -61,12 +62,12 @@ class Persistence:
             raise MisconfigurationError(f"fabric.save expects a dict of state, got {type(state).__name__}.")
         preempted = self._preempted()
         if preempted is not None and preempted.is_checkpoint(path):
-            folder = self._folder or Path.cwd()
+            record = shown_path(str(PreemptedRun.path(self._folder or Path.cwd())))
             raise MisconfigurationError(
                 f"fabric.save({str(path)!r}) would overwrite the checkpoint of the run preempted{preempted.at()} in "
-                f"this folder ({PreemptedRun.path(folder)} records it), which this run has not resumed. Either resume "
-                f"it: fabric.load(fabric.latest_checkpoint(...), state) with its folder before training; or keep it "
-                f"and start afresh: save elsewhere, or delete {PreemptedRun.path(folder)} first."
+                f"this folder ({record} records it), which this run has not resumed. Either resume it: "
+                "fabric.load(fabric.latest_checkpoint(...), state) with its folder before training; or keep it and "
+                f"start afresh: save elsewhere, or delete {record} first."
             )
         return self._strategy.save_checkpoint(path, dict(state))
 
