@@ -5,7 +5,8 @@ Data: scikit-learn's bundled digits (1797 8x8 images, no download).
 
     python examples/train_digits.py                 # re-runs itself in 2 processes
     phalanx run --devices 2 examples/train_digits.py
-    python examples/train_digits.py --resume        # after a preemption (exit code 75): go on where it stopped
+    python examples/train_digits.py                 # again after a preemption (exit code 75): resumes where it stopped
+    python examples/train_digits.py --resume        # go on from the newest checkpoint in --out
 """
 
 from __future__ import annotations
@@ -83,14 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=12, help="epochs to train for (default %(default)s)")
     parser.add_argument("--out", default="runs/train_digits",
                         help="the run's root folder: checkpoints, CSV and TensorBoard logs, the LR finder's plot, "
-                             "and the launcher's logs (phalanx_logs/) go under it (default %(default)s)")
+                             "and the launcher's logs (phalanx_logs/) go under it; one run at a time may use it "
+                             "(default %(default)s)")
     parser.add_argument("--no-progress-bar", action="store_true", help="no progress bar (the line per epoch stays)")
     parser.add_argument("--max-restarts", type=int, default=2,
                         help="restart the processes up to this many times after one dies (kill -9, out of memory); "
-                             "each restart resumes from the snapshot of the last step (default %(default)s)")
+                             "each restart resumes from the snapshot of the last step; an error a restart cannot "
+                             "fix is not restarted (default %(default)s)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --out (ckpt_path='last'), e.g. after a "
-                             "preemption (exit code 75)")
+                        help="continue from the newest checkpoint in --out (ckpt_path='last'); after a preemption "
+                             "(exit code 75) the same command resumes without it")
     return parser
 
 
@@ -121,6 +124,7 @@ def main() -> None:
         train_dataloaders=DataLoader(train_set, batch_size=32, shuffle=True),
         # 360 images split 180/180 across the ranks; every image is scored exactly once.
         val_dataloaders=DataLoader(val_set, batch_size=128),
+        # None: train from scratch, unless the run in --out was preempted (then resume it, and say so).
         ckpt_path="last" if args.resume else None,
     )
 

@@ -19,8 +19,9 @@ import pytest
 from job_runner import JOBS, line_of, run_job
 
 from phalanx.distributed import restarts
-from phalanx.distributed.failures import CAUSE_VARIABLE, failure_summary, oom_kills
+from phalanx.distributed.failures import CAUSE_VARIABLE, NotRestarted, failure_summary, oom_kills, restart_record
 from phalanx.distributed.runlogs import RUN_VARIABLE, RunLogs, log_root
+from phalanx.utils.errors import note_step
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -154,6 +155,72 @@ def test_a_failed_attempt_is_handed_to_the_restarted_ranks(monkeypatch: pytest.M
     assert CAUSE_VARIABLE not in os.environ and RUN_VARIABLE not in os.environ  # this process may go on
 
 
+def _failed(attempt: Path, rank: int, error: BaseException | None, exitcode: int = 1) -> logging.LogRecord:
+    """Rank ``rank`` of ``attempt`` ended with ``error`` (recorded as phalanx records it; None: killed by a signal):
+    the record torch's agent logs about it."""
+    (attempt / str(rank)).mkdir(parents=True, exist_ok=True)
+    if error is not None:
+        extra = {"timestamp": "1", "phalanx": restart_record(error)}
+        (attempt / str(rank) / "error.json").write_text(json.dumps({"message": {"message": str(error),
+                                                                                "extraInfo": extra}}))
+    return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py", 1,
+                             "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                             (exitcode, rank, 4242, "python"), None)
+
+
+def _raised(error: BaseException, step: int | None = None) -> BaseException:
+    try:
+        raise error
+    except BaseException as err:
+        if step is not None:
+            note_step(err, step)
+        return err
+
+
+def test_only_what_a_restart_can_fix_is_restarted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The launcher's recorder stops torch's agent from restarting after an error that will repeat (a configuration
+    error, a checkpoint that cannot be used, a preemption) and after an exception that repeats at the same step;
+    it lets a killed rank, a lost peer and an exception at another step be restarted."""
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(tmp_path))
+    agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    run = tmp_path / "phalanx-x" / "phalanx-x_abc"
+
+    def attempts(*ranks_errors: tuple[int, BaseException | None, int], max_restarts: int = 2) -> list[str]:
+        """Feed one failed attempt per item; what the recorder decided for each ('' restarted, else why not)."""
+        for old in run.glob("attempt_*"):
+            for file in old.glob("*/error.json"):
+                file.unlink()
+        decided = []
+        with RunLogs("phalanx-x", dst=io.StringIO(), ranks=2, max_restarts=max_restarts):
+            for n, (rank, error, code) in enumerate(ranks_errors):
+                try:
+                    agent.handle(_failed(run / f"attempt_{n}", rank, error, code))
+                    decided.append("")
+                except NotRestarted as stop:
+                    decided.append(stop.why)
+                    assert sorted(stop.failures) == [rank]
+        return decided
+
+    from phalanx.distributed.preemption import Preempted
+    from phalanx.utils.errors import CheckpointError, MisconfigurationError, RankGoneError
+
+    assert attempts((1, _raised(MisconfigurationError("bad")), 1)) == [
+        "a configuration error fails the same way on every attempt"]
+    assert attempts((0, _raised(CheckpointError("corrupt")), 1)) == [
+        "a checkpoint that cannot be used fails the same way on every attempt"]
+    assert attempts((0, Preempted("preempted at step 3"), 75)) == [
+        "the job was preempted: it ends so that it can be moved, and its rerun resumes"]
+    same = "attempt 1 failed with the same ValueError at step 3 as attempt 0, so a restart would fail the same way " \
+           "again"
+    assert attempts((1, _raised(ValueError("x"), 3), 1), (1, _raised(ValueError("y"), 3), 1)) == ["", same]
+    assert attempts((1, _raised(ValueError("x"), 3), 1), (1, _raised(ValueError("x"), 4), 1),
+                    (1, _raised(KeyError("x"), 4), 1)) == ["", "", ""]  # another step, another type: restarted
+    assert attempts((1, None, -9), (1, None, -9), (1, None, -9)) == ["", "", ""]  # killed: as often as allowed
+    gone = _raised(RankGoneError("rank 1 is gone"), 3)
+    assert attempts((0, gone, 1), (0, gone, 1)) == ["", ""]  # a lost peer or a collective timeout: restarted
+    assert attempts((1, _raised(MisconfigurationError("bad")), 1), max_restarts=0) == [""]  # no restart to refuse
+
+
 def test_a_signal_to_the_launcher_is_said_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """The ranks saved and rank 0 said so: the launcher adds nothing (exit code 75). No rank saved (a loop that never
@@ -263,6 +330,23 @@ def test_a_crashed_job_shows_its_cause_once_and_the_tracebacks_are_in_the_log(tm
     for rank in failed:
         assert "Traceback (most recent call last)" in logs[rank], logs[rank]
         assert f'line {line}, in ' in logs[rank] and "ValueError: bad batch at step 2" in logs[rank], logs[rank]
+
+
+def test_an_exception_that_repeats_at_the_same_step_is_restarted_once(tmp_path: Path) -> None:
+    """Trainer(max_restarts=2), rank 1 raising at step 2 of every attempt: attempt 1 fails like attempt 0, so
+    the launcher does not try a third; its last line says why."""
+    job = run_job(TRAINER, tmp_path, timeout=180, args=("rank1", "2"))
+    assert job.returncode == 1, job.output[-3000:]
+    (run,) = (tmp_path / "phalanx_logs").glob("phalanx-*")
+    assert sorted(p.name for p in run.glob("*/attempt_*")) == ["attempt_0", "attempt_1"]
+    cause = (f"rank 1 exited with code 1: ValueError: bad batch at step 2 (raised at job.py:"
+             f"{line_of(TRAINER, 'the line the summary names')} (training_step)); rank 0 stopped as a consequence")
+    lines = job.stderr.splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"[phalanx] Restart 1 of at most 2: {cause}. No checkpoint to "
+                                                   "resume from in "), job.stderr
+    assert lines[1].startswith(f"[phalanx] Tracebacks and stderr of every rank: {run.relative_to(tmp_path)} "), lines
+    assert lines[2] == (f"[phalanx] job failed: {cause}. Not restarted: attempt 1 failed with the same ValueError at "
+                        "step 2 as attempt 0, so a restart would fail the same way again."), lines
 
 
 def test_show_tracebacks_prints_them_inline(tmp_path: Path) -> None:

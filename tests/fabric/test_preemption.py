@@ -1,19 +1,26 @@
 """fabric.stop_requested / exit_preempted / latest_checkpoint / save_snapshot, in a hand-written loop under
 real signals and kills (2 ranks, gloo, CPU): a signal on either rank stops both at the same step and the
 rerun continues from the checkpoint; kill -9 of a rank under Fabric(max_restarts=1) resumes from the per-step
-snapshot; the final weights equal an uninterrupted run's bit for bit."""
+snapshot; the final weights equal an uninterrupted run's bit for bit. And, in one process, the record of a
+preempted run: no fresh start saves over its checkpoint, and the run that resumed it removes it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from job_runner import JOBS, assert_terminal, run_job
 from run_if import run_if
 
-from phalanx.distributed.preemption import EXIT_PREEMPTED
+import phalanx
+from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
+from phalanx.utils.errors import MisconfigurationError
 
 LOOP = JOBS / "preemption_loop.py"
 
@@ -89,3 +96,37 @@ def test_kill_9_under_max_restarts_resumes_from_the_snapshot(
     assert_terminal(job.stderr, strategy, said)
     assert job.reports[0]["weights"] == expected, why  # bit-identical, no step lost
     assert not Path(job.reports[0]["snapshots"]).exists()  # removed when the job ended well
+
+
+def test_a_preempted_runs_checkpoint_is_kept_until_a_run_resumes_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delattr(sys, "last_value", raising=False)  # a failure of an earlier test is not this run's
+    model = torch.nn.Linear(2, 1)
+    state = {"model": model, "step": 3}
+    fabric = phalanx.Fabric(accelerator="cpu", devices=1)
+    fabric.save("ckpts/step-3.ckpt", state)
+    with pytest.raises(Preempted, match=r"^preempted at step 3 by request; checkpoint: ckpts/step-3\.ckpt\. Run the "
+                                        r"same command again to resume from it\.$"):
+        fabric.exit_preempted("ckpts/step-3.ckpt", step=3)
+    fabric.teardown()
+    record = json.loads((tmp_path / "preempted.json").read_text())  # the working directory: no root_dir given
+    assert (record["checkpoint"], record["step"]) == (str(tmp_path / "ckpts" / "step-3.ckpt"), 3)
+    kept = hashlib.sha256((tmp_path / "ckpts" / "step-3.ckpt").read_bytes()).hexdigest()
+
+    rerun = phalanx.Fabric(accelerator="cpu", devices=1)  # a fresh start may save elsewhere, not over it
+    with pytest.raises(MisconfigurationError, match=re.escape(
+            "fabric.save('ckpts/step-3.ckpt') would overwrite the checkpoint of the run preempted at step 3 in this "
+            "folder (preempted.json records it), which this run has not resumed. Either resume it")):
+        rerun.save("ckpts/step-3.ckpt", state)
+    rerun.save("ckpts/elsewhere.ckpt", state)
+    assert hashlib.sha256((tmp_path / "ckpts" / "step-3.ckpt").read_bytes()).hexdigest() == kept
+    rerun.teardown()
+    assert (tmp_path / "preempted.json").exists()  # it did not resume the preempted run
+
+    resumed = phalanx.Fabric(accelerator="cpu", devices=1)
+    resumed.load("ckpts/step-3.ckpt", state)
+    state["step"] = 4
+    resumed.save("ckpts/step-3.ckpt", state)  # once resumed, the run's own checkpoint
+    resumed.teardown()
+    assert not (tmp_path / "preempted.json").exists()  # it resumed the run and ended well

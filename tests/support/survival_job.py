@@ -1,10 +1,11 @@
 """The job behind the preemption and restart tests: a 2-rank Trainer fit that can be interrupted for real.
 
     python survival_job.py STRATEGY [--interrupt SIG|KILL --rank R --step N] [--in-save] [--twice]
-        [--max-restarts K] [--snapshot] [--fresh]
+        [--max-restarts K] [--snapshot] [--fresh | --ckpt-path PATH]
 
-It resumes with ``ckpt_path="last"`` unless ``--fresh``; rank 0 reports the final weights and step, and every
-rank appends the (epoch, sample index) pairs it trains on to ``seen<rank>.txt``, so a test can count them.
+It resumes with ``ckpt_path="last"``, unless ``--fresh`` (``ckpt_path=None``: a preempted run in the folder is
+still resumed) or ``--ckpt-path``; rank 0 reports the final weights and step, and every rank appends the (epoch,
+sample index) pairs it trains on to ``seen<rank>.txt``, so a test can count them.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--snapshot", action="store_true")
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--ckpt-path", default=None)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--in-save", action="store_true")
     p.add_argument("--twice", action="store_true")
@@ -121,7 +123,7 @@ def main() -> None:
         max_restarts=args.max_restarts, callbacks=callbacks, deterministic=True,
     ))
     model = Tracked(torch.float32 if args.strategy.startswith("deepspeed") else torch.float64)  # ZeRO-3: no fp64
-    trainer.fit(model, ckpt_path=None if args.fresh else "last")
+    trainer.fit(model, ckpt_path=args.ckpt_path or (None if args.fresh else "last"))
     weights = flat(model)  # every rank: sharded parameters are gathered
     if trainer.is_global_zero:
         report(rank=0, weights=weights, step=trainer.global_step, ckpt_path=trainer.ckpt_path)

@@ -7,6 +7,7 @@ on exactly once per epoch (at most one step again after a kill), and nothing han
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import random
@@ -24,6 +25,7 @@ from job_runner import JOB_PYTHONPATH, JOBS, SUPPORT, Job, assert_terminal, run_
 from run_if import run_if
 
 from phalanx.distributed.preemption import EXIT_PREEMPTED
+from phalanx.distributed.runfolder import RunClaim
 
 JOB = SUPPORT / "survival_job.py"
 STEPS = 16  # 48 samples / (2 ranks x batches of 3) = 8 optimizer steps per epoch, 2 epochs
@@ -82,6 +84,20 @@ def assert_each_sample_once(folder: Path, again: int = 0) -> None:
     assert extra <= again, f"{extra} samples trained on more than once (allowed: {again})"
 
 
+def digest(path: Path) -> str:
+    """A hash of the checkpoint at ``path``: a file, or a sharded directory's files."""
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    return hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+
+
+def one_attempt_and_why(done: Job, folder: Path, why: str) -> None:
+    """The job failed once, was not restarted (under max_restarts=2), and its last line says ``why``."""
+    assert done.returncode == 1, done.output[-3000:]
+    assert "Restart" not in done.stderr and done.stderr.rstrip().endswith(f" Not restarted: {why}."), done.stderr
+    run = re.search(r"Tracebacks and stderr of every rank: (\S+) ", done.stderr)
+    assert run and [p.name for p in (folder / run.group(1)).glob("*/attempt_*")] == ["attempt_0"], done.stderr
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sigterm_on_a_random_rank_and_step_then_rerun(tmp_path: Path, tmp_path_factory: Any, strategy: str) -> None:
@@ -95,12 +111,36 @@ def test_sigterm_on_a_random_rank_and_step_then_rerun(tmp_path: Path, tmp_path_f
     assert_terminal(first.stderr, strategy, FIRST_RUN, (
         rf"re:\[phalanx\] preempted at step {step} by SIGTERM on rank {rank}; checkpoint: run/checkpoints/last\.ckpt"
         rf"{took}\. Run the same command again to resume from it\. Logs: {re.escape(logs(tmp_path))}"))
-    second = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step)).check()
+    # A run that names another checkpoint would start over the preempted one: refused at once, naming it and both
+    # ways on, and not restarted; the preempted checkpoint is unchanged.
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    kept = digest(last)
+    (shutil.copytree if last.is_dir() else shutil.copy)(last, tmp_path / "other.ckpt")
+    refused = job(tmp_path, strategy, "--ckpt-path", "other.ckpt", "--max-restarts", "2")
+    assert (f"MisconfigurationError: The run in this folder was preempted at step {step} and its checkpoint "
+            "run/checkpoints/last.ckpt waits to be resumed (run/preempted.json records it); ckpt_path='other.ckpt' "
+            "would start from other.ckpt and overwrite what that run wrote. Either resume it: run with ckpt_path=None "
+            "(or 'run/checkpoints/last.ckpt'); or keep it and start anew: delete run/preempted.json (the checkpoint "
+            "stays), or train in another folder (Trainer(default_root_dir=...)).") in refused.stderr, refused.stderr
+    one_attempt_and_why(refused, tmp_path, "a configuration error fails the same way on every attempt")
+    assert digest(last) == kept
+    # The same command, ckpt_path=None: it resumes the preempted run, says so, and ends bit-identical.
+    second = job(tmp_path, strategy, "--interrupt", "SIGTERM", "--rank", str(rank), "--step", str(step),
+                 "--fresh").check()
     assert second.reports[0]["resumed"][:2] == ["run/checkpoints/last.ckpt", step], (why, second.reports)
-    assert_terminal(second.stderr, strategy, f"[phalanx] {resumed_line(second)}")
+    assert_terminal(second.stderr, strategy, f"[phalanx] {resumed_line(second)[:-1]}: the run in this folder was "
+                    "preempted there (run/preempted.json), and fit(ckpt_path=None) resumes it.")
     assert second.reports[0]["step"] == STEPS
     assert second.reports[0]["weights"] == expected, why  # bit-identical
     assert_each_sample_once(tmp_path)
+    assert not (tmp_path / "run" / "preempted.json").exists()  # the resumed run ended well: the record is done
+    if last.is_file():  # a damaged checkpoint: one attempt under max_restarts=2, its cause, no restart
+        data = bytearray(last.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+        last.write_bytes(bytes(data))
+        damaged = job(tmp_path, strategy, "--max-restarts", "2")
+        assert "CorruptCheckpointError: Checkpoint run/checkpoints/last.ckpt is corrupt" in damaged.stderr
+        one_attempt_and_why(damaged, tmp_path, "a checkpoint that cannot be used fails the same way on every attempt")
 
 
 @pytest.mark.timeout(600)
@@ -200,33 +240,49 @@ def test_a_restart_without_any_checkpoint_says_it_starts_over(tmp_path: Path) ->
         f"the failed attempt was). Logs: {logs.relative_to(tmp_path)}"], done.stderr
 
 
+def files(root: Path) -> dict[str, str]:
+    """Every file under ``root`` but the launchers' logs, with a hash of its bytes."""
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(root.rglob("*"))
+            if f.is_file() and "phalanx_logs" not in f.parts}
+
+
 @pytest.mark.timeout(300)
-def test_a_second_fit_from_the_same_root_dir_is_refused_while_the_first_runs(tmp_path: Path) -> None:
-    # Both runs snapshot into the folder named after default_root_dir. The second is refused at its first
-    # snapshot, naming the first run's process; the first runs on, ends like a run alone and cleans up.
-    root = str(tmp_path / "shared-root")
+def test_a_second_fit_in_the_same_root_dir_is_refused_before_it_writes_anything(tmp_path: Path) -> None:
+    # Two 2-rank fits (max_restarts=2, a CSV logger, checkpoints, snapshots) in one default_root_dir. The second is
+    # refused at the start of its fit, naming the first run's process, writes nothing (its launcher's own log
+    # folder aside) and is not restarted; the first runs on, is never restarted, and its logs and checkpoints
+    # are its own, each step once.
+    root = tmp_path / "shared-root"
     script = tmp_path / "fit.py"
     script.write_text((JOBS / "two_fits_one_root.py").read_text())
     env = {**os.environ, **ENV, "PYTHONPATH": JOB_PYTHONPATH, "PHALANX_TEST_OUT": str(tmp_path)}
-    first = subprocess.Popen([sys.executable, str(script), "first", root], cwd=tmp_path, env=env,
+    first = subprocess.Popen([sys.executable, str(script), "first", str(root)], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "first-at-2").exists():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.05)
-        second = subprocess.run([sys.executable, str(script), "second", root], cwd=tmp_path, env=env,
+        before = files(root)
+        second = subprocess.run([sys.executable, str(script), "second", str(root)], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=120)
+        after = files(root)
         (tmp_path / "second-done").touch()
         _, err = first.communicate(timeout=120)
     finally:
         first.kill()
-    assert second.returncode != 0
-    assert re.search(rf"Another process \(pid {first.pid}\) is writing rank 0's snapshots in \S+: two runs are "
-                     r"using one snapshot folder at the same time", second.stderr), second.stderr[-3000:]
-    assert not (tmp_path / "second-at-2").exists()  # refused at its first snapshot, after step 1
-    assert first.returncode == 0, err[-3000:]
+    assert re.search(r"MisconfigurationError: Another run \(pid \d+ on \S+, `\S*python\S* \S+fit\.py first \S+`, since "
+                     r"[\d :-]+\) is running in \S*shared-root: two runs in one folder would overwrite each other's "
+                     "checkpoints and logs", second.stderr), second.stderr[-3000:]
+    one_attempt_and_why(Job(second.returncode, second.stdout, second.stderr, 0), tmp_path,
+                        "a configuration error fails the same way on every attempt")
+    assert not (tmp_path / "second-at-1").exists() and after == before  # refused before it wrote anything
+    assert first.returncode == 0 and "Restart" not in err, err[-3000:]
+    assert sorted(p.name for p in (root / "csv").iterdir()) == ["version_0"]
+    steps = [line.split(",")[0] for line in (root / "csv" / "version_0" / "metrics.csv").read_text().splitlines()]
+    assert steps[1:] == ["1", "2", "3", "4", "4", "5", "6", "6"]  # each step's row once (and each epoch's)
     assert not Path(json.loads((tmp_path / "rank0.json").read_text())["folder"]).exists()  # removed at the end
+    RunClaim(root).release()  # the first let go of the folder when its fit ended
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ]
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from phalanx.distributed.failures import NotRestarted
     from phalanx.distributed.launch import AGENT_SIGNALS, new_run_id, prepare_agent_process
     from phalanx.distributed.runlogs import RunLogs
 
@@ -96,7 +97,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # working directory: this process starts before the script says where its root is.
     # On several nodes each launcher sees its own ranks only, numbered globally: it names the failed ones alone.
     logs = RunLogs(new_run_id(), show=True if args.show_tracebacks else None,
-                   ranks=args.devices if args.num_nodes == 1 else None, first_rank=args.node_rank * args.devices)
+                   ranks=args.devices if args.num_nodes == 1 else None, first_rank=args.node_rank * args.devices,
+                   max_restarts=args.max_restarts)
     torchrun += logs.torchrun_args()
     if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
         torchrun += ["--signals-to-handle", AGENT_SIGNALS]
@@ -105,7 +107,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         with logs:
             run(parsed)
-    except ChildFailedError as err:
+    except (ChildFailedError, NotRestarted) as err:
         return logs.report_failure(err, see_above="See the failing rank's output above.")
     except SignalException as err:  # passed on to the ranks, which saved and said so (a preemption)
         return logs.report_signal(err.sigval)

@@ -6,6 +6,10 @@ hand it to the ranks of a restarted attempt, whose rank 0 quotes it in its one r
 failed (stopped by the launcher, or raising an error that reports the other rank's) are named as a
 consequence, not as causes, so the first failure stands out and the words do not depend on which of the
 two happened first.
+
+They restart only what a restart can fix (:func:`futile_restart`): not an error that says it will repeat (a
+configuration error, a checkpoint that cannot be used, a folder another run holds), not a preemption, and not
+an exception that repeats at the same step.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.distributed.preemption import EXIT_PREEMPTED
+from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
+from phalanx.utils.errors import CollectiveError, PhalanxError, noted_step
 
 #: Set by the launcher for the ranks of a restarted attempt: the previous attempt's failure, in words.
 CAUSE_VARIABLE = "PHALANX_RESTART_CAUSE"
+#: The key of what phalanx adds to a rank's error file (torchelastic's format, under ``message.extraInfo``).
+RECORD_KEY = "phalanx"
 
 
 def signal_name(number: int) -> str:
@@ -201,6 +208,71 @@ def preempted_summary(err: Any) -> str | None:
     return next((text for _, f in first if (text := recorded(f))), "preempted").removeprefix("Preempted: ")
 
 
+# ------------------------------------------------------------------------------------------ restart or not
+def restart_record(error: BaseException) -> dict[str, Any]:
+    """What a rank records about the error it ends with, for the launcher's decision to restart: ``unfixed``,
+    why a restart cannot fix it (None: it may); ``transient``, whether it is a lost peer or a collective
+    timeout (restarted even when it repeats); ``error``, ``step`` and ``where`` (its type, the training step
+    it was raised at where known, the line that raised it), compared with the next attempt's."""
+    if isinstance(error, Preempted):
+        unfixed: str | None = "the job was preempted: it ends so that it can be moved, and its rerun resumes"
+    else:
+        unfixed = type(error).unfixed_by_restart if isinstance(error, PhalanxError) else None
+    frames = error.__traceback__
+    while frames is not None and frames.tb_next is not None:
+        frames = frames.tb_next
+    where = f"{os.path.basename(frames.tb_frame.f_code.co_filename)}:{frames.tb_lineno}" if frames else ""
+    return {"unfixed": unfixed, "transient": isinstance(error, CollectiveError), "error": type(error).__name__,
+            "step": noted_step(error), "where": where}
+
+
+def _record_of(failure: Any) -> dict[str, Any]:
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    found = extra.get(RECORD_KEY) if isinstance(extra, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def _signature(record: dict[str, Any]) -> str:
+    step = record.get("step")
+    return f"{record.get('error')} at step {step}" if isinstance(step, int) else \
+        f"{record.get('error')} raised at {record.get('where')}"
+
+
+def futile_restart(failures: dict[int, Any], previous: set[str], attempt: int) -> tuple[str | None, set[str]]:
+    """Why restarting after attempt ``attempt`` (0: the first) cannot help, or None; and what to compare the
+    next attempt with. ``failures``: the attempt's (:func:`all_failures`); ``previous``: what this function
+    returned for the attempt before. A restart cannot help when a rank that failed on its own recorded an
+    error that will repeat (or a preemption), or when every such rank failed with the same exception at the
+    same step (where the step is unknown: at the same line) as in the attempt before. A rank killed by a
+    signal, a lost peer and a collective timeout are restarted."""
+    first = causes(failures)
+    if any(getattr(f, "exitcode", 1) < 0 for _, f in first):  # killed by a signal: whatever the others said
+        return None, set()
+    records = [_record_of(f) for _, f in first]
+    for record in records:
+        if record.get("unfixed"):
+            return str(record["unfixed"]), set()
+    own = {_signature(r) for r in records if r and not r.get("transient")}
+    if not own or len(own) < len(records):  # a rank without a record (killed by a signal) or a transient failure
+        return None, set()
+    if own <= previous:
+        return (f"attempt {attempt} failed with the same {' and '.join(sorted(own))} as attempt {attempt - 1}, so a "
+                "restart would fail the same way again"), own
+    return None, own
+
+
+class NotRestarted(Exception):
+    """Raised in the launching process, while torch's agent handles a failed attempt, when a restart cannot
+    help (:func:`futile_restart`): the agent stops the job instead of restarting it (it offers no other way
+    to decide). ``failures``: the attempt's, in a ChildFailedError's shape; ``why``: the reason, in words."""
+
+    def __init__(self, failures: dict[int, Any], why: str) -> None:
+        super().__init__(why)
+        self.failures, self.why = failures, why
+
+
 @dataclass
 class _Attempt:
     """A failed attempt as torch's agent reported it, in its ChildFailedError's shape."""
@@ -213,12 +285,16 @@ class AttemptRecorder(logging.Handler):
     ``failed (exitcode: ...) local_rank: ...`` record, logged before it restarts or gives up), put its summary
     where a restarted attempt's ranks read it (:data:`CAUSE_VARIABLE` in this process's environment, which
     the agent copies into every rank it starts), and keep the kernel's out-of-memory count for the end.
-    ``error_file(attempt, rank)``: where that rank wrote its error ('' where unknown)."""
+    Where a restart would follow and cannot help (:func:`futile_restart`), raise :class:`NotRestarted`
+    instead: torch's agent has no other place between a failure and its restart, and ends the job.
+    ``error_file(attempt, rank)``: where that rank wrote its error ('' where unknown); ``max_restarts``: how
+    many restarts the agent allows."""
 
-    def __init__(self, error_file: Callable[[int, int], str], ranks: int | None) -> None:
+    def __init__(self, error_file: Callable[[int, int], str], ranks: int | None, max_restarts: int = 0) -> None:
         super().__init__(logging.ERROR)
-        self.error_file, self.ranks = error_file, ranks
+        self.error_file, self.ranks, self.max_restarts = error_file, ranks, max_restarts
         self.attempt = 0
+        self.signatures: set[str] = set()  # the previous attempt's failures, for futile_restart
         self.baseline = oom_kills()
         self.oom: int | None = None  # the kills counted during the attempt that failed last
 
@@ -236,8 +312,13 @@ class AttemptRecorder(logging.Handler):
         attempt = _Attempt({local_rank: Recorded.read(self.error_file(self.attempt, local_rank), exitcode)})
         summary, _ = failure_summary(attempt, self.ranks, self.oom)
         os.environ[CAUSE_VARIABLE] = summary
+        failures = all_failures(attempt)
+        why, self.signatures = futile_restart(failures, self.signatures, self.attempt)
         self.attempt += 1
+        if why is not None and self.attempt <= self.max_restarts:
+            raise NotRestarted(failures, why)
 
 
-__all__ = ["CAUSE_VARIABLE", "AttemptRecorder", "Recorded", "all_failures", "causes", "failure_summary", "oom_kills",
-           "preempted_summary", "recorded", "signal_name"]
+__all__ = ["CAUSE_VARIABLE", "RECORD_KEY", "AttemptRecorder", "NotRestarted", "Recorded", "all_failures", "causes",
+           "failure_summary", "futile_restart", "oom_kills", "preempted_summary", "recorded", "restart_record",
+           "signal_name"]

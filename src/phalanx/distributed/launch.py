@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.distributed.failures import failure_summary, preempted_summary, signal_name
+from phalanx.distributed.failures import (
+    RECORD_KEY,
+    NotRestarted,
+    failure_summary,
+    preempted_summary,
+    restart_record,
+    signal_name,
+)
 from phalanx.distributed.preemption import EXIT_PREEMPTED, Preempted
 from phalanx.distributed.runlogs import RunLogs, log_root
 from phalanx.utils import exiting
@@ -164,10 +171,12 @@ def record_failure(error: BaseException) -> None:
 
     # torchelastic's error-file format (what its @record decorator writes), with the exception's own
     # traceback: this may run in a thread or at exit, where no exception is "being handled". The message
-    # says where the exception was raised (the user's file:line), so the launcher's summary can too.
+    # says where the exception was raised (the user's file:line), so the launcher's summary can too; phalanx's
+    # entry says whether a restart can fix it.
     data = {"message": {"message": describe_exception(error), "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
         "timestamp": str(int(time.time())),
+        RECORD_KEY: restart_record(error),
     }}}
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -260,11 +269,12 @@ def launch_script(nprocs: int, max_restarts: int = 0, root: str | os.PathLike[st
     _threads_per_rank(nprocs)
     prepare_agent_process()
     # The ranks run the script again (launch(fn)'s import it): what it said before the launch was said here.
-    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"})
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"},
+                   max_restarts=max_restarts)
     try:
         with logs:
             elastic_launch(_launch_config(nprocs, logs, max_restarts), sys.executable)(*command)
-    except ChildFailedError as err:
+    except (ChildFailedError, NotRestarted) as err:
         return logs.report_failure(err)
     except SignalException as err:
         # torch's agent passed the signal on to the ranks and waited for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
@@ -315,7 +325,8 @@ def launch_function(
     _threads_per_rank(nprocs)
     prepare_agent_process()
     # The ranks run the script again (launch(fn)'s import it): what it said before the launch was said here.
-    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"})
+    logs = RunLogs(new_run_id(), root=log_root(root), ranks=nprocs, environ={RELAUNCHED_VARIABLE: "1"},
+                   max_restarts=max_restarts)
     try:
         with logs:
             results = elastic_launch(_launch_config(nprocs, logs, max_restarts), _function_entry)(factory, fn, args)
@@ -324,13 +335,14 @@ def launch_function(
         if code == EXIT_PREEMPTED:
             raise Preempted(f"the launcher received {signal_name(err.sigval)}") from None
         raise SystemExit(code) from None
-    except ChildFailedError as err:
+    except (ChildFailedError, NotRestarted) as err:
         preempted = preempted_summary(err)
         if preempted is not None:  # rank 0 printed the line; end this process the same way (exit code 75)
             raise Preempted(preempted) from None
         summary, _ = failure_summary(err, logs.ranks, logs.oom)
         where = logs.failed_logs(err)
-        error = PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}."
+        why = f" Not restarted: {err.why}." if isinstance(err, NotRestarted) else ""
+        error = PhalanxError(f"fabric.launch({getattr(fn, '__name__', fn)}) failed: {summary}.{why}"
                              + (f" {where.removeprefix('[phalanx] ')}" if where else ""))
         if where:  # torch's error block (the ranks' tracebacks again) is in the log: leave it out here
             raise error from None

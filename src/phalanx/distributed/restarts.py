@@ -56,11 +56,11 @@ def _say(what: str, rank: int) -> None:
     diagnostics.notice(f"Restart {attempt}{of}: {cause}. {what}.{logs_named()}")
 
 
-def resumed(path: str | Path, step: int | None, epoch: int | None, rank: int) -> None:
-    """Say (rank 0) where the run resumed: the checkpoint and, where known, its step and epoch."""
+def resumed(path: str | Path, step: int | None, epoch: int | None, rank: int, why: str = "") -> None:
+    """Say (rank 0) where the run resumed: the checkpoint and, where known, its step and epoch (and ``why``)."""
     at = f" at step {step}" if step is not None else ""
     of = f" (epoch {epoch})" if epoch is not None else ""
-    _say(f"Resumed from {path}{at}{of}", rank)
+    _say(f"Resumed from {path}{at}{of}{why}", rank)
 
 
 def started_over(why: str, rank: int) -> None:

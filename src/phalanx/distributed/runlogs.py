@@ -42,6 +42,7 @@ from typing import Any, TextIO
 from phalanx.distributed.failures import (
     CAUSE_VARIABLE,
     AttemptRecorder,
+    NotRestarted,
     Recorded,
     all_failures,
     causes,
@@ -127,16 +128,17 @@ class RunLogs:
     """The log directory of one launch, and (as a context manager) the terminal view of it."""
 
     def __init__(self, run_id: str, *, show: bool | None = None, root: str | None = None, dst: TextIO | None = None,
-                 ranks: int | None = None, first_rank: int = 0, environ: dict[str, str] | None = None):
+                 ranks: int | None = None, first_rank: int = 0, environ: dict[str, str] | None = None,
+                 max_restarts: int = 0):
         """``root``: the folder for run folders (default :func:`log_root`); ``ranks``: how many the job starts
         on this node (the ranks a failure summary names as stopped); ``first_rank``: the global rank of this
         node's local rank 0 (what labels its ranks' lines); ``dst``: where the ranks' output is shown (default:
         this process's stdout and stderr); ``environ``: variables the ranks get (set in this process while the
-        job runs, as the agent copies its environment into the ranks')."""
+        job runs, as the agent copies its environment into the ranks'); ``max_restarts``: the agent's."""
         self.run_id = run_id
         self.show = show_tracebacks() if show is None else show
         self.dir = None if self.show else os.path.abspath(os.path.join(root or log_root(), run_id))
-        self.ranks = ranks
+        self.ranks, self.max_restarts = ranks, max_restarts
         self._terminal = Terminal(dst, dst)
         self._first_rank = first_rank
         self._given = dict(environ or {})
@@ -167,7 +169,7 @@ class RunLogs:
         self._environ = {name: os.environ.get(name) for name in names}
         os.environ.pop(CAUSE_VARIABLE, None)
         os.environ.update(self._given)
-        self._recorder = AttemptRecorder(self.error_file, self.ranks)
+        self._recorder = AttemptRecorder(self.error_file, self.ranks, self.max_restarts)
         logging.getLogger(_FAILURES_LOGGER).addHandler(self._recorder)
         if self.dir is None:
             return self
@@ -282,11 +284,13 @@ class RunLogs:
 
     # -- after it failed
     def report_failure(self, err: Any, see_above: str = _SEE_ABOVE) -> int:
-        """Print the end of a failed job (a ChildFailedError): where its log is, then the cause (the last line).
-        Returns the exit code."""
+        """Print the end of a failed job (a ChildFailedError, or :class:`NotRestarted`, whose reason it adds):
+        where its log is, then the cause (the last line). Returns the exit code."""
         if preempted_summary(err) is not None:  # not a failure: rank 0 already said it in one line
             return EXIT_PREEMPTED
         summary, code = failure_summary(err, self.ranks, self.oom)
+        if isinstance(err, NotRestarted):
+            summary += f". Not restarted: {err.why}"
         where = self.failed_logs(err)
         if where:
             note = f" {_SIGNAL_NOTE}" if "killed by" in summary else ""

@@ -84,8 +84,9 @@ class Fabric:
             restarts the job's processes after one fails (torch's elastic agent; 0: a failure ends the job).
         preemption_signals: the signals :meth:`stop_requested` reports (default SIGTERM and SIGUSR1, or
             ``PHALANX_PREEMPTION_SIGNALS``); ``[]`` turns preemption handling off.
-        root_dir: the folder the launcher's run logs go under (``<root_dir>/phalanx_logs/<run id>``); None: the
-            first logger's ``root_dir``, else the working directory.
+        root_dir: the run's folder: the launcher's run logs go under it (``<root_dir>/phalanx_logs/<run id>``),
+            and :meth:`exit_preempted` records a preempted run there (``preempted.json``); None: the first
+            logger's ``root_dir``, else the working directory.
         fault_tolerance: run as one of several fault-tolerant replica groups (torchft, ``pip install
             'phalanx[ft]'``): a :class:`~phalanx.distributed.replica_groups.FaultTolerance`, or True for its
             defaults. A group that dies stops no other; it restarts and heals from a live one
@@ -123,9 +124,9 @@ class Fabric:
         self._callbacks = list(config.callbacks)
         self._run_root = config.root_dir if config.root_dir is not None else self._logging.root_dir
         self._strategy = strategy_ = configured_strategy(config)
-        self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals))
+        self._preemption = Preemption(strategy_, PreemptionSignals(preemption_signals), self._run_root)
         self._snapshots = Snapshots(strategy_)
-        self._persistence = Persistence(strategy_, self._snapshots)
+        self._persistence = Persistence(strategy_, self._snapshots, self._run_root)
         self._collectives = Collectives(strategy_)
         self._models = Models(strategy_, self)
         watch = warn_nonfinite_loss and not detect_anomaly and os.environ.get(LOSS_WATCH_VARIABLE, "1") != "0"
@@ -439,7 +440,8 @@ class Fabric:
         """End this rank after a preemption stop: rank 0 prints one line (step, signal, rank, checkpoint,
         how to resume) and, under SLURM, requeues the job; every rank exits with code 75
         (:data:`phalanx.distributed.preemption.EXIT_PREEMPTED`) without a traceback. Call it on every
-        rank, after the checkpoint is saved."""
+        rank, after the checkpoint is saved: a complete one is recorded in the run's folder (``preempted.json``),
+        and no later run saves over it before loading it."""
         self._preemption.exit(checkpoint_path, step)
 
     @property
@@ -525,5 +527,6 @@ class Fabric:
         self._preemption.signals.uninstall()
         self._snapshots.end(failed)
         self._strategy.stop_replica_groups(failed)
+        self._persistence.end(failed or self._preemption.exited)
         self._strategy.teardown(error)
         atexit.unregister(self.teardown)

@@ -55,9 +55,9 @@ class CSVLogger(FolderLogger):
 
     def save(self) -> None:
         """Append the buffered rows; rewrite the file only when its header must grow."""
-        exists = self.metrics_file.exists()
-        if not self._rows and exists:
+        if not self._rows:  # nothing to write: a run that logged nothing (or was refused) leaves no file
             return
+        exists = self.metrics_file.exists()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._header is None:  # a file from before this logger (a resumed run): keep its columns
             self._header = self._read_header() if exists else []

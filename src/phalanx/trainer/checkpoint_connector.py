@@ -17,9 +17,14 @@ Python value (hyperparameters are converted), so the file opens with ``torch.loa
   with exit code 75 and one line on the terminal.
 * **Restarts.** Under a restarting launcher (``Trainer(max_restarts=K)``, ``phalanx run --max-restarts K``,
   ``torchrun --max-restarts K``) a restarted attempt resumes by itself from the newest complete checkpoint
-  or snapshot (:meth:`CheckpointConnector.newest_resumable`), and says in one line what failed and where it
-  resumed (:mod:`phalanx.distributed.restarts`); never silently from step 0. Rerunning the command after a
-  preemption resumes with ``fit(ckpt_path="last")`` and says where too.
+  or snapshot its run wrote (:meth:`CheckpointConnector.newest_resumable`), or else from the one its run
+  started from, and says in one line what failed and where it resumed (:mod:`phalanx.distributed.restarts`);
+  never silently from step 0, never from another run's state.
+* **One run per folder.** A fit claims ``default_root_dir`` before it writes anything (rank 0 holds a
+  :class:`~phalanx.distributed.runfolder.RunClaim` until the fit ends); a second fit there is refused.
+* **Reruns.** The preemption is recorded in ``default_root_dir`` (``preempted.json``). The next fit there with
+  ``ckpt_path=None`` resumes from that checkpoint and says so; an explicit ``ckpt_path`` naming another one is
+  refused, naming both ways on; the record goes when the resumed fit ends.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ from phalanx.checkpoint import find_unsafe
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.module_state import load_metric_states, metric_states
 from phalanx.distributed import restarts
+from phalanx.distributed.runfolder import PreemptedRun, RunClaim
+from phalanx.distributed.runlogs import shown_path
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError, CorruptCheckpointError, MisconfigurationError
 from phalanx.utils.seed import capture_rng_state
 
 if TYPE_CHECKING:
+    from phalanx.checkpoint import AsyncCheckpoint
     from phalanx.trainer.attributes import TrainerAttributes
 
 FORMAT = 1
@@ -100,12 +108,15 @@ class CheckpointConnector:
 
     def __init__(self, trainer: TrainerAttributes) -> None:
         self.trainer = trainer
+        self._claim: RunClaim | None = None  # rank 0's, while a fit runs
+        self._autoresumed: PreemptedRun | None = None  # the preempted run this fit resumes without being asked
 
-    def save(self, path: str | Path, weights_only: bool = False) -> None:
-        """Write a checkpoint (call on every rank; rank 0 writes, atomically)."""
+    def save(self, path: str | Path, weights_only: bool = False) -> AsyncCheckpoint | None:
+        """Write a checkpoint (call on every rank; rank 0 writes, atomically). Returns the handle of a save that
+        continues in the background, if the strategy saves so."""
         t = self.trainer
         t.loss_check.flush()  # never a checkpoint of weights that took a non-finite loss's step
-        t.fabric.save(path, self._state(weights_only, gather=True, what="trainer.save_checkpoint()"))
+        return t.fabric.save(path, self._state(weights_only, gather=True, what="trainer.save_checkpoint()"))
 
     def snapshot(self, folder: Path, keep: int, overlap: bool, every_n_steps: int | str | Cadence,
                  max_overhead: float, rng: Callable[[], dict[str, Any]] = capture_rng_state) -> Path | None:
@@ -199,14 +210,16 @@ class CheckpointConnector:
         dirs.append(Path(t.default_root_dir) / "checkpoints")
         return list(dict.fromkeys(dirs))
 
-    def newest_resumable(self, also: list[str] | None = None) -> Path | None:
+    def newest_resumable(self, also: list[str] | None = None, since: float = 0.0) -> Path | None:
         """The newest complete checkpoint a fit can resume from: ``last*`` checkpoints (ModelCheckpoint's last,
-        the preemption checkpoint) and snapshots in :func:`checkpoint_dirs`, and the paths in ``also``. Top-k
-        checkpoints are not candidates: they may hold weights only. Rank-local: call on rank 0 and share."""
+        the preemption checkpoint) and snapshots in :func:`checkpoint_dirs` finished at ``since`` or later (a
+        time), and the paths in ``also``. Top-k checkpoints are not candidates: they may hold weights only.
+        Rank-local: call on rank 0 and share."""
         t = self.trainer
         found = [checkpoint.latest(self.checkpoint_dirs(), "last*")]
         found += [checkpoint.latest([Path(d)], world_size=t.world_size)
                   for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None))]
+        found = [f for f in found if f is not None and checkpoint.finished_at(f) >= since]
         for candidate in filter(None, also or []):
             hit = checkpoint.find(candidate)
             if hit is not None and hit.problem is None and not hit.recovered:
@@ -357,10 +370,13 @@ class CheckpointConnector:
         return (folder if folder is not None else Path(t.log_dir) / "checkpoints") / "last.ckpt"
 
     def stop_for_preemption(self) -> NoReturn:
-        """Every rank: write the checkpoint, then end the process (exit code 75) with one line on rank 0."""
+        """Every rank: write the checkpoint, then end the process (exit code 75) with one line on rank 0, which
+        records the run as preempted in its folder once the checkpoint is complete."""
         t = self.trainer
         path = self.preemption_path()
-        self.save(path)
+        pending = self.save(path)
+        if pending is not None:
+            pending.wait()
         t.fabric.exit_preempted(path, step=t.global_step)
 
     def check_preemption(self) -> None:
@@ -369,19 +385,94 @@ class CheckpointConnector:
         if t.fabric.stop_requested():
             self.stop_for_preemption()
 
-    def resume_after_restart(self, ckpt_path: Any) -> Any:
-        """``ckpt_path`` for this fit: as given, or on a restarted attempt (none given) the newest resumable state."""
+    # ------------------------------------------------------------------ the run's folder, where a fit starts
+    def claim_folder(self) -> None:
+        """Before a fit writes anything: claim ``default_root_dir`` for it (rank 0; every rank raises the same
+        error while another run holds it)."""
         t = self.trainer
-        attempt = t.fabric.restart_count
-        if ckpt_path is not None or attempt == 0:
-            return ckpt_path
-        found = self.newest_resumable() if t.is_global_zero else None
-        found = t.fabric.broadcast(str(found) if found is not None else None)
+        refusal: str | None = None
+        if t.is_global_zero:
+            try:
+                self._claim = RunClaim(Path(t.default_root_dir), restarted=t.fabric.restart_count > 0)
+            except MisconfigurationError as err:
+                refusal = str(err)
+            except OSError as err:  # e.g. a file system without locks: run, but say what is not guarded
+                diagnostics.warn(f"The run folder {t.default_root_dir} cannot be claimed ({err}): a second run started "
+                                 "there would not be refused.", rank=0)
+        refusal = t.fabric.broadcast(refusal)
+        if refusal is not None:
+            raise MisconfigurationError(refusal)
+
+    def release_folder(self, failed: bool) -> None:
+        """After the fit: let go of the folder (leaving its record where a restarted attempt may follow)."""
+        if self._claim is not None:
+            self._claim.release(ended_well=not failed)
+            self._claim = None
+
+    def starting_point(self, ckpt_path: Any) -> Path | None:
+        """The checkpoint this fit starts from, on every rank: on a restarted attempt the newest state of this
+        run (:meth:`resume_after_restart`); after a preemption recorded in the folder, its checkpoint (``ckpt_path``
+        None, or naming it; another is refused); else what ``ckpt_path`` names."""
+        t = self.trainer
+        if t.fabric.restart_count > 0:
+            return self.resolve(self.resume_after_restart())
+        verdict: tuple[PreemptedRun | None, str | None] = (None, None)
+        if t.is_global_zero:
+            try:
+                found = PreemptedRun.read(Path(t.default_root_dir))
+                verdict = (found, None) if found is None or checkpoint.find(found.checkpoint) is not None else (
+                    found, "missing")
+            except MisconfigurationError as err:
+                verdict = (None, str(err))
+        preempted, problem = t.fabric.broadcast(verdict)
+        if preempted is None:
+            if problem is not None:
+                raise MisconfigurationError(problem)
+            return self.resolve(ckpt_path)
+        record = shown_path(str(PreemptedRun.path(Path(t.default_root_dir))))
+        kept = shown_path(preempted.checkpoint)
+        if problem == "missing":
+            raise MisconfigurationError(
+                f"The run in this folder was preempted{preempted.at()} ({record} records it), but its checkpoint "
+                f"{kept} is gone. Either put the checkpoint back to resume it, or delete {record} to start afresh.")
+        path = self.resolve(kept if ckpt_path is None else ckpt_path)
+        if path is None or not preempted.is_checkpoint(path):
+            raise MisconfigurationError(
+                f"The run in this folder was preempted{preempted.at()} and its checkpoint {kept} waits to be resumed "
+                f"({record} records it); ckpt_path={str(ckpt_path)!r} would start from "
+                f"{'scratch' if path is None else path} and overwrite what that run wrote. Either resume it: run with "
+                f"ckpt_path=None (or {kept!r}); or keep it and start anew: delete {record} (the checkpoint stays), "
+                "or train in another folder (Trainer(default_root_dir=...)).")
+        self._autoresumed = preempted if ckpt_path is None else None
+        return path
+
+    def started_from(self, path: Path | None) -> None:
+        """Record (rank 0) the checkpoint this fit started from, where its restarted attempts may resume too."""
+        if self._claim is not None and self.trainer.fabric.restart_count == 0:
+            self._claim.resumed_from(path)
+
+    def fit_done(self) -> None:
+        """The fit ended well: the preempted run it resumed (or any preempted run recorded here) is done."""
+        t = self.trainer
+        if t.is_global_zero:
+            PreemptedRun.remove(Path(t.default_root_dir))
+        self._autoresumed = None
+
+    def resume_after_restart(self) -> str | None:
+        """On a restarted attempt: the newest state this run wrote (since its first attempt started), else the
+        checkpoint it started from; None (and one line saying so) when there is neither. Every rank."""
+        t = self.trainer
+        newest: Path | None = None
+        if t.is_global_zero:
+            record = self._claim.record if self._claim is not None else None
+            start = [record.resumed_from] if record is not None and record.resumed_from else []
+            newest = self.newest_resumable(start, since=record.started if record is not None else 0.0)
+        found: str | None = t.fabric.broadcast(str(newest) if newest is not None else None)
         gone = [str(d) for cb in t.callbacks if (d := getattr(cb, "snapshot_dirpath", None)) and not any(d.glob("*"))]
         if gone and t.is_global_zero:
-            diagnostics.notice(f"No snapshot in {', '.join(gone)} (this node's shared memory was cleared, or the node "
-                               "is "
-                               f"another one): resuming from the disk checkpoint {found or '(none)'} instead.")
+            diagnostics.notice(f"No snapshot in {', '.join(gone)} (removed when the failed attempt's fit ended, or "
+                               "this node's shared memory was cleared, or the node is another one): resuming from the "
+                               f"disk checkpoint {found or '(none)'} instead.")
         if found is None and t.fabric.replica_groups is None:  # a replica group heals from a peer and says so
             where = ", ".join(str(d) for d in self.checkpoint_dirs())
             restarts.started_over(
@@ -396,4 +487,7 @@ class CheckpointConnector:
         resumed (one line, rank 0; on a restarted attempt with what failed before)."""
         t = self.trainer
         if path is not None:
-            restarts.resumed(path, t.global_step, t.current_epoch, t.global_rank)
+            why = "" if self._autoresumed is None else (
+                f": the run in this folder was preempted there "
+                f"({shown_path(str(PreemptedRun.path(Path(t.default_root_dir))))}), and fit(ckpt_path=None) resumes it")
+            restarts.resumed(path, t.global_step, t.current_epoch, t.global_rank, why)

@@ -40,7 +40,7 @@ from phalanx.trainer.settings import (
     split_datamodule,
 )
 from phalanx.utils import diagnostics
-from phalanx.utils.errors import MisconfigurationError
+from phalanx.utils.errors import MisconfigurationError, note_step
 from phalanx.utils.seed import RngCapture, capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -201,10 +201,11 @@ class Trainer(TrainerAttributes):
         self.loop_state.stop_requested = False
         check_manual_optimization(self.module, self.fabric.strategy, self.settings)
         self.prepare_fit(train_dataloaders, val_dataloaders)
-        path = self._resolve_ckpt_path(self.checkpoint_connector.resume_after_restart(ckpt_path))
+        path = self.checkpoint_connector.starting_point(ckpt_path)
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             self.checkpoint_connector.restore(path)
+        self.checkpoint_connector.started_from(path)
         self.checkpoint_connector.announce_resume(path)
         self.checkpoint_connector.share_with_replica_groups()
         module = self.lightning_module
@@ -232,6 +233,7 @@ class Trainer(TrainerAttributes):
         module.on_fit_end()
         for cb in self.checkpoint_callbacks:  # loggers that upload checkpoints at the end (log_model=True)
             self.hooks.after_save_checkpoint(cb)
+        self.checkpoint_connector.fit_done()
 
     def prepare_fit(self, train_dataloaders: Any = None, val_dataloaders: Any = None) -> None:
         """Loaders, model and optimizer for fitting (also used by the Tuner before a fit)."""
@@ -433,6 +435,8 @@ class Trainer(TrainerAttributes):
         self._add_module_callbacks(module)
         self.accumulation = self._accumulation_schedule()
         self.profiler.setup(stage, self.global_rank, None)
+        if stage == "fit":  # before anything of the fit is written
+            self.checkpoint_connector.claim_folder()
         try:
             with deterministic(self.settings.deterministic, self.settings.benchmark):
                 self.hooks.call("setup", stage)
@@ -443,6 +447,8 @@ class Trainer(TrainerAttributes):
                 return fn(*args)
         except BaseException as exc:
             self.interrupted = True
+            if isinstance(exc, Exception):
+                note_step(exc, self.global_step)  # a launcher compares it with the next attempt's failure
             self.hooks.call("on_exception", exc)
             if self.datamodule is not None:
                 self.datamodule.on_exception(exc)
@@ -455,6 +461,8 @@ class Trainer(TrainerAttributes):
             self.fabric.finalize_loggers("failed" if self.interrupted else "success")  # as in Lightning, per stage
             self.profiler.describe()
             self.profiler.teardown(stage)
+            # After the fit's last write. A preempted fit ended as it should: its rerun is a new run.
+            self.checkpoint_connector.release_folder(failed=self.interrupted and self.fabric.preemption is None)
             self.stage = None
             self.current_stage = None
 

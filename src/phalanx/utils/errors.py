@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import ClassVar
+
 
 class PhalanxError(RuntimeError):
     """Base class of every error phalanx raises on purpose."""
 
+    #: Why restarting the job's processes cannot fix this error (None: a restart may). The launchers phalanx
+    #: owns do not restart a job that failed with such an error, and say why in their last line.
+    unfixed_by_restart: ClassVar[str | None] = None
+
 
 class MisconfigurationError(PhalanxError, ValueError):
     """A bad argument or an inconsistent combination of arguments."""
+
+    unfixed_by_restart = "a configuration error fails the same way on every attempt"
 
 
 class CollectiveError(PhalanxError):
@@ -35,6 +44,8 @@ class GradientSyncError(PhalanxError):
 class CheckpointError(PhalanxError):
     """A checkpoint could not be written, read or matched to the objects it is loaded into."""
 
+    unfixed_by_restart = "a checkpoint that cannot be used fails the same way on every attempt"
+
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's bytes no longer match the checksums recorded when it was saved: using an earlier
@@ -43,3 +54,26 @@ class CorruptCheckpointError(CheckpointError):
 
 class PhalanxWarning(UserWarning):
     """Every warning phalanx issues (filter them all with this category)."""
+
+
+_STEP = "phalanx_step"  # the attribute note_step sets on an exception
+
+
+def note_step(error: BaseException, step: int) -> None:
+    """Remember that ``error`` was raised at training step ``step``: a launcher that sees the next attempt
+    fail with the same error at the same step does not restart it again."""
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attributes
+        setattr(error, _STEP, step)
+
+
+def noted_step(error: BaseException) -> int | None:
+    """The step :func:`note_step` recorded on ``error`` or on an exception it was raised from."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        step = getattr(current, _STEP, None)
+        if isinstance(step, int):
+            return step
+        current = current.__cause__ or current.__context__
+    return None

@@ -1,4 +1,5 @@
-"""A 2-rank DDP Trainer fit in which rank 1 (argv[1] ``rank1``), or both ranks (``both``), raise at batch 2.
+"""A 2-rank DDP Trainer fit in which rank 1 (argv[1] ``rank1``), or both ranks (``both``), raise at batch 2, on
+every attempt under ``max_restarts`` argv[2] (default 0).
 
 Run by tests/distributed/test_failure_output.py.
 """
@@ -11,6 +12,7 @@ from trainer_support import Regressor, loader, quiet
 import phalanx
 
 WHO = sys.argv[1]
+MAX_RESTARTS = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 
 
 class Crashing(Regressor):
@@ -21,4 +23,5 @@ class Crashing(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-phalanx.Trainer(devices=2, strategy="ddp", max_epochs=1, **quiet()).fit(Crashing(), loader(32, 4))
+phalanx.Trainer(devices=2, strategy="ddp", max_epochs=1, max_restarts=MAX_RESTARTS, **quiet()).fit(Crashing(),
+                                                                                                   loader(32, 4))
