@@ -29,9 +29,12 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
+
+from phalanx.checkpoint.snapshot.cadence import Cost
 
 #: Bytes per copy task: the most a waiting thread can find held by the background thread.
 CHUNK = 4 << 20
@@ -90,6 +93,8 @@ class Job:
         self._next = self._done = 0
         self._released = self._finishing = self.finished = False
         self.error: BaseException | None = None  # why it does not count (TornSnapshot, or a failure)
+        self.cost: Cost | None = None  # what the snapshot costs (the writer's)
+        self.copied_at: float | None = None  # when the last copy task ended (time.perf_counter)
 
     # ------------------------------------------------------------------ phases (any thread)
     def _run_start(self) -> list[Task]:
@@ -110,6 +115,8 @@ class Job:
                 raise
             with self._cond:
                 self._tasks = tasks
+                if not tasks:
+                    self.copied_at = time.perf_counter()
                 self._cond.notify_all()
         with self._cond:
             self._wait_for(lambda: self._tasks is not None)
@@ -135,6 +142,7 @@ class Job:
             with self._cond:
                 self._done += 1
                 if self._done == len(tasks):
+                    self.copied_at = time.perf_counter()
                     self._cond.notify_all()
 
     def _run_finish(self) -> None:
@@ -275,3 +283,12 @@ def chunks(destination: torch.Tensor, source: torch.Tensor) -> list[Task]:
 
 def _move(destination: torch.Tensor, source: torch.Tensor, start: int, size: int) -> None:
     ctypes.memmove(destination.data_ptr() + start, source.data_ptr() + start, size)  # the GIL is released meanwhile
+
+
+def unchanged(versions: list[tuple[torch.Tensor, int]], step: int) -> None:
+    """Raise :class:`TornSnapshot` if a tensor changed in place since its version was taken (the copy may have
+    read part of the change)."""
+    changed = next((i for i, (t, seen) in enumerate(versions) if t._version != seen), None)
+    if changed is not None:
+        raise TornSnapshot(f"a parameter or optimizer state (tensor {changed} of the snapshot of step {step}) was "
+                           "changed in place outside optimizer.step() while it was being copied")
