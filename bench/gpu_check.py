@@ -43,8 +43,7 @@ import gpu  # noqa: E402  (bench/gpu.py: the GPT-2 model and the raw contenders)
 from host_reads import DeviceSyncs  # noqa: E402  (what the CUDA tests count with)
 
 FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
-TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_writer.py",
-              "tests/checkpoint/test_snapshot_device.py",
+TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_device.py",
               "tests/fabric/test_anomaly.py", "tests/fabric/test_unmanaged_backward.py"]
 
 

@@ -328,16 +328,18 @@ def test_a_gpu_snapshot_is_one_copy_into_registered_memory_without_a_host_wait(t
     expected = [t.detach().clone() for t in model.state_dict().values()]
     rng = torch.get_rng_state()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # any host wait for the device raises
     try:
         fabric.save_snapshot({"model": model, "optimizer": optimizer, "rng": rng}, 3, tmp_path, every_n_steps=1)
         for _ in range(3):
-            step()
+            step()  # the first waits for the copy on the device, not on the host
             entry.writer.poll()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    after = [t.detach().clone() for t in model.state_dict().values()]
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "rng": None}
     fabric.load(snapshot.reference(tmp_path, 3), state)
+    assert not all(torch.equal(a, b) for a, b in zip(expected, after, strict=True))  # the steps went on
     assert all(torch.equal(a, b) for a, b in zip(expected, model.state_dict().values(), strict=True))
     assert torch.equal(state["rng"], rng)
     cadence = entry.cadence

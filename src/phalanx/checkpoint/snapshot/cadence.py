@@ -7,8 +7,9 @@ CheckFreq (Mohan et al., FAST '21), each measured directly for every snapshot by
 
 * the **stall**, what the training loop loses: the call, plus the optimizer step's wait for the copy of the
   tensors it is about to change (on a CPU the pieces the training thread copies itself; on a GPU the stream
-  wait, and of the call what the device idled through, both timed by CUDA events). At most ``max_overhead``
-  of the run: k >= stall / (max_overhead x step);
+  wait, and of the call what the device idled through, both timed by CUDA events), plus what the background
+  copy took at normal priority from the cores the training competes for (its thread's CPU clock). At most
+  ``max_overhead`` of the run: k >= stall / (max_overhead x step);
 * the **copy**, from the call until the snapshot is complete (the copy's event on a GPU). A snapshot starts
   only after the previous one is complete: k >= copy / step.
 
@@ -82,6 +83,9 @@ class Cost:
     host_wait: float = 0.0
     #: Seconds the device's training stream waited for the copy (the optimizer step's stream wait).
     device_wait: float = 0.0
+    #: CPU seconds the background thread spent on the copy at normal priority (while the training waited for
+    #: it, or where it may not enter the idle class): taken from the cores the training competes for.
+    cpu: float = 0.0
     #: Seconds from the call until the snapshot was complete (on a GPU: the copy on the side stream).
     copy: float = 0.0
     #: The snapshot paid a one-time cost (it mapped or registered a slot, allocated pinned memory).
@@ -94,7 +98,7 @@ class Cost:
     def stall(self) -> float:
         """What the training loop lost to this snapshot."""
         call = self.call if self.call_on_device is None else self.call_on_device
-        return call + self.host_wait + self.device_wait
+        return call + self.host_wait + self.device_wait + self.cpu
 
 
 _SETUP, _MEASURE, _STEADY = "setup", "measure", "steady"

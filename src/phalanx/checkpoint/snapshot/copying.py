@@ -228,7 +228,9 @@ class Copier:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._idle_class = idle_class_allowed()
         self._tid: int | None = None
+        self._clock: int | None = None  # the thread's CPU-time clock (readable from any thread)
         self._boosted = False
+        self._normal_since: float | None = None  # its CPU time when it last began to run at normal priority
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-snapshot", daemon=True)
         self._thread.start()
@@ -236,23 +238,39 @@ class Copier:
 
     def _run(self) -> None:
         self._tid = threading.get_native_id()
+        getclock = getattr(time, "pthread_getcpuclockid", None)
+        self._clock = getclock(threading.get_ident()) if getclock is not None else None
         self._started.set()
         while (job := self._jobs.get()) is not None:
             self._lower()
             job.work()
 
+    def _cpu(self) -> float | None:
+        return time.clock_gettime(self._clock) if self._clock is not None else None
+
     def _lower(self) -> None:
         if self._idle_class:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread only
-            self._boosted = False
+            self._boosted, self._normal_since = False, None
+        else:
+            self._normal_since = self._cpu()  # it competes with the training from the start
 
     def boost(self) -> None:
         """Take the thread out of the idle class until its next job (someone waits for what it holds)."""
         if self._idle_class and not self._boosted and self._tid is not None:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
-            self._boosted = True
+            self._boosted, self._normal_since = True, self._cpu()
+
+    def charge(self) -> float:
+        """CPU seconds the thread has spent at normal priority since it was last asked: taken from the cores the
+        training competes for on a busy machine (in the idle class it takes only idle ones)."""
+        since, now = self._normal_since, self._cpu()
+        if since is None or now is None:
+            return 0.0
+        self._normal_since = now
+        return max(0.0, now - since)
 
     def is_current(self) -> bool:
         return threading.get_native_id() == self._tid

@@ -195,6 +195,7 @@ class OneCopy:
         self._copied = engine.mark()
         self._staged = engine.upload(host)
         self._host = host  # alive until uploaded (torch's pinned-memory cache tracks it too)
+        self._sources = [t for _, t in on_device]  # alive until copied: a temporary is not reused before
         self._done: Any = None
         self._wait: tuple[Any, Any] | None = None
         self._returned = engine.stamp()  # the call is over
@@ -238,6 +239,7 @@ class OneCopy:
             cost.call_on_device = engine.seconds(self._called, self._returned)
         cost.failed = self.error is not None
         self._staged = self._host = None  # type: ignore[assignment]
+        self._sources = []
         return True
 
     def complete(self) -> None:

@@ -220,6 +220,7 @@ class RankSnapshots:
         called = self._engine.stamp() if self._engine is not None else None  # what the device does meanwhile
         for job in self._jobs:
             job.release()  # when no optimizer stepped since the last write
+            self._charge(job)
         self._drop_finished()
         setup = self._setup
         if setup is not None and not setup.finished:
@@ -353,12 +354,16 @@ class RankSnapshots:
                         release_check, gate=functools.partial(engine.synchronize, event), live=False)
         self._staging.hold(index, job)
 
-        def measure() -> bool:
-            if not job.finished or not waits or not engine.query(waits[0][1]):
-                return bool(job.finished and job.error is not None and _measured(job, cost))
-            cost.device_wait = engine.seconds(*waits[0])
-            if called is not None and engine.query(returned):
-                cost.call_on_device = engine.seconds(called, returned)
+        def measure() -> bool:  # holds ``pairs`` until then: a temporary source is not reused before it is read
+            if not job.finished:
+                return False
+            if waits and engine.query(waits[0][1]):
+                cost.device_wait = engine.seconds(*waits[0])
+                if called is not None:
+                    cost.call_on_device = engine.seconds(called, returned)
+            elif job.error is None:
+                return False
+            pairs.clear()
             return _measured(job, cost)
 
         self._track(job, cost, measure)
@@ -385,6 +390,12 @@ class RankSnapshots:
             began = time.perf_counter()
             job.release()
             job.cost.host_wait += time.perf_counter() - began  # type: ignore[union-attr]
+            self._charge(job)
+
+    def _charge(self, job: Pending) -> None:
+        """Add to ``job``'s cost what the background thread spent on it at normal priority meanwhile."""
+        if self._copier is not None and job.cost is not None:
+            job.cost.cpu += self._copier.charge()
 
     def _drop_finished(self) -> None:
         """Forget the finished jobs, raising what made one fail (a torn one: a warning)."""
