@@ -34,11 +34,14 @@ class World:
     after the call. A snapshot due while the previous copy is not complete waits for it in its call (the slot or
     the staging buffer is still being written). The first snapshot into each of the ``keep`` slots pays
     ``one_time_call`` more in its call and ``one_time_copy`` more in its copy (mapping, first touch). The slots are
-    set up ``setup`` seconds after the first call (``ready``)."""
+    set up ``setup`` seconds after the first call (``ready``). The step after a snapshot loses ``indirect`` more,
+    which no writer measures (another rank waiting for this one, the garbage collector)."""
 
     def __init__(self, step: Callable[[int], float], call: float, wait: float, copy: float, keep: int = 2,
-                 one_time_call: float = 0.0, one_time_copy: float = 0.0, setup: float = 0.0) -> None:
+                 one_time_call: float = 0.0, one_time_copy: float = 0.0, setup: float = 0.0,
+                 indirect: float = 0.0) -> None:
         self.step, self.call, self.wait, self.copy, self.keep = step, call, wait, copy, keep
+        self.indirect = indirect  # what the step after a snapshot loses beyond what the writer measures
         self.one_time_call, self.one_time_copy, self.setup = one_time_call, one_time_copy, setup
         self.now = 0.0
         self.clean = 0.0  # what the run would take without snapshots
@@ -60,7 +63,7 @@ class World:
         self.now += self.step(n)
         self.clean += self.step(n)
         if self._waiting is not None:  # the optimizer step waits for the last snapshot's copy
-            self.now += self.wait
+            self.now += self.wait + self.indirect
             self._waiting.host_wait = self.wait
             self._waiting = None
         for done, cost in list(self._inflight):  # the writer's poll: what has completed
@@ -177,6 +180,18 @@ def test_k_settles_within_50_steps_and_follows_a_4x_longer_step(monkeypatch: pyt
     assert set(_gaps(taken, after=taken[0] + 50, before=400)) == {10}
     assert set(_gaps(taken, after=450)) == {3}
     assert world.overhead(400) <= 0.05 + 1e-9 and world.overhead(900) <= 0.05 + 1e-9
+
+
+def test_on_a_host_what_the_snapshots_step_loses_beyond_the_call_and_waits_counts_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The call and the wait: 1 ms (every 2 steps at 5 % of 10 ms); the step that holds the snapshot takes 1 ms more
+    # than that (the other rank waited for this one): 2 ms, every 4 steps.
+    world = World(_flat(10), 0.5 * MS, 0.5 * MS, 2 * MS, indirect=1 * MS)
+    cadence = Cadence("auto")
+    taken = world.run(monkeypatch, cadence, 800)
+    assert set(_gaps(taken, after=200)) == {4}
+    assert cadence.stall_seconds == pytest.approx(2 * MS)
+    assert world.overhead(800) <= 0.05 + 1e-9
 
 
 def test_the_step_is_measured_without_the_snapshot_even_when_every_step_has_one(

@@ -13,8 +13,12 @@ CheckFreq (Mohan et al., FAST '21), each measured directly for every snapshot by
 * the **copy**, from the call until the snapshot is complete (the copy's event on a GPU). A snapshot starts
   only after the previous one is complete: k >= copy / step.
 
-k is the smallest int that meets both. The step is the median time between calls, less the call and the
-host waits within it. Stall and copy are the medians of the last :data:`RECENT` snapshots. One-time costs
+k is the smallest int that meets both. The step is the median time between calls that held no snapshot
+(while every step holds one: less the call and the host waits in it). Stall and copy are the medians of the
+last :data:`RECENT` snapshots. On a host the stall is also at least what the step that held the snapshot took
+beyond a step (its own step, never the neighbours'): the other ranks waiting for the slowest one, the garbage
+its objects leave to the collector, cost the loop too. (On a GPU the host's steps do not show the device's
+time: the events do.) One-time costs
 (mapping a slot, registering it with CUDA, touching its pages) stay out of both: the writer sets the slots
 up in the background before the first snapshot (:meth:`due`'s ``ready``), and a snapshot that paid such a
 cost itself says so (:attr:`Cost.one_time`).
@@ -53,9 +57,12 @@ LAG = 2
 #: background thread that gets no CPU, every core busy, must not keep snapshots off for good).
 PATIENCE = 8
 #: Step times kept (the median: a logger flush or a validation pass does not decide).
-STEPS = 16
+STEPS = 32
 #: Snapshots whose stall and copy are kept (the median).
-RECENT = 5
+RECENT = 7
+#: Steps without a snapshot that a step holding one is compared with (the latest: a change of the step is
+#: not taken for the snapshot's cost; while every step holds one, none is, and the call and waits decide).
+NEAR = 5
 #: Measured snapshots before the choice is said.
 SETTLED = 3
 #: The gap before any agreement has set one.
@@ -90,6 +97,8 @@ class Cost:
     copy: float = 0.0
     #: The snapshot paid a one-time cost (it mapped or registered a slot, allocated pinned memory).
     one_time: bool = False
+    #: Copied by a device (its costs are in device time, from events; the host's step times do not show them).
+    device: bool = False
     #: It does not count (torn, or a copy failed).
     failed: bool = False
     final: bool = False
@@ -131,8 +140,9 @@ class Cadence:
         self._latest: Cost | None = None  # what the last snapshot cost
         self._inside: Cost | None = None  # the snapshot taken since the previous call
         self._pending: list[Cost] = []  # taken, not measured yet
-        self._steps: deque[float] = deque(maxlen=STEPS)
+        self._steps: deque[tuple[float, bool]] = deque(maxlen=STEPS)  # (seconds, held no snapshot)
         self._stalls: deque[float] = deque(maxlen=RECENT)
+        self._excess: deque[float] = deque(maxlen=RECENT)  # what a host step holding a snapshot took beyond a step
         self._copies: deque[float] = deque(maxlen=RECENT)
         self._agreements: deque[tuple[int, LateRead]] = deque()  # (step started, agreement), oldest first
         self._agreed: list[int] | None = None  # the newest agreement read
@@ -145,12 +155,18 @@ class Cadence:
     @property
     def step_seconds(self) -> float | None:
         """The time of a step without its snapshot (median of recent steps), or None before any."""
-        return statistics.median(self._steps) if self._steps else None
+        clean = [seconds for seconds, free in self._steps if free]
+        if len(clean) * 4 < len(self._steps):  # (nearly) every step holds a snapshot: those, less its own time
+            clean = [seconds for seconds, _ in self._steps]
+        return statistics.median(clean) if clean else None
 
     @property
     def stall_seconds(self) -> float | None:
         """What one snapshot costs the training loop (median of recent ones), or None before any was measured."""
-        return statistics.median(self._stalls) if self._stalls else None
+        if not self._stalls:
+            return None
+        stall = statistics.median(self._stalls)
+        return max(stall, statistics.median(self._excess)) if self._excess else stall
 
     @property
     def copy_seconds(self) -> float | None:
@@ -163,10 +179,15 @@ class Cadence:
         self._last = (step, now)
         if last is None or step <= last[0]:
             return
-        spent = now - last[1]
-        if inside is not None:  # the call and what the optimizer step waited for it on this thread
-            spent -= inside.call + inside.host_wait
-        self._steps.append(max(spent, 0.0) / (step - last[0]))
+        spent, steps = now - last[1], step - last[0]
+        if inside is None:
+            self._steps.append((spent / steps, True))
+            return
+        near = [seconds for seconds, free in self._steps if free][-NEAR:]  # the step as it is now
+        if len(near) >= 3 and not (inside.device or inside.one_time or inside.failed):
+            self._excess.append(max(0.0, spent - steps * statistics.median(near)))
+        # Less the call and what the optimizer step waited for the copy on this thread.
+        self._steps.append((max(spent - inside.call - inside.host_wait, 0.0) / steps, False))
 
     def _collect(self) -> None:
         for cost in [c for c in self._pending if c.final]:
@@ -194,7 +215,7 @@ class Cadence:
             latest = self._latest  # nothing measured in steady conditions yet: what the last one cost, all of it
             if latest is None or not latest.final:
                 return 0
-            stall, copy = latest.stall, latest.copy
+            stall, copy = max(latest.stall, self._excess[-1] if self._excess else 0.0), latest.copy
         self._basis = (stall, copy, step)
         return self._bound(stall, copy)
 

@@ -234,6 +234,7 @@ class RankSnapshots:
         self.last_bytes = cost.nbytes
         engine = self._engine_of(tensors)
         if engine is not None:
+            cost.device = True
             self._device_write(engine, step, body, table, tensors, stable, cost, began, called)
             return cost
         overlap = self.overlap and not self._torn and sum(t.nbytes for t in tensors) >= OVERLAP_BYTES
