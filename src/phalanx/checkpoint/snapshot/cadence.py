@@ -16,17 +16,17 @@ CheckFreq (Mohan et al., FAST '21), each measured directly for every snapshot by
 k is the smallest int that meets both. The step is the median time between calls that held no snapshot
 (while every step holds one: less the call and the host waits in it). Stall and copy are the medians of the
 last :data:`RECENT` snapshots. On a host the stall is also at least what the step that held the snapshot took
-beyond a step (its own step, never the neighbours'): the other ranks waiting for the slowest one, the garbage
-its objects leave to the collector, cost the loop too. (On a GPU the host's steps do not show the device's
-time: the events do.) One-time costs
-(mapping a slot, registering it with CUDA, touching its pages) stay out of both: the writer sets the slots
-up in the background before the first snapshot (:meth:`due`'s ``ready``), and a snapshot that paid such a
-cost itself says so (:attr:`Cost.one_time`).
+beyond the latest steps without one (its own step, not the neighbours'): the other ranks waiting for the
+slowest call, the garbage its objects leave to the collector, cost the loop too. (On a GPU the host's steps do
+not show the device's time: the events do.) One-time costs (mapping a slot, registering it with CUDA,
+touching its pages) stay out of both: the writer sets the slots up in the background before the first
+snapshot (:meth:`due`'s ``ready``), and a snapshot that paid such a cost itself says so
+(:attr:`Cost.one_time`).
 
 The start. The first snapshot is taken once every rank's slots are set up. The gap after it follows from
 what it cost (one-time costs included, should it have paid any), so the start never costs more than the
 budget; from then on k follows the medians, so it settles within a few snapshots and follows a change of
-the step (a larger batch) within about ten steps plus two gaps.
+the step (a larger batch) within about twenty steps plus two gaps.
 
 The ranks. Every rank must snapshot the same steps (a snapshot counts once every rank has written it), so
 every decision rests on values the ranks agreed on: each *point* (a snapshot, or a step where the cadence
