@@ -10,9 +10,10 @@ phalanx, and what do phalanx's paths cost next to raw torch and Lightning on a G
 2. **GPT-2 small (124 M, tied embedding), 8 x 1024 tokens, bf16, fused AdamW, eager**, ms per step: raw
    PyTorch (autocast), phalanx Fabric, phalanx Trainer, Lightning's Trainer (where it is importable); raw FSDP2 vs
    phalanx "fsdp"; raw TP x FSDP2 vs ModelParallelStrategy (a 1 x 1 mesh on one GPU). Same init and data.
-3. **Snapshots of GPT-2 small** (Fabric loop): ms per step without, with a snapshot every step and with "auto";
-   the bytes per snapshot, the device-to-host rate of a pinned copy of that size, the stall per snapshot
-   (every step minus none), and the cadence "auto" chose.
+3. **Snapshots of GPT-2 small** (Fabric loop, ``--snapshot-steps`` steps, 300 by default): per variant (none,
+   every step, "auto") the mean ms/step over the whole run, its start included, against none; what the cadence
+   measured (the stall per snapshot, the copy's time and GB/s, the k it chose) and the copy's path; and the
+   limit: the same bytes copied once into a registered ``/dev/shm`` mapping with nothing else running.
 4. **The CUDA tests** (``pytest -m gpu`` over the files that hold them).
 5. **fp8** (bench/gpu_fp8.py): a 0.9 B Llama-style model, 50 steps of 4 x 2048 tokens: bf16 eager, bf16 +
    torch.compile, fp8 + torch.compile; ms/step, MFU and the loss after 50 steps.
@@ -45,7 +46,7 @@ import gpu_fp8  # noqa: E402  (bench/gpu_fp8.py: the fp8 rows)
 from host_reads import DeviceSyncs  # noqa: E402  (what the CUDA tests count with)
 
 FIRST, LAST = 15, 55  # the steady-state steps whose synchronizations are counted
-TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_writer.py",
+TEST_FILES = ["tests/utils/test_late_reads.py", "tests/checkpoint/test_snapshot_device.py",
               "tests/fabric/test_anomaly.py", "tests/fabric/test_unmanaged_backward.py"]
 
 
@@ -311,49 +312,93 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- 3. snapshots
 def snapshot_cost(args: argparse.Namespace, every: str) -> dict[str, Any]:
+    """GPT-2 small in a Fabric loop for ``--snapshot-steps`` steps, snapshotting every ``every`` steps ("none", an
+    int, "auto"): the mean time per step over the whole run, its start included (synchronized before the first
+    step and after the last), and what the cadence measured: the stall per snapshot, the copy and its rate, k."""
     import phalanx
+    from phalanx.checkpoint.snapshot import Cadence
 
     fabric = phalanx.Fabric(accelerator=_device(args), devices=1, precision="bf16-mixed")
     fabric.launch()
     model = fabric.setup_module(gpu.make_model() if not args.cpu_smoke else gpu.GPT(**gpu.SMOKE))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
     batches = _gpt2_batches(args)
-    # Timed after the snapshots that allocate (the pinned staging, the shared-memory slots: once per run) and over
-    # several gaps of the cadence.
-    first = 21 if every in ("none", "auto") else 3 * int(every) + 1
-    if every == "auto":
-        first = 5 * args.snapshot_steps // 6
-    steps = first - 1 + (args.snapshot_steps * 4 if every == "auto" else max(args.snapshot_steps, 5 * int(every)))
-    start = 0.0
+    cadence = None if every == "none" else Cadence("auto" if every == "auto" else int(every))
+    steps, half, taken = args.snapshot_steps, args.snapshot_steps // 2, 0
+    clock: dict[int, float] = {}
+    gpu._sync()
+    clock[0] = time.perf_counter()
     for step in range(1, steps + 1):
-        if step == first:
-            gpu._sync()
-            start = time.perf_counter()
         x, y = batches[step % len(batches)]
         logits = model(x)
         fabric.backward(F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if every != "none":
-            fabric.save_snapshot({"model": model, "optimizer": optimizer, "step": step}, step, "gpt2-snapshots",
-                                 every_n_steps=int(every) if every != "auto" else "auto")
+        if cadence is not None:
+            taken += fabric.save_snapshot({"model": model, "optimizer": optimizer, "step": step}, step,
+                                          "gpt2-snapshots", every_n_steps=cadence) is not None
+        if step == half:  # once, for the steady half's own mean
+            gpu._sync()
+            clock[half] = time.perf_counter()
     gpu._sync()
-    per_step = (time.perf_counter() - start) / (steps - first + 1)
-    out: dict[str, Any] = {"ms_per_step": per_step * 1e3}
-    if every != "none":
-        folder = fabric._snapshots.folder("gpt2-snapshots")
-        entry = fabric._snapshots._folders[folder]
-        assert entry.writer is not None
-        entry.writer.wait()
-        timings = [t for t in entry.writer.timings if "drain" in t or args.cpu_smoke]
-        med = {k: statistics.median(t.get(k, 0.0) for t in timings) for k in ("capture", "device", "drain")}
-        nbytes = entry.writer.last_bytes
-        out.update(bytes=nbytes, cadence=entry.cadence.every_n_steps, snapshots=len(entry.writer.timings),
-                   capture_ms=med["capture"] * 1e3, device_ms=med["device"] * 1e3, drain_ms=med["drain"] * 1e3,
-                   d2h_gbps=nbytes / med["device"] / 1e9 if med["device"] else 0.0,
-                   drain_gbps=nbytes / med["drain"] / 1e9 if med["drain"] else 0.0)
+    clock[steps] = time.perf_counter()
+    out: dict[str, Any] = {"ms_per_step": (clock[steps] - clock[0]) / steps * 1e3,
+                           "steady_ms_per_step": (clock[steps] - clock[half]) / (steps - half) * 1e3}
+    if cadence is not None:
+        writer = fabric._snapshots._folders[fabric._snapshots.folder("gpt2-snapshots")].writer
+        assert writer is not None
+        writer.wait()
+        cadence.due(steps + 1)  # collects the last measurements (it snapshots nothing more)
+        stall, copy = cadence.stall_seconds or 0.0, cadence.copy_seconds or 0.0
+        out.update(bytes=cadence.snapshot_bytes, cadence=cadence.every_n_steps, snapshots=taken, path=writer.path,
+                   setup_s=writer.setup_seconds, stall_ms=stall * 1e3, copy_ms=copy * 1e3,
+                   copy_gbps=cadence.snapshot_bytes / copy / 1e9 if copy else 0.0)
     fabric.teardown()
     return out
+
+
+def snapshot_limit(args: argparse.Namespace) -> dict[str, Any]:
+    """The limit: the same tensors (GPT-2 small's weights and AdamW moments) copied once, on a side stream, into a
+    ``/dev/shm`` mapping registered with ``cudaHostRegister``, with nothing else running (torch alone)."""
+    import mmap
+    import tempfile
+
+    model = gpu.make_model().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    model(torch.zeros(1, 8, dtype=torch.long, device="cuda")).float().sum().backward()
+    optimizer.step()  # the moments exist
+    tensors = [p.detach() for p in model.parameters()] + [t for s in optimizer.state.values() for t in s.values()
+                                                          if t.is_cuda and t.dim() > 0]
+    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
+    total = sum(sizes)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as fh:
+        os.posix_fallocate(fh.fileno(), 0, total)
+        mapped = mmap.mmap(fh.fileno(), total)
+        buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+        began = time.perf_counter()
+        result = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 1))
+        register_s = time.perf_counter() - began
+        if result != 0:
+            return {"error": f"cudaHostRegister refused: error {result}"}
+        views, at = [], 0
+        for t, size in zip(tensors, sizes):
+            views.append(buffer[at:at + t.nbytes].view(t.dtype).view(t.shape))
+            at += size
+        side, times = torch.cuda.Stream(), []
+        for _ in range(6):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            begin.record(side)
+            with torch.cuda.stream(side):
+                torch._foreach_copy_(views, tensors, non_blocking=True)
+            end.record(side)
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        del views, buffer
+        mapped.close()
+    copy = statistics.median(times[1:])
+    return {"bytes": total, "copy_ms": copy * 1e3, "copy_gbps": total / copy / 1e9, "register_s": register_s}
 
 
 # ---------------------------------------------------------------------- running the parts
@@ -367,7 +412,7 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
             return {"ms": {name: [r[0] * 1e3 for r in runs]}, "loss": {name: runs[-1][1]}}
         return speed(args)
     if kind == "snapshot":
-        return snapshot_cost(args, name)
+        return snapshot_limit(args) if name == "limit" else snapshot_cost(args, name)
     if kind == "fp8":
         return gpu_fp8.run_variant(name, args.cpu_smoke)
     raise SystemExit(f"unknown part {args.part!r}")
@@ -400,10 +445,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--snapshot-steps", type=int, default=120)
+    p.add_argument("--snapshot-steps", type=int, default=300, help="steps of each snapshot variant's run")
     p.add_argument("--no-tests", action="store_true")
     p.add_argument("--parts", default="syncs,speed,snapshots,tests,fp8", help="which parts, comma-separated")
-    p.add_argument("--snapshot-variants", default="none,1,20,auto", help="snapshot cadences to time")
+    p.add_argument("--snapshot-variants", default="none,1,auto,limit",
+                   help="snapshot cadences to time (none, an int, auto), and limit: the registered copy alone")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
     if args.cpu_smoke and not args.part:
@@ -419,6 +465,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir
         report(args)
+
+
+def snapshot_rows(snaps: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """Per variant: the mean ms/step over the whole run (start included) and against none, the stall per
+    snapshot, k, the copy's time and rate, the path; the limit: the registered copy alone."""
+    rows = []
+    none = snaps.get("none", {}).get("ms_per_step")
+    for every, r in snaps.items():
+        name = f"GPT-2 small, snapshot {'the limit (registered copy alone)' if every == 'limit' else every}"
+        if "error" in r:
+            rows.append((name, r["error"], ""))
+        elif every == "limit":
+            rows.append((name, f"{r['bytes'] / 2**30:.2f} GiB in {r['copy_ms']:.1f} ms ({r['copy_gbps']:.1f} GB/s); "
+                               f"registering it {r['register_s']:.2f} s once", ">= 40 GB/s"))
+        elif every == "none":
+            steady = r["steady_ms_per_step"]
+            rows.append((name, f"{r['ms_per_step']:.2f} ms/step over the run (steady half {steady:.2f})", ""))
+        else:
+            ratio = f"{r['ms_per_step'] / none:.3f}x none" if none else ""
+            rows.append((name, f"{r['ms_per_step']:.2f} ms/step over the run, start included (steady half "
+                               f"{r['steady_ms_per_step']:.2f}); every {r['cadence']} steps ({r['snapshots']} "
+                               f"snapshots); stall {r['stall_ms']:.2f} ms per snapshot; {r['bytes'] / 2**30:.2f} GiB "
+                               f"copied in {r['copy_ms']:.1f} ms ({r['copy_gbps']:.1f} GB/s); {r['path']}; slots set "
+                               f"up in {r['setup_s']:.2f} s", ratio + (" (<= 1.05x, every <= 4)" if every == "auto"
+                                                                      else " (<= 1.35x)" if every == "1" else "")))
+    return rows
 
 
 def report(args: argparse.Namespace) -> None:
@@ -449,21 +521,11 @@ def report(args: argparse.Namespace) -> None:
         rows.append((f"GPT-2 small: {name}", f"{median:.2f} ms/step (runs {', '.join(f'{m:.2f}' for m in ms[name])}; "
                      f"loss {losses[name]:.4f})", ratio))
     variants = args.snapshot_variants.split(",") if "snapshots" in parts else []
+    if args.cpu_smoke and "limit" in variants:
+        variants.remove("limit")  # a CUDA copy
     snaps = {every: spawn(args, f"snapshot:{every}", timeout=300) for every in variants}
     results["snapshots"] = snaps
-    none = snaps.get("none", {}).get("ms_per_step")
-    for every, r in snaps.items():
-        if "error" in r:
-            rows.append((f"snapshot {every}", r["error"], ""))
-            continue
-        extra = ""
-        if every != "none" and none:
-            stall = (r["ms_per_step"] - none) * r["cadence"]
-            extra = (f"{r['bytes'] / 2**30:.2f} GiB each; capture {r['capture_ms']:.1f} ms, device to pinned "
-                     f"{r['device_ms']:.1f} ms ({r['d2h_gbps']:.1f} GB/s), pinned to shared memory {r['drain_ms']:.0f} "
-                     f"ms ({r['drain_gbps']:.1f} GB/s); step cost {(r['ms_per_step'] / none - 1) * 100:+.1f} %, stall "
-                     f"{stall:.1f} ms per snapshot ({stall / none * 100:.0f} % of a step), every {r['cadence']} steps")
-        rows.append((f"GPT-2 small, Snapshot {every}", f"{r['ms_per_step']:.2f} ms/step", extra))
+    rows += snapshot_rows(snaps)
     if "fp8" in parts:
         results["fp8"], fp8_rows = gpu_fp8.rows(args, spawn)
         rows.extend(fp8_rows)

@@ -5,6 +5,7 @@ finish in order, and a waiting thread never depends on a background thread that 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -101,3 +102,33 @@ def test_the_idle_class_probe_answers_for_this_process() -> None:
     thread.start()
     thread.join()
     assert seen == [copying.os.SCHED_OTHER]  # the probe's thread was its own: nothing else changed
+
+
+def test_what_the_copier_spends_at_normal_priority_is_charged_to_the_snapshot() -> None:
+    # In the idle class the copier takes only idle cores: free. Taken out of it because the training waits for a
+    # task it holds, it competes for the training's cores: its CPU time from then on is part of the cost.
+    if not copying.idle_class_allowed():
+        pytest.skip("this process may not take a thread out of SCHED_IDLE: the copier runs at normal priority here")
+    copier = Copier()
+    holding, release = threading.Event(), threading.Event()
+
+    def held() -> None:
+        holding.set()
+        assert release.wait(30)
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:  # 50 ms of CPU, at normal priority by now
+            pass
+
+    job = Job(lambda: [held], lambda: None, copier=copier)  # type: ignore[arg-type,list-item]
+    copier.submit(job)
+    try:
+        assert holding.wait(30)
+        assert copier.charge() == 0.0  # in the idle class
+        threading.Timer(0.1, release.set).start()
+        job.copy()  # waits for the held task: the copier leaves the idle class
+        assert copier.charge() >= 0.045
+        assert copier.charge() < 0.01  # counted once
+    finally:
+        release.set()
+        job.complete()
+        copier.stop()

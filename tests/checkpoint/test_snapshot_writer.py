@@ -2,7 +2,8 @@
 (tensors that change shape between snapshots included), a slot being rewritten never counts, a tensor changed
 during the background copy drops that snapshot, the optimizer never steps before the copy and never waits for a
 copier that cannot run, opening one runs no code, and a full /dev/shm turns snapshots off with a message. The
-copy engine alone is tests/checkpoint/test_snapshot_copying.py, the cadence test_snapshot_cadence.py; the
+copy engine alone is tests/checkpoint/test_snapshot_copying.py, the cadence test_snapshot_cadence.py, device
+tensors (one copy into a registered slot; CUDA itself under the gpu mark) test_snapshot_device.py; the
 multi-process paths (DDP, FSDP shards, kill -9 and restart) are in tests/trainer/test_survival.py and
 tests/fabric/test_preemption.py."""
 
@@ -364,36 +365,3 @@ def test_the_per_step_rng_capture_follows_every_change_of_numpys_generator() -> 
         again = (np.random.standard_normal(4), np.random.rand(2))
         assert all(np.array_equal(a, b) for a, b in zip(expected, again, strict=True))
         restore_rng_state(state)
-
-
-@pytest.mark.gpu
-def test_a_cuda_snapshot_overlaps_the_next_step_exactly_and_the_host_never_waits(folder: Path) -> None:
-    # The copy goes to pinned memory on a side stream; the next optimizer step waits for it on the device. Under
-    # sync debug mode "error" any host wait for the device in the snapshot and the next step raises.
-    fabric = phalanx.Fabric(accelerator="cuda", devices=1)
-    torch.manual_seed(0)
-    model = fabric.setup_module(nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 8)))
-    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
-    x = torch.randn(32, 64, device="cuda")
-
-    def step() -> None:
-        fabric.backward(model(x).square().mean())
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()
-    fabric.save_snapshot({"model": model, "optimizer": optimizer}, 1, folder, every_n_steps=1)  # allocations
-    step()
-    expected = _weights(model, optimizer)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fabric.save_snapshot({"model": model, "optimizer": optimizer}, 2, folder, every_n_steps=1)
-        for _ in range(3):
-            step()  # the first waits for the copy on the device, not on the host
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    after = _weights(model, optimizer)
-    fabric.load(snapshot.reference(folder.absolute(), 2), {"model": model, "optimizer": optimizer})
-    assert all(torch.equal(a, b) for a, b in zip(expected, _weights(model, optimizer), strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(expected, after, strict=True))

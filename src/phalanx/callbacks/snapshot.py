@@ -5,10 +5,10 @@ system every step costs too much. A snapshot holds what a Trainer checkpoint hol
 its own part into ``/dev/shm`` (memory: it outlives the processes, not the node) with plain memory copies
 and no collective, overlapping the next step (:mod:`phalanx.checkpoint.snapshot`); each is complete or
 ignored, and the newest ``keep`` are kept. How often: by default as often as ``max_overhead`` of the run's
-time allows, measured as the run goes (:class:`phalanx.checkpoint.snapshot.Cadence`), or every
-``every_n_train_steps`` steps when that is an int. (Under DeepSpeed, whose state only its engine can read,
-a snapshot is a checkpoint written through the engine, and costs what one costs: "auto" takes that into
-account.)
+time allows, measured as the run goes (:class:`phalanx.checkpoint.snapshot.Cadence`: the stall it causes
+within the budget, and each one complete before the next), or every ``every_n_train_steps`` steps when that
+is an int. On a GPU the device copies the state straight into shared memory registered with CUDA (one copy,
+on a side stream; :mod:`phalanx.checkpoint.snapshot.device`).
 
 A restarted attempt (``Trainer(max_restarts=K)``, ``torchrun --max-restarts K``)
 resumes from the newest complete state among snapshots and checkpoints, the same one on every rank

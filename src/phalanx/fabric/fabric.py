@@ -463,7 +463,8 @@ class Fabric:
         steps since the last snapshot.
 
         Call it on every rank at every step, between optimizer steps; ``state`` may be a function that builds
-        the dict (called only when a snapshot is due). ``every_n_steps``: an int snapshots when ``step`` is a
+        the dict (called when a snapshot is due, and under ``"auto"`` once at the first call, to set the
+        shared memory up before the first snapshot). ``every_n_steps``: an int snapshots when ``step`` is a
         multiple of it; ``"auto"`` (the default) measures the step and the snapshot and snapshots as often as
         ``max_overhead`` (a share of the run's time) allows, the same steps on every rank, and says its choice
         once (:class:`phalanx.checkpoint.snapshot.Cadence`; pass your own Cadence to read it). Each rank copies

@@ -4,7 +4,7 @@ happens to the folder at the end of the job. The Trainer's ``callbacks.Snapshot`
 
 Each rank copies its own part (a shard stays a shard) into shared memory: no collective, no pickling of
 tensors. With ``overlap`` the parameters and optimizer state are copied while the next forward and backward
-run (on a GPU: on a side stream into pinned memory, the next optimizer step waiting on the device), and each
+run (on a GPU: by the copy engine straight into the slot, the next optimizer step waiting on the device), and each
 optimizer waits for the copy before it steps."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx.checkpoint import snapshot
-from phalanx.checkpoint.snapshot import Cadence, FolderClaim, RankSnapshots
+from phalanx.checkpoint.snapshot import Cadence, Cost, FolderClaim, RankSnapshots
 from phalanx.utils import diagnostics
 from phalanx.utils.errors import CheckpointError, MisconfigurationError
 from phalanx.utils.late_reads import LateRead
@@ -27,12 +27,15 @@ from phalanx.utils.late_reads import LateRead
 if TYPE_CHECKING:
     from phalanx.strategies import Strategy
 
+_T = TypeVar("_T")
+
 
 @dataclass(eq=False)
 class _Folder:
     cadence: Cadence
     writer: RankSnapshots | None = None  # this rank's shared-memory slots
     off: bool = False  # a write failed on this rank: no more writes (the cadence and its agreement go on)
+    prepared: bool = False  # the slots' setup was started ("auto")
 
 
 class Snapshots:
@@ -65,35 +68,57 @@ class Snapshots:
             if entry is None:
                 entry = self._folders[folder] = _Folder(cadence)
             entry.cadence = cadence
-        if not entry.cadence.due(step):
+        writer = self._writer(entry, folder, keep, overlap)
+        if writer is not None:
+            writer.poll()  # what the copies in flight cost, as far as it is known (never waits)
+            if entry.cadence.auto and not entry.prepared:
+                entry.prepared = True
+                self._guarded(entry, folder, step, lambda: snapshot.prepare(
+                    self._strategy, writer, state() if callable(state) else state))
+        ready = entry.writer.ready if entry.writer is not None else None
+        if not entry.cadence.due(step, self._agree, ready):
             return None
         start = time.perf_counter()
-        path = self._write(entry, folder, state() if callable(state) else state, step, keep, overlap)
-        line = entry.cadence.taken(step, self._agree, time.perf_counter() - start)
+        cost = self._write(entry, folder, state() if callable(state) else state, step)
+        if cost is not None:
+            cost.call = time.perf_counter() - start
+        line = entry.cadence.taken(step, self._agree, cost)
         if line is not None and self._strategy.global_rank == 0:
             diagnostics.notice(f"Snapshots in {folder}: {line}.")
-        return path
+        return snapshot.reference(folder, step) if cost is not None else None
 
-    def _agree(self, proposal: int) -> LateRead:
-        return self._strategy.max_across_ranks_late([proposal], "snapshot cadence")
+    def _agree(self, proposal: list[int]) -> LateRead:
+        return self._strategy.max_across_ranks_late(proposal, "snapshot cadence")
 
-    def _write(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int, keep: int,
-               overlap: bool) -> Path | None:
+    def _writer(self, entry: _Folder, folder: Path, keep: int, overlap: bool) -> RankSnapshots | None:
         strategy = self._strategy
         if entry.off:
             return None
         if entry.writer is None:
             entry.writer = RankSnapshots(folder, strategy.global_rank, strategy.world_size, keep, overlap)
         entry.writer.overlap = overlap
+        return entry.writer
+
+    def _write(self, entry: _Folder, folder: Path, state: dict[str, Any], step: int) -> Cost | None:
+        writer = entry.writer
+        if writer is None:
+            return None
+        return self._guarded(entry, folder, step, lambda: snapshot.write(self._strategy, writer, step, state))
+
+    def _guarded(self, entry: _Folder, folder: Path, step: int, act: Callable[[], _T]) -> _T | None:
+        """``act`` on this rank's writer; where it fails for want of shared memory (not for a bad state), this
+        rank's snapshots are turned off with a message."""
+        strategy = self._strategy
         try:
-            return snapshot.write(strategy, entry.writer, step, state)
+            return act()
         except (CheckpointError, MisconfigurationError):
             raise  # the state cannot be snapshotted, or another run writes this folder: the user's to fix
         except (OSError, RuntimeError) as err:  # no room in shared memory, a mapping refused; not a bad state
             # This rank's earlier snapshots stay: a step counts only where every rank completed it, which the
             # ranks still writing soon overwrite, so a restart resumes from the newest state all ranks share.
-            with contextlib.suppress(Exception):
-                entry.writer.close()
+            if entry.writer is not None:
+                with contextlib.suppress(Exception):
+                    entry.writer.close()
             entry.writer, entry.off = None, True
             diagnostics.warn(f"Snapshots in {folder} are off on rank {strategy.global_rank}: writing the one of step "
                              f"{step} failed ({type(err).__name__}: {err}). Restarts resume from the disk checkpoints.",

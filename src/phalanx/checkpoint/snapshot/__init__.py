@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL, StateOwner
-from phalanx.checkpoint.snapshot.cadence import Cadence
+from phalanx.checkpoint.snapshot.cadence import Cadence, Cost
 from phalanx.checkpoint.snapshot.format import load_module_local, load_optimizer_local, plain_values
 from phalanx.checkpoint.snapshot.slots import DATA, FolderClaim, read_header
 from phalanx.checkpoint.snapshot.writer import RankSnapshots
@@ -97,11 +97,19 @@ def problem_with(path: Path) -> str | None:
             "writing it, or this node's shared memory was cleared)")
 
 
-def write(owner: StateOwner, writer: RankSnapshots, step: int, state: dict[str, Any]) -> Path:
-    """This rank's part of the snapshot of ``step`` (no collective); returns the snapshot's reference."""
-    extra = {"strategy": owner.name, "precision": owner.precision.state_dict()}
-    writer.write(step, state, extra, owner.local_state)
-    return reference(writer.folder, step)
+def _extra(owner: StateOwner) -> dict[str, Any]:
+    return {"strategy": owner.name, "precision": owner.precision.state_dict()}
+
+
+def prepare(owner: StateOwner, writer: RankSnapshots, state: dict[str, Any]) -> None:
+    """Set this rank's slots up for ``state`` before its first snapshot (in the background where it can be)."""
+    writer.prepare(state, _extra(owner), owner.local_state)
+
+
+def write(owner: StateOwner, writer: RankSnapshots, step: int, state: dict[str, Any]) -> Cost:
+    """This rank's part of the snapshot of ``step`` (no collective; its reference is :func:`reference`);
+    returns what it costs, filled in as the copy goes."""
+    return writer.write(step, state, _extra(owner), owner.local_state)
 
 
 def restore(owner: StateOwner, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
@@ -141,6 +149,6 @@ def place(owner: StateOwner, entries: list[Any], state: dict[str, Any], saved: d
             state[e.key] = plain_values(value)
 
 
-__all__ = ["Cadence", "FolderClaim", "RankSnapshots", "complete_steps", "default_dir", "finished_at", "is_reference",
-           "load_module_local", "load_optimizer_local", "place", "problem_with", "reference", "restore", "usable",
-           "write"]
+__all__ = ["Cadence", "Cost", "FolderClaim", "RankSnapshots", "complete_steps", "default_dir", "finished_at",
+           "is_reference", "load_module_local", "load_optimizer_local", "place", "prepare", "problem_with", "reference",
+           "restore", "usable", "write"]

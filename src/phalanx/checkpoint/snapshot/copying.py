@@ -29,9 +29,12 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
+
+from phalanx.checkpoint.snapshot.cadence import Cost
 
 #: Bytes per copy task: the most a waiting thread can find held by the background thread.
 CHUNK = 4 << 20
@@ -90,6 +93,8 @@ class Job:
         self._next = self._done = 0
         self._released = self._finishing = self.finished = False
         self.error: BaseException | None = None  # why it does not count (TornSnapshot, or a failure)
+        self.cost: Cost | None = None  # what the snapshot costs (the writer's)
+        self.copied_at: float | None = None  # when the last copy task ended (time.perf_counter)
 
     # ------------------------------------------------------------------ phases (any thread)
     def _run_start(self) -> list[Task]:
@@ -110,6 +115,8 @@ class Job:
                 raise
             with self._cond:
                 self._tasks = tasks
+                if not tasks:
+                    self.copied_at = time.perf_counter()
                 self._cond.notify_all()
         with self._cond:
             self._wait_for(lambda: self._tasks is not None)
@@ -135,6 +142,7 @@ class Job:
             with self._cond:
                 self._done += 1
                 if self._done == len(tasks):
+                    self.copied_at = time.perf_counter()
                     self._cond.notify_all()
 
     def _run_finish(self) -> None:
@@ -220,7 +228,9 @@ class Copier:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._idle_class = idle_class_allowed()
         self._tid: int | None = None
+        self._clock: int | None = None  # the thread's CPU-time clock (readable from any thread)
         self._boosted = False
+        self._normal_since: float | None = None  # its CPU time when it last began to run at normal priority
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-snapshot", daemon=True)
         self._thread.start()
@@ -228,23 +238,39 @@ class Copier:
 
     def _run(self) -> None:
         self._tid = threading.get_native_id()
+        getclock = getattr(time, "pthread_getcpuclockid", None)
+        self._clock = getclock(threading.get_ident()) if getclock is not None else None
         self._started.set()
         while (job := self._jobs.get()) is not None:
             self._lower()
             job.work()
 
+    def _cpu(self) -> float | None:
+        return time.clock_gettime(self._clock) if self._clock is not None else None
+
     def _lower(self) -> None:
         if self._idle_class:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread only
-            self._boosted = False
+            self._boosted, self._normal_since = False, None
+        else:
+            self._normal_since = self._cpu()  # it competes with the training from the start
 
     def boost(self) -> None:
         """Take the thread out of the idle class until its next job (someone waits for what it holds)."""
         if self._idle_class and not self._boosted and self._tid is not None:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
-            self._boosted = True
+            self._boosted, self._normal_since = True, self._cpu()
+
+    def charge(self) -> float:
+        """CPU seconds the thread has spent at normal priority since it was last asked: taken from the cores the
+        training competes for on a busy machine (in the idle class it takes only idle ones)."""
+        since, now = self._normal_since, self._cpu()
+        if since is None or now is None:
+            return 0.0
+        self._normal_since = now
+        return max(0.0, now - since)
 
     def is_current(self) -> bool:
         return threading.get_native_id() == self._tid
@@ -275,3 +301,12 @@ def chunks(destination: torch.Tensor, source: torch.Tensor) -> list[Task]:
 
 def _move(destination: torch.Tensor, source: torch.Tensor, start: int, size: int) -> None:
     ctypes.memmove(destination.data_ptr() + start, source.data_ptr() + start, size)  # the GIL is released meanwhile
+
+
+def unchanged(versions: list[tuple[torch.Tensor, int]], step: int) -> None:
+    """Raise :class:`TornSnapshot` if a tensor changed in place since its version was taken (the copy may have
+    read part of the change)."""
+    changed = next((i for i, (t, seen) in enumerate(versions) if t._version != seen), None)
+    if changed is not None:
+        raise TornSnapshot(f"a parameter or optimizer state (tensor {changed} of the snapshot of step {step}) was "
+                           "changed in place outside optimizer.step() while it was being copied")

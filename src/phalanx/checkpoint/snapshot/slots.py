@@ -15,6 +15,8 @@ import os
 import re
 import struct
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,12 @@ def read_header(path: Path) -> Header | None:
     return Header(step, world, rank, length, offset, finished)
 
 
+#: Registers a slot's mapping with the device as pinned memory; returns what undoes it (:mod:`.device`).
+Pin = Callable[[torch.Tensor], Callable[[], None]]
+#: madvise(MADV_POPULATE_WRITE), Linux 5.14+: the pages are allocated now, not at the first copy's faults.
+_POPULATE_WRITE = 23
+
+
 class Slot:
     """One file of node-local shared memory, mapped while this process writes to it:
 
@@ -71,7 +79,9 @@ class Slot:
 
     The header's first word (:data:`MAGIC`) is cleared before anything else of the slot is rewritten and
     written after everything else, so the file vouches for exactly what it holds. No system call is made
-    once the slot is mapped: a write is memory copies only.
+    once the slot is mapped: a write is memory copies only. A mapping may be registered with a device
+    (:meth:`map`'s ``pin``), so that the device's copy engine writes into it directly; it is unregistered
+    before it is unmapped, whatever ends the process's use of it (:meth:`release`, a larger mapping, exit).
     """
 
     def __init__(self, path: Path) -> None:
@@ -83,14 +93,73 @@ class Slot:
         self.ends: list[int] = []  # where each view ends in the file
         self.meta_room = self.data_offset = 0
         self.step = -1
+        self._unpin: weakref.finalize[Any, Slot] | None = None
 
-    def prepare(self, table: Table, meta_length: int) -> None:
-        """Map the file large enough for ``table`` and metadata of ``meta_length`` bytes; views of the tensors.
-        The views of an unchanged leading part of the table are kept: the parameters and optimizer state come
-        first and keep their shapes, while a metric accumulator near the end grows every step."""
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None and self._unpin.alive
+
+    @staticmethod
+    def _sizes(table: Table, meta_length: int) -> tuple[int, int]:
+        """(metadata room, bytes needed) of a fresh layout of ``table`` after ``meta_length`` bytes of metadata."""
+        room = -(-(2 * meta_length + _PAGE) // _PAGE) * _PAGE  # grows rarely: the metadata barely changes
+        return room, HEADER_SIZE + room + data_size(table)
+
+    def size_for(self, table: Table, meta_length: int) -> int:
+        """The bytes to map for ``table``: what it needs and room for accumulators that grow during an epoch."""
+        need = self._sizes(table, meta_length)[1]
+        return need + max(1 << 16, need >> 4)
+
+    def fits(self, table: Table, meta_length: int) -> bool:
+        """Whether :meth:`prepare` can lay ``table`` out without mapping the file again."""
+        if self.buffer is None:
+            return False
+        if meta_length <= self.meta_room and (table == self.table or
+                                              self.data_offset + data_size(table) <= self.buffer.numel()):
+            return True  # a kept prefix extends to the offsets a fresh layout from data_offset has
+        return self._sizes(table, meta_length)[1] <= self.buffer.numel()
+
+    def map(self, size: int, pin: Pin | None = None) -> None:
+        """Map the file at ``size`` bytes at least (the memory reserved now: ENOSPC here, not SIGBUS at the first
+        copy), its pages allocated; with ``pin``, registered with the device. The header is left as it is: the
+        file may hold the snapshot a restart resumed from. No copy may be writing the current mapping."""
+        self.release()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, os.fstat(fd).st_size)  # shared, read and write
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        self.bytes = memoryview(mapped)  # bytes written: one memcpy each
+        if pin is not None:  # registering allocates the pages too
+            self._unpin = weakref.finalize(self, pin(self.buffer))  # before the mapping goes, even at exit
+        else:
+            with contextlib.suppress(OSError, ValueError):  # an older kernel: the first copy faults them in
+                mapped.madvise(_POPULATE_WRITE)
+
+    def unpin(self) -> None:
+        """Unregister the mapping from the device (no copy may be writing it)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+
+    def release(self) -> None:
+        """Let go of the mapping (unregistered first); the file stays as it is."""
+        self.unpin()
+        self.buffer = self.bytes = None
+        self.views, self.table, self.ends = [], [], []
+        self.meta_room = self.data_offset = 0
+
+    def prepare(self, table: Table, meta_length: int, pin: Pin | None = None) -> bool:
+        """Views of the tensors for ``table`` after metadata of ``meta_length`` bytes, mapping the file (larger)
+        first if need be; returns whether it did (a one-time cost), after which the slot no longer vouches for
+        its old contents. The views of an unchanged leading part of the table are kept: the parameters and
+        optimizer state come first and keep their shapes, while a metric accumulator near the end grows."""
         if self.buffer is not None and meta_length <= self.meta_room:
             if table == self.table:  # the usual case, compared in C
-                return
+                return False
             same = 0
             for now, before in zip(table, self.table):
                 if now != before:
@@ -101,25 +170,16 @@ class Slot:
             if not ends or ends[-1] <= self.buffer.numel():
                 self.views, self.ends = self.views[:same] + views, self.ends[:same] + ends
                 self.table = list(table)
-                return
-        room = -(-(2 * meta_length + _PAGE) // _PAGE) * _PAGE  # grows rarely: the metadata barely changes
-        data_offset = HEADER_SIZE + room
-        need = data_offset + data_size(table)
-        size = need + max(1 << 16, need >> 4)  # room for accumulators that grow during an epoch
-        if self.buffer is None or self.buffer.numel() < need:
-            # Reserve the memory now (ENOSPC is an error here), not on the first copy (SIGBUS on a full tmpfs).
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < size:
-                    os.posix_fallocate(fd, 0, size)
-                mapped = mmap.mmap(fd, os.fstat(fd).st_size)  # shared, read and write
-            finally:
-                os.close(fd)
-            self.buffer = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
-            self.bytes = memoryview(mapped)  # bytes written: one memcpy each
-        self.invalidate()
-        self.views, self.ends = extend(self.buffer, table, data_offset)
-        self.table, self.meta_room, self.data_offset = list(table), room, data_offset
+                return False
+        room, need = self._sizes(table, meta_length)
+        mapped = self.buffer is None or self.buffer.numel() < need
+        if mapped:
+            self.map(self.size_for(table, meta_length), pin)
+            self.invalidate()
+        assert self.buffer is not None
+        self.views, self.ends = extend(self.buffer, table, HEADER_SIZE + room)
+        self.table, self.meta_room, self.data_offset = list(table), room, HEADER_SIZE + room
+        return mapped
 
     def data(self, size: int) -> torch.Tensor:
         """The first ``size`` bytes of the data region, as laid out by :meth:`prepare` (one memory copy fills it
@@ -128,6 +188,11 @@ class Slot:
         assert self.buffer is not None
         return self.buffer[self.data_offset:self.data_offset + size]
 
+    def region(self, start: int, end: int) -> torch.Tensor:
+        """Bytes ``start:end`` of the file (the header word is ``0:8``, the rest of the header ``8:64``)."""
+        assert self.buffer is not None
+        return self.buffer[start:end]
+
     def invalidate(self) -> None:
         if self.bytes is not None:
             self.bytes[:8] = bytes(8)
@@ -135,10 +200,14 @@ class Slot:
 
     def vouch(self, step: int, world: int, rank: int, body: bytes) -> None:
         self.bytes[HEADER_SIZE:HEADER_SIZE + len(body)] = body
-        header = _HEADER.pack(MAGIC, VERSION, step, world, rank, len(body), self.data_offset, time.time())
-        self.bytes[8:_HEADER.size] = header[8:]
+        self.bytes[8:_HEADER.size] = header_tail(step, world, rank, len(body), self.data_offset)
         self.bytes[:8] = MAGIC  # last
         self.step = step
+
+
+def header_tail(step: int, world: int, rank: int, meta_length: int, data_offset: int) -> bytes:
+    """The header after its first word (written before it)."""
+    return _HEADER.pack(MAGIC, VERSION, step, world, rank, meta_length, data_offset, time.time())[8:]
 
 
 class FolderClaim:

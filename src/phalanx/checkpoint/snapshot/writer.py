@@ -1,7 +1,7 @@
 """A rank's snapshots in shared memory: what it holds, copied where it outlives the process, with no collective
 and no serialisation of the model's tensors, while the next step runs.
 
-Each rank keeps ``keep`` slot files in node-local shared memory (:mod:`.slots`). A write is a :class:`~.copying.Job`:
+Each rank keeps ``keep`` slot files in node-local shared memory (:mod:`.slots`). A write:
 
 1. the slot with the oldest step stops counting (its header's first word is cleared);
 2. every tensor of the state (a DTensor's local shard: nothing is gathered) is copied into the slot;
@@ -18,11 +18,16 @@ they are copied while the next batch runs forward and backward, and every optimi
 their copy before it steps (a step pre-hook). The rest (buffers, which a forward pass updates, metric
 accumulators, RNG states) is copied, or cloned, before :meth:`RankSnapshots.write` returns.
 
-* CPU tensors are copied into the slot by the background thread, in chunks. The optimizer's pre-step hook
-  runs the chunks nobody has started itself (:mod:`.copying`: a busy machine never starves the step).
-* CUDA tensors are copied on a side stream into pinned host memory (two staging buffers, so one snapshot's
-  copy into the slot overlaps the next one's device copy). The optimizer's step waits for that copy on the
-  device (a stream wait: the host never waits), and the background thread moves staging to the slot.
+* Device tensors are copied by the device's copy engine straight into the slot, registered with CUDA as
+  pinned memory, on a side stream; the optimizer's step waits for that copy on the device (a stream wait:
+  the host never waits), and the commit (3.) is queued behind it (:mod:`.device`). Where the slot cannot be
+  registered, they go to pinned staging memory first and the background thread moves them into the slot.
+* Host tensors are copied into the slot by the background thread, in chunks (:mod:`.copying`). The
+  optimizer's pre-step hook runs the chunks nobody has started itself: a busy machine never starves the step.
+
+Before the first snapshot under "auto" the slots are set up in the background (:meth:`RankSnapshots.prepare`:
+mapped, their pages allocated, on a device registered), so that no snapshot pays for that. Each write
+returns its :class:`~.cadence.Cost`, filled in as it becomes known (:meth:`RankSnapshots.poll`).
 
 A tensor changed in place outside ``optimizer.step()`` while it was being copied is caught by its version
 counter: that snapshot does not count, with a warning, and later ones are copied before the call returns.
@@ -32,11 +37,11 @@ A rank killed mid-copy loses that snapshot, never the previous one: at most one 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import struct
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,7 +49,9 @@ from typing import Any
 import torch
 
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL
-from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, Job, Task, TornSnapshot, chunks
+from phalanx.checkpoint.snapshot import device
+from phalanx.checkpoint.snapshot.cadence import Cost
+from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, Job, Task, TornSnapshot, chunks, unchanged
 from phalanx.checkpoint.snapshot.format import Capture, LocalShard, Reader, Table, data_size, extend
 from phalanx.checkpoint.snapshot.slots import HEADER_SIZE, VERSION, FolderClaim, Slot, data_name, read_header
 from phalanx.checkpoint.state import sort_state
@@ -56,35 +63,7 @@ from phalanx.utils.errors import CheckpointError
 OVERLAP_BYTES = 1 << 20
 _LENGTH = struct.Struct("<Q")  # the metadata starts with the length of its head (version, table, keys)
 
-
-class _Staging:
-    """Two pinned host buffers for device copies, each held by the job that moves it into a slot."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.holders: list[Job | None] = [None, None]
-        self.order = [0, 1]  # least recently taken first
-        self.stream: Any = None
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A free buffer of at least ``nbytes``. With both held, the least recently taken one's job is completed
-        first: the calling thread does what is left of it."""
-        free = [i for i in self.order if self.holders[i] is None or self.holders[i].finished]  # type: ignore[union-attr]
-        index = free[0] if free else self.order[0]
-        holder = self.holders[index]
-        if holder is not None:
-            holder.complete()
-        self.order.remove(index)
-        self.order.append(index)
-        buffer = self.buffers[index]
-        if buffer is None or buffer.numel() < nbytes:
-            self.buffers[index] = None  # the old one goes before the new one is pinned
-            buffer = self.buffers[index] = torch.empty(nbytes + max(1 << 16, nbytes >> 4), dtype=torch.uint8,
-                                                       pin_memory=True)
-        return index, buffer
-
-    def hold(self, index: int, job: Job) -> None:
-        self.holders[index] = job
+Pending = Job | device.OneCopy  # a write in flight
 
 
 class RankSnapshots:
@@ -102,15 +81,28 @@ class RankSnapshots:
         self._slots = [Slot(self.folder / data_name(rank, k)) for k in range(keep)]
         self._scanned = False
         self._copier: Copier | None = None
-        self._staging = _Staging()
-        self._jobs: list[Job] = []  # not yet finished, oldest first
+        self._engine: device.Engine | None = None  # the device's, for a state that lives on one
+        self._host_state = False  # the state was found to live on the host
+        self._refused: str | None = None  # why the slots are not registered with the device (two copies then)
+        self._said_refused = False
+        self._staging = device.Staging()
+        self._setup: Job | None = None
+        self._jobs: list[Pending] = []  # not yet finished, oldest first
+        self._unmeasured: list[tuple[Cost, Callable[[], bool]]] = []
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         self._claim: FolderClaim | None = None
-        #: Bytes of tensors in the last snapshot written, and per recent snapshot where its time went (seconds:
-        #: ``capture`` on the calling thread, ``device`` copying to pinned memory, ``drain`` from there into the
-        #: slot): a report for the benchmarks.
+        #: Bytes of tensors in the last snapshot written (for the benchmarks).
         self.last_bytes = 0
-        self.timings: deque[dict[str, float]] = deque(maxlen=8)
+        #: Seconds spent setting the slots up (mapping, allocating, registering), on whichever thread did it.
+        self.setup_seconds = 0.0
+
+    @property
+    def path(self) -> str:
+        """How snapshots are copied: "one copy" (the device into a registered slot), "two copies" (the device
+        into pinned staging, then into the slot), "host" (memory copies), or "" before the first."""
+        if self._engine is None:
+            return "host" if self._host_state else ""
+        return "two copies" if self._refused is not None else "one copy"
 
     def _scan(self) -> None:
         """Adopt what an earlier attempt left: the next write goes to the slot with the oldest step, never
@@ -121,19 +113,17 @@ class RankSnapshots:
             slot.step = header.step if header is not None and header.world_size == self.world_size else -1
         self._scanned = True
 
-    # ------------------------------------------------------------------ writing
-    def write(self, step: int, state: dict[str, Any], extra: dict[str, Any],
-              local_state: Callable[[str, Any, Any], Any]) -> None:
-        """Snapshot this rank's ``state`` (modules and optimizers as ``local_state(kind, obj, module)`` gives
-        them, objects with ``state_dict`` as it gives them, plain values as they are) and ``extra`` (plain)
-        into the slot with the oldest step. Raises what made an earlier write fail."""
-        began = time.perf_counter()
-        for job in self._jobs:
-            job.release()  # when no optimizer stepped since the last write
-        self._drop_finished()
-        if not self._scanned:
-            self._scan()
-        # Pickled on this thread: in another one it would hold the GIL this thread needs (no overlap, only switching).
+    def _engine_of(self, tensors: list[torch.Tensor]) -> device.Engine | None:
+        if self._engine is None and not self._host_state:
+            self._engine = device.engine_for(tensors)
+            self._host_state = self._engine is None
+        return self._engine
+
+    def _capture(self, state: dict[str, Any], extra: dict[str, Any], local_state: Callable[[str, Any, Any], Any]
+                 ) -> tuple[list[torch.Tensor], Table, bytes, list[bool]]:
+        """The state's tensors, their table, the metadata, and which tensors only an optimizer step changes.
+        Pickled on this thread: in another one it would hold the GIL this thread needs (no overlap, only
+        switching)."""
         out = io.BytesIO()
         capture = Capture(out)
         keys: list[str] = []
@@ -152,27 +142,7 @@ class RankSnapshots:
         tensors, table = capture.tensors, capture.table
         head = pickle.dumps({"version": VERSION, "table": table, "keys": keys}, protocol=pickle.HIGHEST_PROTOCOL)
         body = _LENGTH.pack(len(head)) + head + out.getvalue()
-        self.last_bytes = data_size(table)
-        stable = self._stable(tensors, stable_spans)
-        on_device = any(t.is_cuda for t in tensors)
-        overlap = self.overlap and not self._torn and (on_device or sum(t.nbytes for t in tensors) >= OVERLAP_BYTES)
-        if overlap and self._copier is None:
-            self._copier = Copier()
-        timing = {"bytes": float(self.last_bytes)}
-        self.timings.append(timing)
-        if on_device:
-            job = self._device_job(step, body, table, tensors, stable, timing)
-        elif overlap:
-            job = self._host_job(step, body, table, tensors, stable)
-        else:
-            job = self._job(step, body, table, lambda slot: _copies(slot, tensors))
-        self._jobs.append(job)
-        if overlap:
-            assert self._copier is not None
-            self._copier.submit(job)
-        else:
-            self._settle()  # here and now: nothing to overlap
-        timing["capture"] = time.perf_counter() - began
+        return tensors, table, body, self._stable(tensors, stable_spans)
 
     @staticmethod
     def _stable(tensors: list[torch.Tensor], spans: list[tuple[Any, int, int]]) -> list[bool]:
@@ -184,9 +154,109 @@ class RankSnapshots:
                 stable[i] = tensors[i].data_ptr() not in buffers
         return stable
 
-    def _job(self, step: int, body: bytes, table: Table, tasks: Callable[[Slot], list[Task]],
-             release_check: Task | None = None, gate: Task | None = None, live: bool = True,
-             timing: dict[str, float] | None = None) -> Job:
+    # ------------------------------------------------------------------ setting up
+    def prepare(self, state: dict[str, Any], extra: dict[str, Any],
+                local_state: Callable[[str, Any, Any], Any]) -> None:
+        """Set every slot up for this state before the first snapshot: map it, allocate its pages and, on a
+        device, register it, in the background wherever the copies run there (a device state; a host state of
+        :data:`OVERLAP_BYTES` or more), so that no snapshot pays for it. :meth:`ready` says when it is done."""
+        if self._setup is not None:
+            return
+        if not self._scanned:
+            self._scan()
+        tensors, table, body, _ = self._capture(state, extra, local_state)
+        engine = self._engine_of(tensors)
+        background = engine is not None or (self.overlap and data_size(table) >= OVERLAP_BYTES)
+
+        def set_up(slot: Slot) -> None:
+            began = time.perf_counter()
+            if not slot.fits(table, len(body)):
+                self._map(slot, slot.size_for(table, len(body)))
+            self.setup_seconds += time.perf_counter() - began
+
+        def finish() -> None:
+            if self._refused is not None:  # all or none: the two-copy path writes any slot
+                for slot in self._slots:
+                    slot.unpin()
+
+        copier = self._background() if background else None
+        job = self._setup = Job(lambda: [functools.partial(set_up, s) for s in self._slots], finish, copier=copier,
+                                live=False)
+        job.release()  # it copies nothing that changes: it finishes once its tasks have run
+        if copier is not None:
+            copier.submit(job)
+        else:
+            job.complete()
+
+    def ready(self, insist: bool = False) -> bool:
+        """Whether the slots are set up (:meth:`prepare`); ``insist``: finish setting them up on this thread first
+        (what nobody started; a background thread that holds a part leaves the idle class meanwhile)."""
+        job = self._setup
+        if job is not None and insist:
+            job.complete()
+        return job is None or job.finished
+
+    def _map(self, slot: Slot, size: int) -> None:
+        """Map ``slot`` at ``size`` bytes, registered with the device where its state lives (unless refused)."""
+        engine = self._engine
+        try:
+            slot.map(size, engine.pin if engine is not None and self._refused is None else None)
+        except device.Refused as refused:  # mapped, not registered
+            self._refused = str(refused)
+
+    def _background(self) -> Copier:
+        if self._copier is None:
+            self._copier = Copier()
+        return self._copier
+
+    # ------------------------------------------------------------------ writing
+    def write(self, step: int, state: dict[str, Any], extra: dict[str, Any],
+              local_state: Callable[[str, Any, Any], Any]) -> Cost:
+        """Snapshot this rank's ``state`` (modules and optimizers as ``local_state(kind, obj, module)`` gives
+        them, objects with ``state_dict`` as it gives them, plain values as they are) and ``extra`` (plain)
+        into the slot with the oldest step. Returns what it costs (filled in as the copy goes: :meth:`poll`).
+        Raises what made an earlier write, or the setup, fail."""
+        began = time.perf_counter()
+        called = self._engine.stamp() if self._engine is not None else None  # what the device does meanwhile
+        for job in self._jobs:
+            job.release()  # when no optimizer stepped since the last write
+            self._charge(job)
+        self._drop_finished()
+        setup = self._setup
+        if setup is not None and not setup.finished:
+            setup.complete()
+        if setup is not None and setup.error is not None:
+            raise setup.error
+        if not self._scanned:
+            self._scan()
+        tensors, table, body, stable = self._capture(state, extra, local_state)
+        cost = Cost(nbytes=data_size(table))
+        self.last_bytes = cost.nbytes
+        engine = self._engine_of(tensors)
+        if engine is not None:
+            cost.device = True
+            self._device_write(engine, step, body, table, tensors, stable, cost, began, called)
+            return cost
+        overlap = self.overlap and not self._torn and sum(t.nbytes for t in tensors) >= OVERLAP_BYTES
+        if overlap:
+            self._background()  # before the job: whoever waits for it must be able to take the thread out of idle
+            job = self._host_job(step, body, table, tensors, stable, cost, began)
+        else:
+            job = self._job(step, body, table, lambda slot: _copies(slot, tensors), cost, began)
+        self._track(job, cost)
+        if overlap:
+            self._background().submit(job)
+        else:
+            self._settle()  # here and now: nothing to overlap
+        return cost
+
+    def _track(self, job: Pending, cost: Cost, measure: Callable[[], bool] | None = None) -> None:
+        job.cost = cost
+        self._jobs.append(job)
+        self._unmeasured.append((cost, measure or functools.partial(_measured, job, cost)))
+
+    def _job(self, step: int, body: bytes, table: Table, tasks: Callable[[Slot], list[Task]], cost: Cost,
+             began: float, release_check: Task | None = None, gate: Task | None = None, live: bool = True) -> Job:
         """The job that writes ``step`` into the slot with the oldest step, chosen when it starts (after the
         job before it finished, so the newest complete snapshot is never the one overwritten)."""
         chosen: list[Slot] = []
@@ -194,84 +264,139 @@ class RankSnapshots:
         def start() -> list[Task]:
             slot = min(self._slots, key=lambda s: s.step)
             slot.invalidate()  # 1. the slot no longer vouches for its contents
-            slot.prepare(table, len(body))
+            if slot.prepare(table, len(body)):
+                cost.one_time = True  # this slot's first snapshot: mapping it, its pages
             chosen.append(slot)
             return tasks(slot)  # 2. the copies
 
         def finish() -> None:
             chosen[0].vouch(step, self.world_size, self.rank, body)  # 3. the metadata, then the header's first word
-            if timing is not None and "drained_from" in timing:
-                timing["drain"] = time.perf_counter() - timing.pop("drained_from")
+            copied = job.copied_at
+            cost.copy = (copied if copied is not None else time.perf_counter()) - began  # not waiting for a release
 
         previous = self._jobs[-1] if self._jobs else None
-        return Job(start, finish, release_check, gate, previous, self._copier, live)
+        assert not isinstance(previous, device.OneCopy)  # settled before the first two-copy write
+        job = Job(start, finish, release_check, gate, previous, self._copier, live)
+        return job
 
-    def _host_job(self, step: int, body: bytes, table: Table, tensors: list[torch.Tensor],
-                  stable: list[bool]) -> Job:
+    def _host_job(self, step: int, body: bytes, table: Table, tensors: list[torch.Tensor], stable: list[bool],
+                  cost: Cost, began: float) -> Job:
         with torch.no_grad():
             sources = [t if keep else t.clone() for t, keep in zip(tensors, stable)]
         versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep]
-        return self._job(step, body, table, lambda slot: _copies(slot, sources),
-                         release_check=lambda: _unchanged(versions, step))
+        return self._job(step, body, table, lambda slot: _copies(slot, sources), cost, began,
+                         release_check=lambda: unchanged(versions, step), live=True)
 
-    def _device_job(self, step: int, body: bytes, table: Table, tensors: list[torch.Tensor],
-                    stable: list[bool], timing: dict[str, float]) -> Job:
-        """Device tensors go to pinned staging on a side stream now; the job moves staging into the slot once
-        that copy's event has completed. The next optimizer step waits for the event on the device."""
+    def _device_write(self, engine: device.Engine, step: int, body: bytes, table: Table,
+                      tensors: list[torch.Tensor], stable: list[bool], cost: Cost, began: float, called: Any) -> None:
+        slot = min(self._slots, key=lambda s: s.step)
+        if self._refused is None and not slot.fits(table, len(body)):
+            for job in self._jobs:  # no copy may be writing the mapping that goes (a host wait, once per mapping)
+                if isinstance(job, device.OneCopy) and job.slot is slot:
+                    job.complete()
+            self._map(slot, slot.size_for(table, len(body)))
+            cost.one_time = True
+        if self._refused is not None:
+            self._staged_write(engine, step, body, table, tensors, stable, cost, began, called)
+            return
+        slot.prepare(table, len(body))  # fits: views only, nothing written
+        sources: list[tuple[int, torch.Tensor]] = []
+        with torch.no_grad():
+            for i, (t, keep) in enumerate(zip(tensors, stable)):
+                sources.append((i, t if keep or not engine.on_device(t) else engine.keep(t)))
+        versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep and engine.on_device(t)]
+        job = device.OneCopy(engine, slot, step, self.world_size, self.rank, body, sources, versions, cost, called)
+        self._track(job, cost, job.measure)
+        if not self.overlap:
+            job.complete()  # in the slot when the call returns (a host wait, as asked)
+            self._drop_finished()
+        elif self._torn:
+            job.release()  # copied before anything queued after the call can change it (on the device)
+
+    def _staged_write(self, engine: device.Engine, step: int, body: bytes, table: Table,
+                      tensors: list[torch.Tensor], stable: list[bool], cost: Cost, began: float, called: Any) -> None:
+        """Two copies: the device into pinned staging on the side stream now; the background thread moves
+        staging into the slot once that copy's event has completed. The next optimizer step waits for the
+        event on the device."""
+        if not self._said_refused:
+            self._said_refused = True
+            diagnostics.warn(f"Snapshots in {self.folder} take two copies on rank {self.rank} (the device into "
+                             f"pinned staging memory, then a thread into shared memory), not one: {self._refused}. "
+                             "They cost more and may come less often; the copy is as safe.")
+            if any(slot.pinned for slot in self._slots):  # all or none: every slot takes this path from now on
+                self._settle()
+                for slot in self._slots:
+                    slot.unpin()
+        overlap = self.overlap and not self._torn
+        if overlap:
+            self._background()
         nbytes = data_size(table)
-        index, buffer = self._staging.take(nbytes)
+        index, buffer, allocated = self._staging.take(nbytes, engine)
+        cost.one_time = cost.one_time or allocated
         views, _ = extend(buffer, table, 0)
-        staging = self._staging
-        if staging.stream is None:
-            staging.stream = torch.cuda.Stream()
-        side, main = staging.stream, torch.cuda.current_stream()
-        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        clones = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for view, t, keep in zip(views, tensors, stable):
-                if not t.is_cuda:
+                if not engine.on_device(t):
                     view.copy_(t)  # RNG states and counters: host memory, small
-                elif keep:
-                    device_pairs.append((view, t))
                 else:
-                    clone = t.clone()  # changes in the next forward: taken now, in stream order
-                    clones.append(clone)
-                    device_pairs.append((view, clone))
-            side.wait_stream(main)
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record(side)
-            with torch.cuda.stream(side):
-                if device_pairs:
-                    torch._foreach_copy_([v for v, _ in device_pairs], [t for _, t in device_pairs], non_blocking=True)
-        for clone in clones:
-            clone.record_stream(side)  # not reused before the side stream has read it
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(side)
-        versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep and t.is_cuda]
-
-        def gate() -> None:  # before a thread moves staging into the slot
-            event.synchronize()
-            if "device" not in timing:
-                timing["device"] = begin.elapsed_time(event) / 1e3
-                timing["drained_from"] = time.perf_counter()
+                    pairs.append((view, t if keep else engine.keep(t)))
+        engine.begin()
+        engine.copy([v for v, _ in pairs], [t for _, t in pairs])
+        event, returned = engine.mark(), engine.stamp()
+        versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep and engine.on_device(t)]
+        waits: list[tuple[Any, Any]] = []
 
         def release_check() -> None:
-            torch.cuda.current_stream().wait_event(event)  # the device waits, not the host
-            _unchanged(versions, step)  # queued in place since the copy was: it may have read them
+            waits.append(engine.hold(event))  # the device waits, not the host
+            unchanged(versions, step)  # queued in place since the copy was: it may have read them
 
-        def tasks(slot: Slot) -> list[Task]:
-            return chunks(slot.data(nbytes), buffer[:nbytes])
+        job = self._job(step, body, table, lambda slot: chunks(slot.data(nbytes), buffer[:nbytes]), cost, began,
+                        release_check, gate=functools.partial(engine.synchronize, event), live=False)
+        self._staging.hold(index, job)
 
-        job = self._job(step, body, table, tasks, release_check, gate=gate, live=False, timing=timing)
-        staging.hold(index, job)
-        return job
+        def measure() -> bool:  # holds ``pairs`` until then: a temporary source is not reused before it is read
+            if not job.finished:
+                return False
+            if waits and engine.query(waits[0][1]):
+                cost.device_wait = engine.seconds(*waits[0])
+                if called is not None:
+                    cost.call_on_device = engine.seconds(called, returned)
+            elif job.error is None:
+                return False
+            pairs.clear()
+            return _measured(job, cost)
+
+        self._track(job, cost, measure)
+        if overlap:
+            self._background().submit(job)
+        else:
+            self._settle()
+
+    def poll(self) -> None:
+        """Fill in the costs of the writes that have completed since (asks the device; never waits)."""
+        waiting = []
+        for cost, measured in self._unmeasured:
+            if measured():
+                cost.final = True
+            else:
+                waiting.append((cost, measured))
+        self._unmeasured = waiting
 
     def _before_step(self, *_: Any) -> None:
         """An optimizer is about to change what unfinished copies read: each job's copy is done (the device's
         stream waits for a device copy; host copies are finished on this thread if need be) and checked.
         A failure is raised at the next write, not inside optimizer.step()."""
         for job in self._jobs:
+            began = time.perf_counter()
             job.release()
+            job.cost.host_wait += time.perf_counter() - began  # type: ignore[union-attr]
+            self._charge(job)
+
+    def _charge(self, job: Pending) -> None:
+        """Add to ``job``'s cost what the background thread spent on it at normal priority meanwhile."""
+        if self._copier is not None and job.cost is not None:
+            job.cost.cpu += self._copier.charge()
 
     def _drop_finished(self) -> None:
         """Forget the finished jobs, raising what made one fail (a torn one: a warning)."""
@@ -286,7 +411,7 @@ class RankSnapshots:
             job.complete()
         self._drop_finished()
 
-    def _raise_failure(self, job: Job) -> None:
+    def _raise_failure(self, job: Pending) -> None:
         error = job.error
         if error is None:
             return
@@ -304,12 +429,15 @@ class RankSnapshots:
             job.release()
         for job in self._jobs:
             job.complete()
+        if self._setup is not None:
+            self._setup.complete()
+        self.poll()
         if not keep_errors:
             self._drop_finished()
 
     def close(self, release: bool = True) -> None:
-        """Finish the writes in flight and let go of the optimizers, the background thread and (``release``) the
-        folder."""
+        """Finish the writes in flight and let go of the optimizers, the background thread, the slots' mappings
+        (unregistered from the device first) and (``release``) the folder."""
         try:
             self.wait()
         finally:
@@ -319,6 +447,8 @@ class RankSnapshots:
             if self._copier is not None:
                 self._copier.stop()
                 self._copier = None
+            for slot in self._slots:
+                slot.release()
             if self._claim is not None and release:
                 self._claim.release()
                 self._claim = None
@@ -377,11 +507,12 @@ def _copies(slot: Slot, sources: list[torch.Tensor]) -> list[Task]:
     return [task for view, source in zip(slot.views, sources) for task in chunks(view, source)]
 
 
-def _unchanged(versions: list[tuple[torch.Tensor, int]], step: int) -> None:
-    changed = next((i for i, (t, seen) in enumerate(versions) if t._version != seen), None)
-    if changed is not None:
-        raise TornSnapshot(f"a parameter or optimizer state (tensor {changed} of the snapshot of step {step}) was "
-                           "changed in place outside optimizer.step() while it was being copied")
+def _measured(job: Pending, cost: Cost) -> bool:
+    """A host job's cost is known once it has finished (its finish timed the copy)."""
+    if not job.finished:
+        return False
+    cost.failed = job.error is not None
+    return True
 
 
 __all__ = ["CHUNK", "OVERLAP_BYTES", "RankSnapshots", "TornSnapshot"]
