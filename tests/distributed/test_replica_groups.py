@@ -135,6 +135,11 @@ def test_a_killed_group_heals_from_a_peer_while_the_others_go_on(tmp_path: Path,
     job = launch(tmp_path, "--steps", str(steps), "--sleep", "0.15", "--kill-at", str(kill_at), "--kill-group", "1",
                  job=JOB[api])
     check_kill_and_heal(tmp_path, job, steps, kill_at, killed=1, ranks=1)
+    if api == "trainer":  # each group is a run in its own folder: its own metrics, nothing shared
+        for group in range(GROUPS):
+            metrics = tmp_path / f"replica_group_{group}" / "lightning_logs" / "version_0" / "metrics.csv"
+            assert metrics.is_file() and "train" in metrics.read_text(), sorted(tmp_path.rglob("*"))
+        assert not (tmp_path / "lightning_logs").exists()
 
 
 @pytest.mark.slow  # CI runs the single-process groups above; this is the same kill with FSDP inside each group

@@ -144,6 +144,27 @@ def from_launcher() -> FaultTolerance | None:
     return FaultTolerance(min_replica_groups=int(value)) if value else None
 
 
+def resolve_fault_tolerance(given: Any) -> FaultTolerance | None:
+    """``fault_tolerance=``: a :class:`FaultTolerance`, True (the defaults) or None/False; ``phalanx run
+    --replica-groups N`` turns it on for a script that does not (its settings then come from the launcher)."""
+    if isinstance(given, FaultTolerance):
+        return given
+    if given is True:
+        return from_launcher() or FaultTolerance()
+    if given not in (None, False):
+        raise MisconfigurationError(f"fault_tolerance={given!r}: pass phalanx.FaultTolerance(...), True or None.")
+    return None if given is False else from_launcher()
+
+
+def group_folder(root: Path, fault_tolerance: Any) -> Path:
+    """Where a Trainer writes (its loggers, checkpoints, its claim on the folder, a preemption record) when it is
+    one of several replica groups: ``<root>/replica_group_<i>``. Each group is a run of its own, restarted on its
+    own; in one folder the groups would write the same files and the claim would refuse all but the first.
+    ``root`` itself without replica groups (``fault_tolerance=`` as :func:`resolve_fault_tolerance` reads it)."""
+    config = resolve_fault_tolerance(fault_tolerance)
+    return root if config is None else root / f"replica_group_{environment(config).group}"
+
+
 def require_torchft() -> ModuleType:
     """torchft, or an error that says how to install it."""
     try:

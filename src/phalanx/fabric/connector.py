@@ -14,7 +14,7 @@ from typing import Any
 
 from phalanx.distributed import launch as launcher
 from phalanx.distributed.accelerator import resolve_accelerator, resolve_devices
-from phalanx.distributed.replica_groups import FaultTolerance, from_launcher
+from phalanx.distributed.replica_groups import resolve_fault_tolerance
 from phalanx.fabric.config import FabricConfig
 from phalanx.precision import Precision
 from phalanx.strategies import Strategy, resolve_strategy
@@ -77,18 +77,6 @@ def configured_strategy(config: FabricConfig) -> Strategy:
     if fault_tolerance is not None:
         strategy.set_fault_tolerance(fault_tolerance)
     return strategy
-
-
-def resolve_fault_tolerance(given: Any) -> FaultTolerance | None:
-    """``fault_tolerance=``: a :class:`FaultTolerance`, True (the defaults) or None/False; ``phalanx run
-    --replica-groups N`` turns it on for a script that does not (its settings then come from the launcher)."""
-    if isinstance(given, FaultTolerance):
-        return given
-    if given is True:
-        return from_launcher() or FaultTolerance()
-    if given not in (None, False):
-        raise MisconfigurationError(f"fault_tolerance={given!r}: pass phalanx.FaultTolerance(...), True or None.")
-    return None if given is False else from_launcher()
 
 
 def _local_inside_job(config: FabricConfig) -> bool:

@@ -161,13 +161,17 @@ class Float8Precision(MixedPrecision):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         if self._gathered_in_float8:
             with self.placement.guarded("float8 weight scales (precompute_float8_dynamic_scale_for_fsdp)"):
-                self._precompute_scales()
+                self._precompute_scales(optimizer)
 
-    def _precompute_scales(self) -> None:
-        # One all-reduce for every float8 weight's scale, instead of one per weight inside each all-gather.
+    def _precompute_scales(self, optimizer: Optimizer) -> None:
+        # One all-reduce for every float8 weight's scale, instead of one per weight inside each all-gather; only
+        # for the modules this optimizer changed (a frozen teacher's scales stay valid). Every rank holds the same
+        # modules and optimizer, so every rank makes the same all-reduces.
         float8 = import_float8()
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for module in self._gathered_modules():
-            float8.precompute_float8_dynamic_scale_for_fsdp(module)
+            if any(id(p) in stepped for p in module.parameters()):
+                float8.precompute_float8_dynamic_scale_for_fsdp(module)
 
     def _gathered_modules(self) -> list[nn.Module]:
         return [m for m in (ref() for ref in self._gathered_in_float8) if m is not None]

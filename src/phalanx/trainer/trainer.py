@@ -15,6 +15,7 @@ original process only supervises them (it exits with the job's code when they fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.checkpoint.snapshot import Cadence
 from phalanx.core.datamodule import DataModule
 from phalanx.core.module import Module, overrides
+from phalanx.distributed.replica_groups import group_folder
 from phalanx.fabric.fabric import Fabric
 from phalanx.precision import Precision
 from phalanx.profilers import resolve_profiler
@@ -81,13 +83,17 @@ class Trainer(TrainerAttributes):
         plugins: refused (see :func:`phalanx.trainer.settings.refuse_plugins` for each equivalent).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm before setup.
         reload_dataloaders_every_n_epochs: call the ``*_dataloader()`` methods again every n epochs.
-        default_root_dir: where logs and checkpoints go (default: the working directory).
+        default_root_dir: where logs and checkpoints go (default: the working directory); with replica groups
+            (``fault_tolerance=``, ``phalanx run --replica-groups``) each group's go to its own
+            ``<default_root_dir>/replica_group_<i>``.
         enable_autolog_hparams: send ``module.hparams`` to the loggers when fit starts.
         model_registry: refused (phalanx uploads nothing).
         max_restarts: with ``devices>1`` under plain ``python``, restart the job's processes up to this many
             times after one fails; a restarted attempt resumes from the newest checkpoint or snapshot
             (:class:`phalanx.trainer.checkpoint_connector.CheckpointConnector`). A preemption signal
             (SIGTERM/SIGUSR1) always ends the fit with a checkpoint at the next optimizer step.
+        fault_tolerance: run as one of several fault-tolerant replica groups, as ``Fabric(fault_tolerance=...)``
+            (docs/faults.md).
         detect_anomaly: check every backward's loss and gradients for nan/inf and stop naming the parameter
             (``Fabric(detect_anomaly=True)``, see :mod:`phalanx.fabric.anomaly` for the cost). Without it, a
             non-finite training loss still stops the run before the optimizer step (see
@@ -157,6 +163,8 @@ class Trainer(TrainerAttributes):
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, default_root_dir=default_root_dir,
             enable_autolog_hparams=enable_autolog_hparams, model_registry=model_registry,
         ))
+        settings = dataclasses.replace(settings, default_root_dir=group_folder(settings.default_root_dir,
+                                                                               fault_tolerance))
         fabric = Fabric(
             accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
             precision=precision,

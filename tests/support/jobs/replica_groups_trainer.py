@@ -1,7 +1,8 @@
-"""The Trainer as one replica group of a fault-tolerant job (``phalanx run --replica-groups N``): the model and data
-of tests/support/replica_models.py, ``--steps`` optimizer steps, no logger and no checkpoint (a restarted group can
-only heal from a peer). A callback appends one JSON line per step to ``$PHALANX_TEST_OUT/trace-g<group>-r<rank>.jsonl``
-and writes ``start-...`` and ``final-...`` files as tests/support/jobs/replica_groups_fabric.py does.
+"""The Trainer as one replica group of a fault-tolerant job (``phalanx run --replica-groups N``): the model and data of
+tests/support/replica_models.py, ``--steps`` optimizer steps, the default CSV logger, which each group writes into
+its own folder (``replica_group_<i>``), and no checkpoint (a restarted group can only heal from a peer). A callback
+appends one JSON line per step to ``$PHALANX_TEST_OUT/trace-g<group>-r<rank>.jsonl`` and writes ``start-...`` and
+``final-...`` files as tests/support/jobs/replica_groups_fabric.py does.
 
 Arguments: --steps N, --strategy, --kill-at STEP and --kill-group G (that group's rank 0 kills itself with SIGKILL at
 that step, on its first attempt), --sleep S."""
@@ -31,7 +32,9 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
@@ -74,8 +77,9 @@ def main() -> None:
     torch.manual_seed(group)  # the groups start from different weights: torchft's init_sync gives them group 0's
     module = Regression()
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=args.strategy,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=1.0,
+                        max_steps=args.steps, log_every_n_steps=10, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        gradient_clip_val=1.0,
                         callbacks=[Trace(out, group, args)])
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     groups = trainer.fabric.replica_groups
