@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from phalanx.checkpoint.snapshot import copying
-from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, Job, TornSnapshot, chunks
+from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, SlotWrite, TornSnapshot, chunks
 
 
-def _job(n: int, log: list[str], copier: Copier | None = None, check: object = None, previous: Job | None = None,
-         name: str = "job") -> tuple[Job, Counter[int]]:
+def _job(n: int, log: list[str], copier: Copier | None = None, check: object = None, previous: SlotWrite | None = None,
+         name: str = "job") -> tuple[SlotWrite, Counter[int]]:
     runs: Counter[int] = Counter()
 
     def task(i: int) -> None:
@@ -26,7 +26,7 @@ def _job(n: int, log: list[str], copier: Copier | None = None, check: object = N
         log.append(f"{name} start")
         return [lambda i=i: task(i) for i in range(n)]
 
-    return Job(start, lambda: log.append(f"{name} finish"), check, previous=previous, copier=copier), runs  # type: ignore[arg-type]
+    return SlotWrite(start, lambda: log.append(f"{name} finish"), check, previous=previous, copier=copier), runs  # type: ignore[arg-type]
 
 
 def test_each_task_runs_once_whichever_threads_run_them() -> None:
@@ -53,7 +53,7 @@ def test_a_failed_task_or_a_torn_copy_never_finishes_and_says_why() -> None:
             raise OSError("no space")
         return [fail]
 
-    job = Job(broken, lambda: log.append("finish"))  # type: ignore[arg-type]
+    job = SlotWrite(broken, lambda: log.append("finish"))  # type: ignore[arg-type]
     job.complete()
     assert isinstance(job.error, OSError) and job.finished and log == []
 
@@ -119,7 +119,7 @@ def test_what_the_copier_spends_at_normal_priority_is_charged_to_the_snapshot() 
         while time.thread_time() < end:  # 50 ms of CPU, at normal priority by now
             pass
 
-    job = Job(lambda: [held], lambda: None, copier=copier)  # type: ignore[arg-type,list-item]
+    job = SlotWrite(lambda: [held], lambda: None, copier=copier)  # type: ignore[arg-type,list-item]
     copier.submit(job)
     try:
         assert holding.wait(30)

@@ -161,13 +161,13 @@ def _frozen_copier(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     (a background thread that gets no CPU: every core busy)."""
     monkeypatch.setattr(writer, "OVERLAP_BYTES", 0)
     thaw = threading.Event()
-    work = copying.Job.work
+    work = copying.SlotWrite.work
 
-    def frozen(self: copying.Job) -> None:
+    def frozen(self: copying.SlotWrite) -> None:
         assert thaw.wait(30)
         work(self)
 
-    monkeypatch.setattr(copying.Job, "work", frozen)
+    monkeypatch.setattr(copying.SlotWrite, "work", frozen)
     return thaw
 
 
@@ -204,7 +204,7 @@ def test_the_copier_runs_in_the_idle_class_and_leaves_it_while_waited_for() -> N
         holding.set()
         assert release.wait(30)
 
-    job = copying.Job(lambda: [held], lambda: None, copier=copier)
+    job = copying.SlotWrite(lambda: [held], lambda: None, copier=copier)
     copier.submit(job)
     try:
         assert holding.wait(30)

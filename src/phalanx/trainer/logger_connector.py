@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from phalanx.fabric.fabric import Fabric
-from phalanx.trainer.results import Entry, Results
+from phalanx.trainer.results import LoggedEntry, Results
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.late_reads import LateRead
 
@@ -255,7 +255,7 @@ class LoggerConnector:
         return {d for results in self._results.values() for d in results.devices()}
 
 
-def _keys(entry: Entry, level: str) -> tuple[str, ...]:
+def _keys(entry: LoggedEntry, level: str) -> tuple[str, ...]:
     if entry.on_step and entry.on_epoch:
         return (f"{entry.name}_{level}", entry.name)
     return (entry.name,)

@@ -46,7 +46,7 @@ _START = {"mean": 0.0, "sum": 0.0, "max": -float("inf"), "min": float("inf")}
 
 
 @dataclass(eq=False)
-class Entry:
+class LoggedEntry:
     """One logged name: how it is reduced and its running epoch accumulators."""
 
     name: str
@@ -102,7 +102,7 @@ class Results:
     def __init__(self, stage: str, device: torch.device) -> None:
         self.stage = stage
         self.device = device
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, LoggedEntry] = {}
         self.batch: Any = None  # the current batch, for batch-size inference
         self._sized: Any = None  # the batch whose size _batch_size is
         self._batch_size = 0
@@ -170,7 +170,7 @@ class Results:
             self._sized = self.batch
         return self._batch_size
 
-    def _entry(self, key: str, name: str, given: tuple[Any, ...], value: Any, module: Any) -> Entry:
+    def _entry(self, key: str, name: str, given: tuple[Any, ...], value: Any, module: Any) -> LoggedEntry:
         """Create the entry for ``key``, or check that a call with other options means the same."""
         on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, in_epoch_end = given
         fx = check_reduce_fx(reduce_fx)
@@ -191,7 +191,7 @@ class Results:
                 )
             entry.given = given
             return entry
-        entry = Entry(key, on_step, on_epoch, prog_bar, logger, sync_dist, fx, self.dataloader_idx,
+        entry = LoggedEntry(key, on_step, on_epoch, prog_bar, logger, sync_dist, fx, self.dataloader_idx,
                       torch.full((), _START[fx], dtype=_DTYPE, device=self.device), given=given)
         if metric is not None:
             entry.metric, entry.metric_path = metric, self._metric_path(name, metric, module)
@@ -218,7 +218,7 @@ class Results:
             )
         return path
 
-    def _log_metric(self, entry: Entry, metric: Any) -> None:
+    def _log_metric(self, entry: LoggedEntry, metric: Any) -> None:
         if metric is not entry.metric:
             raise MisconfigurationError(
                 f"self.log({entry.name!r}) was given {type(metric).__name__} this time and "
@@ -238,7 +238,7 @@ class Results:
             if entry.prog_bar:
                 self.pending_prog_bar = True
 
-    def _fold(self, entry: Entry) -> None:
+    def _fold(self, entry: LoggedEntry) -> None:
         if not entry.values:
             return
         stacked = _stack(entry.values, self.device)
@@ -409,7 +409,7 @@ class Results:
         self.reset()
         metrics = {p: m for p, m in module.named_modules() if is_metric(m)} if module is not None else {}
         for name, s in state.items():
-            entry = Entry(
+            entry = LoggedEntry(
                 name, s["on_step"], s["on_epoch"], s["prog_bar"], s["logger"], s["sync_dist"], s["reduce_fx"],
                 s["dataloader_idx"], s["total"].to(self.device, _DTYPE), float(s["weight"]),
             )

@@ -1,7 +1,7 @@
 """Copying a snapshot into its slot while training goes on, without making the training thread wait for a
 thread that cannot run.
 
-A write becomes a :class:`Job` with three phases: *start* (choose and map the slot, clear its header: the
+A write becomes a :class:`SlotWrite` with three phases: *start* (choose and map the slot, clear its header: the
 slot stops counting), *tasks* (memory copies of at most :data:`CHUNK` bytes each, in any order, on any
 thread), and *finish* (write the metadata, then the header's first word: the slot counts again). Between
 the tasks and the finish the job is *released* by whoever changes what it copies next (the optimizer's
@@ -11,7 +11,7 @@ and such a job ends without counting (see :class:`TornSnapshot`).
 One background thread (:class:`Copier`) runs the jobs in order. A thread that must not go on before a job
 has got somewhere (the optimizer step, which changes the parameters being copied; the next write, which
 needs the slot or the staging buffer) does not just wait: it claims the job's remaining tasks and runs them
-itself, at its own priority (:meth:`Job.copy`, :meth:`Job.complete`). Only a task the background thread
+itself, at its own priority (:meth:`SlotWrite.copy`, :meth:`SlotWrite.complete`). Only a task the background thread
 holds is waited for, and only while the background thread runs at normal priority.
 
 The background thread runs in the idle scheduling class (``SCHED_IDLE``): it takes only cores the training
@@ -72,7 +72,7 @@ def idle_class_allowed() -> bool:
     return bool(result and result[0])
 
 
-class Job:
+class SlotWrite:
     """One snapshot copy: ``start()`` returns the copy tasks; ``gate`` (if any) runs before the first task on
     each thread that runs tasks (a device copy's event); ``release_check`` runs once at :meth:`release` and
     raises :class:`TornSnapshot` if the copy cannot be trusted; ``finish`` runs once, after the tasks and the
@@ -81,7 +81,7 @@ class Job:
     finished before this one starts."""
 
     def __init__(self, start: Callable[[], list[Task]], finish: Task, release_check: Task | None = None,
-                 gate: Task | None = None, previous: Job | None = None, copier: Copier | None = None,
+                 gate: Task | None = None, previous: SlotWrite | None = None, copier: Copier | None = None,
                  live: bool = True) -> None:
         self._start, self._finish, self._check, self._gate = start, finish, release_check, gate
         self._live = live
@@ -221,11 +221,11 @@ class Job:
 
 
 class Copier:
-    """One daemon thread that runs :class:`Job` s in order. (A ThreadPoolExecutor's future costs the training
+    """One daemon thread that runs :class:`SlotWrite` s in order. (A ThreadPoolExecutor's future costs the training
     thread more than the copy of a small model it stands for.)"""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[SlotWrite | None] = queue.SimpleQueue()
         self._idle_class = idle_class_allowed()
         self._tid: int | None = None
         self._clock: int | None = None  # the thread's CPU-time clock (readable from any thread)
@@ -275,7 +275,7 @@ class Copier:
     def is_current(self) -> bool:
         return threading.get_native_id() == self._tid
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: SlotWrite) -> None:
         self._jobs.put(job)
 
     def stop(self) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from phalanx.checkpoint.snapshot.cadence import Cost
-from phalanx.checkpoint.snapshot.copying import Job, TornSnapshot, unchanged
+from phalanx.checkpoint.snapshot.copying import SlotWrite, TornSnapshot, unchanged
 from phalanx.checkpoint.snapshot.slots import HEADER_SIZE, MAGIC, Slot, header_tail
 
 #: cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the current device's.
@@ -258,7 +258,7 @@ class Staging:
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
-        self.holders: list[Job | None] = [None, None]
+        self.holders: list[SlotWrite | None] = [None, None]
         self.order = [0, 1]  # least recently taken first
 
     def take(self, nbytes: int, engine: Engine) -> tuple[int, torch.Tensor, bool]:
@@ -279,7 +279,7 @@ class Staging:
         assert buffer is not None
         return index, buffer, allocated
 
-    def hold(self, index: int, job: Job) -> None:
+    def hold(self, index: int, job: SlotWrite) -> None:
         self.holders[index] = job
 
 

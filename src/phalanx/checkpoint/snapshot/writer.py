@@ -51,7 +51,7 @@ import torch
 from phalanx.checkpoint.protocol import MODULE, OPTIMIZER, STATEFUL
 from phalanx.checkpoint.snapshot import device
 from phalanx.checkpoint.snapshot.cadence import Cost
-from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, Job, Task, TornSnapshot, chunks, unchanged
+from phalanx.checkpoint.snapshot.copying import CHUNK, Copier, SlotWrite, Task, TornSnapshot, chunks, unchanged
 from phalanx.checkpoint.snapshot.format import Capture, LocalShard, Reader, Table, data_size, extend
 from phalanx.checkpoint.snapshot.slots import HEADER_SIZE, VERSION, FolderClaim, Slot, data_name, read_header
 from phalanx.checkpoint.state import sort_state
@@ -63,7 +63,7 @@ from phalanx.utils.errors import CheckpointError
 OVERLAP_BYTES = 1 << 20
 _LENGTH = struct.Struct("<Q")  # the metadata starts with the length of its head (version, table, keys)
 
-Pending = Job | device.OneCopy  # a write in flight
+Pending = SlotWrite | device.OneCopy  # a write in flight
 
 
 class RankSnapshots:
@@ -86,7 +86,7 @@ class RankSnapshots:
         self._refused: str | None = None  # why the slots are not registered with the device (two copies then)
         self._said_refused = False
         self._staging = device.Staging()
-        self._setup: Job | None = None
+        self._setup: SlotWrite | None = None
         self._jobs: list[Pending] = []  # not yet finished, oldest first
         self._unmeasured: list[tuple[Cost, Callable[[], bool]]] = []
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
@@ -180,8 +180,8 @@ class RankSnapshots:
                     slot.unpin()
 
         copier = self._background() if background else None
-        job = self._setup = Job(lambda: [functools.partial(set_up, s) for s in self._slots], finish, copier=copier,
-                                live=False)
+        job = self._setup = SlotWrite(lambda: [functools.partial(set_up, s) for s in self._slots], finish,
+                                      copier=copier, live=False)
         job.release()  # it copies nothing that changes: it finishes once its tasks have run
         if copier is not None:
             copier.submit(job)
@@ -256,7 +256,7 @@ class RankSnapshots:
         self._unmeasured.append((cost, measure or functools.partial(_measured, job, cost)))
 
     def _job(self, step: int, body: bytes, table: Table, tasks: Callable[[Slot], list[Task]], cost: Cost,
-             began: float, release_check: Task | None = None, gate: Task | None = None, live: bool = True) -> Job:
+             began: float, release_check: Task | None = None, gate: Task | None = None, live: bool = True) -> SlotWrite:
         """The job that writes ``step`` into the slot with the oldest step, chosen when it starts (after the
         job before it finished, so the newest complete snapshot is never the one overwritten)."""
         chosen: list[Slot] = []
@@ -276,11 +276,11 @@ class RankSnapshots:
 
         previous = self._jobs[-1] if self._jobs else None
         assert not isinstance(previous, device.OneCopy)  # settled before the first two-copy write
-        job = Job(start, finish, release_check, gate, previous, self._copier, live)
+        job = SlotWrite(start, finish, release_check, gate, previous, self._copier, live)
         return job
 
     def _host_job(self, step: int, body: bytes, table: Table, tensors: list[torch.Tensor], stable: list[bool],
-                  cost: Cost, began: float) -> Job:
+                  cost: Cost, began: float) -> SlotWrite:
         with torch.no_grad():
             sources = [t if keep else t.clone() for t, keep in zip(tensors, stable)]
         versions = [(t, t._version) for t, keep in zip(tensors, stable) if keep]
