@@ -16,6 +16,7 @@ from llama_models import flat_params, make_llama
 
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
+from phalanx.precision import Float8Precision
 
 STRATEGY = sys.argv[1]
 WORLD, STEPS, HALF = 2, 6, 3
@@ -37,9 +38,11 @@ fabric.launch()
 if STRATEGY == "fsdp":  # created on the meta device, converted, then given the values one process draws
     with fabric.init_module(empty_init=True):
         empty = make_llama(CFG)
+    fp8 = fabric.strategy.precision
+    assert isinstance(fp8, Float8Precision)
     report(fabric, empty_init_params=flat_params(fabric.setup_module(empty)).tolist(),
-           empty_init_converted=list(fabric.strategy.precision.converted))
-    fabric.strategy.precision.converted.clear()  # what train_fabric reports is its own model's layers
+           empty_init_converted=list(fp8.converted))
+    fp8.converted.clear()  # what train_fabric reports is its own model's layers
     # `empty` stays alive: no optimizer steps it, so its scales are never precomputed (the count below).
 report(fabric, **train_fabric(fabric, Path("fabric")), precomputes=len(precomputes))
 
