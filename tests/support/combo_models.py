@@ -130,12 +130,14 @@ def main() -> None:
     strategy = "auto" if strategy == "single" else strategy
     train, val = loader(SAMPLES * devices // 2, 0, shuffle=True), loader(32, 1)
 
-    # Uninterrupted, after the LR finder: the finder must leave no trace (weights, metric state, RNG).
+    # Uninterrupted, after the LR finder: the finder must leave no trace (weights, metric state, RNG); its
+    # suggestion is not applied (update_attr=False), so the fit below and the resumed one train at the same lr.
     phalanx.seed_everything(3)
     trainer = make_trainer(strategy, precision, devices, Path("full"), [])
     module = ComboModule()
     before = (flat(module), metric_state(module), torch.get_rng_state())
-    points = len(Tuner(trainer).lr_find(module, train, num_training=12, early_stop_threshold=None).results["lr"])
+    points = len(Tuner(trainer).lr_find(module, train, num_training=12, early_stop_threshold=None,
+                                  update_attr=False).results["lr"])
     untouched = (flat(module) == before[0] and metric_state(module) == before[1]
                  and torch.equal(torch.get_rng_state(), before[2]))
     trainer.fit(module, train, val)
