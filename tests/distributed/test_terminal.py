@@ -145,7 +145,9 @@ def test_two_ranks_write_whole_lines_and_nothing_is_glued_to_a_bar(tmp_path: Pat
     assert re.search(r"\r {20,}\r\[phalanx\] a notice while the bar is drawn \(step 40\)\n", screen), screen[-3000:]
     assert screen.count("Seed set to 3") == 1  # said by the launching process, not again by rank 0 nor the restart
     assert screen.count("Total params") == 1  # the model summary: the first attempt's only
-    assert sum(line.startswith("[phalanx] Snapshots in ") for line in lines) >= 1  # said (after the restart)
+    # The cadence is said once its measurements settle, which on a loaded machine may take longer than this short
+    # run (test_snapshot_cadence.py holds when it is said); never twice in one run, restarts included.
+    assert sum(line.startswith("[phalanx] Snapshots in ") for line in lines) <= 1
     restart = [line for line in lines if line.startswith("[phalanx] Restart 1 of at most 1: rank 1 was killed by ")]
     assert len(restart) == 1, screen[-3000:]
     assert lines[-2:] == ["[phalanx] job failed: rank 1 was killed by SIGKILL; rank 0 stopped as a consequence.", ""]
