@@ -126,7 +126,8 @@ def phalanx_now(curve: Curve) -> float | None:
     """phalanx's rule (``LRFinderResult.suggestion()`` in this checkout): the best of the probe fits the
     search ran inside the curve's bracket (4, a third of a decade apart, max(15, num_training // 3)
     steps each, the highest at half the lowest point's learning rate, or at the steepest point where
-    the curve was still falling; a quarter of the last learning rate where it never fell clearly)."""
+    the curve was still falling, and then up to 2 more above while the highest does best, within half
+    the lowest point's; a quarter of the last learning rate where it never fell clearly)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a refusal is counted, its message is for users
         return curve.result.suggestion()

@@ -1,9 +1,10 @@
 """The probe fits ``lr_find`` runs after its search (phalanx.tuner.suggest): four short fits a third of a decade
 apart, from the top of the curve's bracket down, and the suggestion is the one whose loss ends lowest. Pinned on
 linear regressions with plain SGD, whose edge of stability is set by the features' scale: on features of scales
-0.1 to 1 the curve is still falling at max_lr and the best probe is the top, its steepest point; on features
-of scale 1 the edge lies near max_lr, and the best probe is below. A curve that turned up is probed below half its
-lowest point (the guard), never near it. The fits run from the state the search started from and leave no trace.
+0.1 to 1 the curve is still falling at max_lr and the best probe is the top, its steepest point, so one more
+probe runs above it; on features of scale 1 the edge lies near max_lr, and the best probe is below. A curve that
+turned up is probed below half its lowest point (the guard), never near it. The fits run from the state the
+search started from and leave no trace.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.tuner import LRFinderResult, Tuner
-from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.tuner.suggest import Suggestion, decide, next_rung, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 
 
@@ -71,13 +72,18 @@ def curve_only(result: LRFinderResult) -> Any:
     return suggest(result.lrs, result.raw_losses, result.mode)
 
 
-def test_a_still_falling_curve_is_probed_at_and_below_its_steepest_point(tmp_path: Path) -> None:
+def test_a_still_falling_curve_is_probed_at_below_and_above_its_steepest_point(tmp_path: Path) -> None:
     result, _ = search(0, scaled=True)
     found = curve_only(result)
-    assert found.still_falling and found.lr == found.steepest == found.top
-    assert result.probe_lrs == pytest.approx([found.lr / 10 ** (k / 3) for k in (3, 2, 1, 0)])
-    assert result.probe_scores == sorted(result.probe_scores, reverse=True)  # the larger, the faster it trains
-    assert result.suggestion() == result.probe_lrs[3]
+    assert found.still_falling and found.lr == found.steepest == found.top and found.lowest is not None
+    assert result.probe_lrs[:4] == pytest.approx([found.lr / 10 ** (k / 3) for k in (3, 2, 1, 0)])
+    # The top did best: the probes go on upwards while the newest does best, within the guard.
+    assert result.probe_scores[:4] == sorted(result.probe_scores[:4], reverse=True)  # the larger, the faster
+    above = result.probe_lrs[4:]
+    assert 1 <= len(above) <= 2 and above == pytest.approx([found.lr * 10 ** (k / 3) for k in range(1, len(above) + 1)])
+    assert max(above) <= found.lowest / 2
+    best = result.probe_scores.index(min(result.probe_scores))
+    assert result.suggestion() == result.probe_lrs[best] and best >= 3
     result.plot().savefig(tmp_path / "lr.png")  # the probes' scores are marked
     assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
     # Without probes the curve alone decides: its steepest point.
@@ -89,6 +95,7 @@ def test_a_still_falling_curve_whose_best_probe_is_below_its_steepest_point() ->
     result, _ = search(1, scaled=False, max_lr=1.5)
     found = curve_only(result)
     assert found.still_falling and len(result.probe_lrs) == 4 and result.probe_lrs[3] == pytest.approx(found.lr)
+    assert next_rung(found, result.probe_lrs, result.probe_scores) is None  # the top did not do best: no more
     assert result.suggestion() == result.probe_lrs[2] < found.lr  # the edge of stability lies just above
     assert result.probe_scores[2] == min(result.probe_scores)
 
@@ -146,7 +153,7 @@ def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() 
         warnings.simplefilter("ignore")
         result = Tuner(trainer(max_epochs=2)).lr_find(model, train_dataloaders=regression(0, scaled=True),
                                                       num_training=30, update_attr=False)
-    assert len(result.probe_lrs) == 4  # the probes ran
+    assert len(result.probe_lrs) == 5  # the probes ran (one above the ladder: the top did best)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and model.steps == 0
     draws = torch.rand(4).tolist(), random.random(), numpy.random.rand()
     restore_rng_state(rng)  # every generator where it was before the search: the same draws
@@ -175,6 +182,16 @@ def test_the_probe_rule() -> None:
     refused = decide(falling, [0.1, 0.2, 0.4], [math.inf] * 3)
     assert refused.lr is None
     assert "every probe fit below the loss curve's edge (0.1, 0.2, 0.4) diverged" in refused.reason
+    # One more probe above, only where the curve was still falling and the highest so far did best.
+    top = 0.01
+    wide = Suggestion(top, lowest=1.0, still_falling=True, top=top)
+    assert next_rung(wide, [top], [0.2]) == pytest.approx(top * 10 ** (1 / 3))
+    assert next_rung(wide, [top / 2, top], [0.1, 0.2]) is None  # the top did not do best
+    assert next_rung(wide, [top * 10 ** (k / 3) for k in range(6)], [1.0] * 5 + [0.1]) is None  # 2 extra at most
+    assert next_rung(falling, [falling.top], [0.1]) is None  # its steepest point lies within a third of a decade
+    assert next_rung(turned, [turned.lowest / 2], [0.1]) is None  # the curve turned up: the guard is the top
+    near = Suggestion(top, lowest=top * 3, still_falling=True, top=top)
+    assert next_rung(near, [top], [0.1]) is None  # a third of a decade up would pass the guard (lowest / 2)
     # A curve that never fell clearly: the best probe must end below ``below``, or the curve's refusal stands.
     flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=1.0)
     assert decide(flat, [0.1, 0.25], [0.9, 1.2]).lr == 0.1

@@ -24,7 +24,7 @@ import torch
 from phalanx.core.module_state import preserved
 from phalanx.core.optimizers import parse_optimizers
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
-from phalanx.tuner.suggest import Suggestion, decide, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.tuner.suggest import Suggestion, decide, next_rung, probe_ladder, probe_score, probe_steps, suggest
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
@@ -48,8 +48,8 @@ class Isolated(Protocol):
 class LRFinderResult:
     """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
     average (``losses``, beta=0.98, which the early stop watches, as in Lightning), and the probe fits
-    the search ran after it: their learning rates (``probe_lrs``) and scores (``probe_scores``, ``inf``
-    for one that diverged or rose)."""
+    the search ran after it: their learning rates (``probe_lrs``), the loss of each of their steps
+    (``probe_losses``) and their scores (``probe_scores``, ``inf`` for one that diverged or rose)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -57,9 +57,15 @@ class LRFinderResult:
     raw_losses: list[float] = field(default_factory=list)
     global_rank: int | None = None  # set by the search: only rank 0 warns (None: this process warns)
     probe_lrs: list[float] = field(default_factory=list)
-    probe_scores: list[float] = field(default_factory=list)
+    probe_losses: list[list[float]] = field(default_factory=list)
     _suggestions: dict[tuple[int, int], Suggestion] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
+
+    @property
+    def probe_scores(self) -> list[float]:
+        """Each probe fit's score (:func:`phalanx.tuner.suggest.probe_score`): the mean loss of its last
+        quarter of steps, ``inf`` where it diverged or ended above where it started."""
+        return [probe_score(losses) for losses in self.probe_losses]
 
     @property
     def results(self) -> dict[str, list[float]]:
@@ -71,9 +77,9 @@ class LRFinderResult:
         :mod:`phalanx.tuner.suggest`); otherwise, and for other ``skip_begin``/``skip_end`` (points left
         out at the start and the end of the curve), the curve's: where the centred, smoothed log-loss
         falls fastest on its way down to its lowest point, at most that point's learning rate / 2.
-        None, with a warning that says why and what to change, when the curve never falls clearly below
-        where it started (or has too few finite points), or every probe diverged: the first time per
-        result and arguments."""
+        None, with a warning that says why and what to change, when neither the curve nor the best probe
+        falls clearly below where the curve started, with too few finite points, or when every probe
+        diverged: the first time per result and arguments."""
         return self._suggest(skip_begin, skip_end).lr
 
     def _suggest(self, skip_begin: int, skip_end: int) -> Suggestion:
@@ -82,7 +88,8 @@ class LRFinderResult:
             # A result built from a moving average only (what Lightning records) is judged on that.
             losses = self.raw_losses if len(self.raw_losses) == len(self.lrs) else self.losses
             found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
-            if self.probe_lrs and self.probe_lrs == probe_ladder(found):  # the probes ran for this curve
+            ladder = probe_ladder(found)
+            if ladder and self.probe_lrs[:len(ladder)] == ladder:  # the probes ran for this curve
                 found = decide(found, self.probe_lrs, self.probe_scores)
             self._suggestions[key] = found
             if found.lr is None:
@@ -160,7 +167,8 @@ class Tuner:
         brackets the learning rate; with ``probe`` the search then trains four short fits from the
         initial state at constant learning rates inside the bracket (a third of a decade apart, the
         highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
-        3)`` steps each) and the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
+        3)`` steps each), up to two more above them where the curve was still falling and the highest
+        did best, and the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
         With ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
         suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
         curve gives none, a warning says why and what to change, and the attribute stays."""
@@ -249,11 +257,19 @@ class Tuner:
         return result
 
     def _run_probes(self, result: LRFinderResult, num_training: int, isolated: Isolated) -> None:
-        """A short fit at each learning rate of the curve's probe ladder (none where no probe can help)."""
+        """A short fit at each learning rate of the curve's probe ladder (none where no probe can help),
+        then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more."""
         steps = probe_steps(num_training)
-        for lr in probe_ladder(suggest(result.lrs, result.raw_losses, result.mode)):
+        found = suggest(result.lrs, result.raw_losses, result.mode)
+
+        def run(lr: float) -> None:
             result.probe_lrs.append(lr)
-            result.probe_scores.append(probe_score(isolated(functools.partial(self._probe, lr, steps))))
+            result.probe_losses.append(isolated(functools.partial(self._probe, lr, steps)))
+
+        for lr in probe_ladder(found):
+            run(lr)
+        while (rung := next_rung(found, result.probe_lrs, result.probe_scores)) is not None:
+            run(rung)
 
     def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:
         """The losses of ``steps`` optimizer steps at ``lr``, up to the first that is not finite."""

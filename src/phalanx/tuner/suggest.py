@@ -27,8 +27,12 @@ fails:
   falling at its end (such a search never reached the edge, and a short probe above its steepest
   point favours a learning rate that momentum later makes unstable); and where the curve never fell
   clearly (a noisy loss, or one that stays flat until it blows up), a ``END_GUARD``-th of the last
-  learning rate the search reached, with the suggestion only if the best probe ended
-  ``PROBE_NOISE_MULTIPLE`` standard errors below where the curve started.
+  learning rate the search reached.
+* Where the curve was still falling and the top probe did best, the optimum may lie above it: up to
+  ``EXTRA_PROBES`` more, a third of a decade higher each, while the newest does best, never above
+  the guard (:func:`next_rung`).
+* Where the curve never fell clearly, the best probe is suggested only if it ended
+  ``PROBE_NOISE_MULTIPLE`` standard errors (of the curve's noise) below where the curve started.
 * Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
   than the search's): the steepest slope before the lowest point, capped by the guard; none where
   the curve never fell clearly.
@@ -48,6 +52,7 @@ WIDTH_FRACTION = 1 / 30  # the smoothing kernel's standard deviation, as a fract
 GUARD = 2.0  # a suggestion lies at or below the lowest point's learning rate divided by this
 END_GUARD = 4.0  # ... or, on a curve that never fell clearly, at or below the last learning rate / this
 PROBES = 4  # probe fits, a third of a decade apart: together they span a decade below the top
+EXTRA_PROBES = 2  # more above the top, where the curve was still falling and the highest probe did best
 PROBE_NOISE_MULTIPLE = 2.0  # a probe's fall, in standard errors, that stands in for the curve's
 MIN_PROBE_STEPS = 15  # fewer steps are mostly the first steps' transient (momentum has not built up)
 
@@ -142,6 +147,19 @@ def probe_ladder(found: Suggestion) -> list[float]:
     if found.top is None:
         return []
     return [found.top * 10 ** (-k / 3) for k in range(PROBES - 1, -1, -1)]
+
+
+def next_rung(found: Suggestion, lrs: list[float], scores: list[float]) -> float | None:
+    """The learning rate of one more probe above those tried (``lrs``, ``scores``, the ladder first),
+    or None: only where the curve was still falling, the highest probe so far did best, fewer than
+    ``EXTRA_PROBES`` were added, and the next rung (a third of a decade up) stays within the guard."""
+    if not found.still_falling or found.lowest is None or not lrs or len(lrs) >= PROBES + EXTRA_PROBES:
+        return None
+    finite = [(score, lr) for lr, score in zip(lrs, scores) if math.isfinite(score)]
+    if not finite or min(finite)[1] != max(lrs):
+        return None
+    rung = max(lrs) * 10 ** (1 / 3)
+    return rung if rung <= found.lowest / GUARD * (1 + 1e-9) else None
 
 
 def probe_steps(num_training: int) -> int:

@@ -1,5 +1,5 @@
-"""A third half of LR-finder problem families, ``FRESH`` (12), beside ``_lr_families.py``'s ``TUNING`` and
-``HELD_OUT``: written on 2026-11-28, before the rule change of that day, and never looked at while that change
+"""The held-out half of the LR-finder problem families, ``HELD_OUT`` (12), beside ``_lr_families.py``'s
+``TUNING``: written on 2026-11-28, before the rule change of that day, and never looked at while that change
 was chosen. Only plain fits on a learning-rate grid were run on them while they were written (to check that
 each trains, that its best loss is not near 0 and that a fit is cheap); never the LR finder.
 
@@ -295,6 +295,6 @@ def oscillator_lstm(seed: int) -> Problem:
                    lambda lr: Supervised(_Forecaster(), nn.functional.mse_loss, "adamw", lr), train, val)
 
 
-FRESH: list[Family] = [moons_layernorm, circles_sgd, blobs_softmax, make_classification_bn, multilabel_bn,
-                       topics_embedding_bag, digits_rows_gru, low_rank_regression, digits_inpainting, poisson_counts,
-                       hmm_transformer, oscillator_lstm]
+HELD_OUT: list[Family] = [moons_layernorm, circles_sgd, blobs_softmax, make_classification_bn, multilabel_bn,
+                          topics_embedding_bag, digits_rows_gru, low_rank_regression, digits_inpainting,
+                          poisson_counts, hmm_transformer, oscillator_lstm]
