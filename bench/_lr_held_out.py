@@ -1,162 +1,304 @@
-"""The held-out half of the LR-finder problem families, ``HELD_OUT`` (12), beside ``_lr_families.py``'s
-``TUNING``: written on 2026-11-28, before the rule change of that day, and never looked at while that change
-was chosen. Only plain fits on a learning-rate grid were run on them while they were written (to check that
-each trains, that its best loss is not near 0 and that a fit is cheap); never the LR finder.
+"""The held-out half of the LR-finder problem families, ``HELD_OUT`` (12), beside the tuning families of
+``_lr_families.py`` and ``_lr_second_set.py``: written on 2026-11-28, after the second set had been scored
+and before any further change of the suggestion rule, and never looked at while that rule was chosen. Only plain fits on
+a learning-rate grid were run on them while they were written (to check that each trains, that its best loss
+is well above 0 and its best learning rate inside the grid, and that a fit is cheap); never the LR finder.
 
-None repeats an earlier family's data, model and optimizer. Between them: Adam (3), AdamW (3), plain SGD (2),
-SGD with momentum 0.9 (3) and RMSprop (1); binary, multi-class and multi-label classification, regression
-(squared error and a Poisson likelihood), a GRU sequence classifier, a causal transformer LM and an LSTM
-forecaster; with and without BatchNorm, LayerNorm or dropout; batches of 16 to 256. Data are scikit-learn's
-generators and bundled digits, or drawn by a ``torch.Generator``, all from the seed; every one has label or
-target noise (or real ambiguity), so the best validation loss stays well above 0. Validation sets hold at
-least 256 samples.
+None repeats an earlier family's data, model and optimizer. Between them: Adam (2), AdamW (3), plain SGD
+(2), SGD with momentum 0.9 (2), SGD with Nesterov momentum 0.9 (2) and Adagrad (1); binary and multi-class
+classification, regression (squared error and a Gaussian likelihood with a learned spread), matrix
+factorisation, and four sequence models (a residual 1-D CNN, a transformer encoder, a GRU on the adding
+problem and a dilated causal convolutional LM); with and without BatchNorm, LayerNorm, GroupNorm or
+dropout; residual connections in four; batches of 8 to 512. Data are scikit-learn's generators or drawn by
+a ``torch.Generator``, all from the seed; every one has label or target noise (or real ambiguity), so the
+best validation loss stays well above 0. Validation sets hold at least 256 samples.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-from _lr_families import Family, _digits, _mlp, _split, _standardised, token_cross_entropy
+from _lr_families import Family, _mlp, _split, _standardised, token_cross_entropy
 from _lr_problems import Problem, Supervised
+from _lr_second_set import _binary_cross_entropy, _tensor
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import phalanx
 
 
-def _tensor(a: np.ndarray[Any, Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(a, dtype=dtype)
-
-
-def _binary_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), y)
-
-
-def _multilabel_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(logits, y)
-
-
-def _poisson_nll(log_rate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    # The exact negative log-likelihood, log(y!) included, so that the loss is positive and a ratio of two
-    # losses means something (torch's poisson_nll_loss without it goes negative).
-    return (log_rate.exp() - y * log_rate + torch.lgamma(y + 1)).mean()
-
-
-class RMSpropSupervised(Supervised):
-    """:class:`Supervised` with RMSprop (smoothing 0.99, no momentum), an optimizer the other halves lack."""
+class NesterovSupervised(Supervised):
+    """:class:`Supervised` with SGD and Nesterov momentum 0.9, which no other family uses."""
 
     def __init__(self, net: nn.Module, loss: Callable[..., torch.Tensor], lr: float) -> None:
-        super().__init__(net, loss, "rmsprop", lr)
+        super().__init__(net, loss, "nesterov", lr)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.RMSprop(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, nesterov=True)
+
+
+class AdagradSupervised(Supervised):
+    """:class:`Supervised` with Adagrad, the usual optimizer of sparse embedding models."""
+
+    def __init__(self, net: nn.Module, loss: Callable[..., torch.Tensor], lr: float) -> None:
+        super().__init__(net, loss, "adagrad", lr)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adagrad(self.parameters(), lr=self.lr)
+
+
+def _flip(y: torch.Tensor, classes: int, fraction: float, g: torch.Generator) -> torch.Tensor:
+    """``y`` with ``fraction`` of its labels replaced by uniformly drawn ones (label noise)."""
+    noisy = torch.rand(len(y), generator=g) < fraction
+    return torch.where(noisy, torch.randint(0, classes, y.shape, generator=g), y)
 
 
 # ---------------------------------------------------------------------------------------------- classification
-def moons_layernorm(seed: int) -> Problem:
-    """sklearn's two moons with noise 0.3 (2,048 points, 1,536 to train); MLP 2-64-64-1 with LayerNorm, binary
-    cross-entropy, AdamW, batch 32."""
-    from sklearn.datasets import make_moons
-
-    x, y = make_moons(2048, noise=0.3, random_state=seed)
-    train, val = _split(_tensor(x), _tensor(y), 1536)
-
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(2, 64, 64, 1, norm=nn.LayerNorm), _binary_cross_entropy, "adamw", lr)
-
-    return Problem("moons MLP + LayerNorm, AdamW", make, train, val)
-
-
-def circles_sgd(seed: int) -> Problem:
-    """sklearn's two circles (radii 1 and 0.6, noise 0.15; 2,048 points, 1,536 to train); MLP 2-32-32-1,
-    binary cross-entropy, plain SGD, batch 16."""
-    from sklearn.datasets import make_circles
-
-    x, y = make_circles(2048, noise=0.15, factor=0.6, random_state=seed)
-    train, val = _split(_tensor(x), _tensor(y), 1536)
+def xor_blobs(seed: int) -> Problem:
+    """Four overlapping Gaussian blobs at (+-1, +-1), labelled by XOR of the signs (640 points to train, 384 to
+    validate); MLP 2-32-32-1, binary cross-entropy, plain SGD, batch 8."""
+    g = torch.Generator().manual_seed(seed)
+    corner = torch.randint(0, 2, (1024, 2), generator=g)
+    x = (2 * corner - 1).float() + 0.6 * torch.randn(1024, 2, generator=g)
+    train, val = _split(x, (corner[:, 0] ^ corner[:, 1]).float(), 640)
 
     def make(lr: float) -> phalanx.Module:
         return Supervised(_mlp(2, 32, 32, 1), _binary_cross_entropy, "sgd", lr)
 
-    return Problem("circles MLP, SGD", make, train, val, batch_size=16)
+    return Problem("XOR blobs MLP, SGD", make, train, val, batch_size=8)
 
 
-def blobs_softmax(seed: int) -> Problem:
-    """8 overlapping Gaussian blobs in 10-D (sklearn's make_blobs, spread 6; features standardised; 2,048
-    points, 1,536 to train); softmax regression (a linear layer), SGD with momentum 0.9, batch 64."""
-    from sklearn.datasets import make_blobs
+class _ResidualMLP(nn.Module):
+    """A linear stem, ``blocks`` pre-LayerNorm residual blocks (LayerNorm, ReLU, Linear), then LayerNorm and a head."""
 
-    x, y = make_blobs(2048, n_features=10, centers=8, cluster_std=6.0, random_state=seed)
-    train, val = _split(_standardised(_tensor(x)), _tensor(y, torch.long), 1536)
-    return Problem("blobs softmax regression, momentum",
-                   lambda lr: Supervised(nn.Linear(10, 8), nn.functional.cross_entropy, "momentum", lr), train, val,
-                   batch_size=64)
-
-
-def make_classification_bn(seed: int) -> Problem:
-    """sklearn's make_classification: 6 classes of 2 clusters each in 30 features (8 informative, 6 redundant),
-    8 % of labels flipped (2,048 samples, 1,536 to train); MLP 30-128-64-6 with BatchNorm and dropout 0.3,
-    Adam, batch 64."""
-    from sklearn.datasets import make_classification
-
-    x, y = make_classification(2048, n_features=30, n_informative=8, n_redundant=6, n_classes=6,
-                               n_clusters_per_class=2, flip_y=0.08, random_state=seed)
-    train, val = _split(_standardised(_tensor(x)), _tensor(y, torch.long), 1536)
-
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(30, 128, 64, 6, norm=nn.BatchNorm1d, dropout=0.3), nn.functional.cross_entropy,
-                          "adam", lr)
-
-    return Problem("6-class make_classification MLP + BatchNorm + dropout, Adam", make, train, val, batch_size=64)
-
-
-def multilabel_bn(seed: int) -> Problem:
-    """8 binary labels drawn (Bernoulli) from a random tanh teacher of 16 Gaussian features (4,096 samples,
-    3,072 to train); MLP 16-64-64-8 with BatchNorm, binary cross-entropy per label, SGD with
-    momentum 0.9, batch 32."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4096, 16, generator=g)
-    w1, w2 = torch.randn(16, 32, generator=g) / 2, torch.randn(32, 8, generator=g) / 2
-    y = torch.bernoulli(torch.sigmoid(2 * torch.tanh(x @ w1) @ w2), generator=g)
-    train, val = _split(x, y, 3072)
-
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(16, 64, 64, 8, norm=nn.BatchNorm1d), _multilabel_cross_entropy, "momentum", lr)
-
-    return Problem("multi-label teacher MLP + BatchNorm, momentum", make, train, val, batch_size=32)
-
-
-def topics_embedding_bag(seed: int) -> Problem:
-    """Bags of 12 tokens (vocabulary 256) from 5 topics, each token drawn half from the topic's word
-    distribution and half from a shared background one (4,096 documents, 3,072 to train); mean EmbeddingBag
-    32 then MLP 32-32-5, AdamW, batch 256."""
-    g = torch.Generator().manual_seed(seed)
-    vocab, topics, length, n = 256, 5, 12, 4096
-    words = (1.5 * torch.randn(topics, vocab, generator=g)).softmax(-1)
-    background = (1.5 * torch.randn(vocab, generator=g)).softmax(-1)
-    label = torch.randint(0, topics, (n,), generator=g)
-    from_topic = torch.multinomial(words[label], length, replacement=True, generator=g)
-    from_background = torch.multinomial(background.expand(n, vocab), length, replacement=True, generator=g)
-    tokens = torch.where(torch.rand(n, length, generator=g) < 0.5, from_topic, from_background)
-    train, val = _split(tokens, label, 3072)
-
-    def make(lr: float) -> phalanx.Module:
-        net = nn.Sequential(nn.EmbeddingBag(vocab, 32, mode="mean"), _mlp(32, 32, topics))
-        return Supervised(net, nn.functional.cross_entropy, "adamw", lr)
-
-    return Problem("topic EmbeddingBag classifier, AdamW", make, train, val, batch_size=256)
-
-
-class _LastHidden(nn.Module):
-    """A GRU over a sequence of vectors, classified from its last hidden state."""
-
-    def __init__(self, features: int, hidden: int, classes: int) -> None:
+    def __init__(self, features: int, width: int, out: int, blocks: int = 2) -> None:
         super().__init__()
-        self.rnn = nn.GRU(features, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
+        self.stem = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.ReLU(), nn.Linear(width, width))
+                                    for _ in range(blocks))
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def quantiles_residual(seed: int) -> Problem:
+    """sklearn's Gaussian quantiles: 3 classes as nested shells of 6 Gaussian features, 10 % of labels redrawn
+    (2,048 samples, 1,536 to train); residual MLP of width 64 with LayerNorm, Nesterov momentum, batch 32."""
+    from sklearn.datasets import make_gaussian_quantiles
+
+    x, y = make_gaussian_quantiles(n_samples=2048, n_features=6, n_classes=3, random_state=seed)
+    labels = _flip(_tensor(y, torch.long), 3, 0.1, torch.Generator().manual_seed(seed))
+    train, val = _split(_tensor(x), labels, 1536)
+    return Problem("Gaussian quantiles residual MLP + LayerNorm, Nesterov",
+                   lambda lr: NesterovSupervised(_ResidualMLP(6, 64, 3), nn.functional.cross_entropy, lr), train, val)
+
+
+def hastie_bn(seed: int) -> Problem:
+    """sklearn's Hastie 10.2 problem (10 Gaussian features, positive where their squares sum above 9.34), 5 % of
+    labels flipped (3,072 samples, 2,560 to train); MLP 10-128-128-1 with BatchNorm and dropout 0.2, AdamW,
+    batch 128."""
+    from sklearn.datasets import make_hastie_10_2
+
+    x, y = make_hastie_10_2(n_samples=3072, random_state=seed)
+    labels = _flip(_tensor(y > 0, torch.long), 2, 0.1, torch.Generator().manual_seed(seed))
+    train, val = _split(_tensor(x), labels.float(), 2560)
+
+    def make(lr: float) -> phalanx.Module:
+        net = _mlp(10, 128, 128, 1, norm=nn.BatchNorm1d, dropout=0.2)
+        return Supervised(net, _binary_cross_entropy, "adamw", lr)
+
+    return Problem("Hastie 10.2 MLP + BatchNorm + dropout, AdamW", make, train, val, batch_size=128)
+
+
+def anisotropic_mixture_bn(seed: int) -> Problem:
+    """5 Gaussian classes in 8-D sharing one random elongated covariance, means close enough to overlap (2,560
+    samples, 2,048 to train); MLP 8-64-64-5 with BatchNorm, SGD with momentum 0.9, batch 256."""
+    g = torch.Generator().manual_seed(seed)
+    means, mixing = 0.5 * torch.randn(5, 8, generator=g), torch.randn(8, 8, generator=g) / math.sqrt(8)
+    label = torch.randint(0, 5, (2560,), generator=g)
+    x = means[label] + torch.randn(2560, 8, generator=g) @ (mixing * torch.linspace(1.0, 2.0, 8))
+    train, val = _split(_standardised(x), label, 2048)
+
+    def make(lr: float) -> phalanx.Module:
+        return Supervised(_mlp(8, 64, 64, 5, norm=nn.BatchNorm1d), nn.functional.cross_entropy, "momentum", lr)
+
+    return Problem("anisotropic mixture MLP + BatchNorm, momentum", make, train, val, batch_size=256)
+
+
+# ---------------------------------------------------------------------------------------------- regression
+def _gaussian_nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # The whole negative log-likelihood, log(2 pi)/2 included, so that it stays positive for the spreads drawn.
+    mean, log_sd = out[:, :1], out[:, 1:]
+    return (log_sd + 0.5 * ((y - mean) / log_sd.exp()) ** 2 + 0.5 * math.log(2 * math.pi)).mean()
+
+
+def heteroscedastic(seed: int) -> Problem:
+    """y = sin(x.a) + x.b/2 + noise whose spread (0.5 to 1.5) depends on x.c, from 4 Gaussian features (2,048
+    samples, 1,536 to train); MLP 4-64-64-2 giving the mean and log-spread, Gaussian negative log-likelihood,
+    AdamW, batch 64."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2048, 4, generator=g)
+    a, b, c = (torch.randn(4, 1, generator=g) / 2 for _ in range(3))
+    spread = 0.5 + torch.sigmoid(2 * x @ c)
+    train, val = _split(x, torch.sin(x @ a) + x @ b / 2 + spread * torch.randn(2048, 1, generator=g), 1536)
+
+    def make(lr: float) -> phalanx.Module:
+        return Supervised(_mlp(4, 64, 64, 2), _gaussian_nll, "adamw", lr)
+
+    return Problem("heteroscedastic Gaussian-likelihood MLP, AdamW", make, train, val, batch_size=64)
+
+
+def swiss_roll(seed: int) -> Problem:
+    """sklearn's Swiss roll with noise 1.0: the position along the roll (standardised) regressed from the noisy
+    3-D point (standardised; 1,536 samples, 1,024 to train); SiLU MLP 3-64-64-1, plain SGD, batch 16."""
+    from sklearn.datasets import make_swiss_roll
+
+    x, t = make_swiss_roll(1536, noise=1.0, random_state=seed)
+    train, val = _split(_standardised(_tensor(x)), _standardised(_tensor(t).unsqueeze(1)), 1024)
+
+    def make(lr: float) -> phalanx.Module:
+        return Supervised(_mlp(3, 64, 64, 1, act=nn.SiLU), nn.functional.mse_loss, "sgd", lr)
+
+    return Problem("Swiss roll SiLU MLP regression, SGD", make, train, val, batch_size=16)
+
+
+def friedman2_dropout(seed: int) -> Problem:
+    """sklearn's second Friedman problem (4 features and the target standardised, plus noise of 0.3 of its
+    spread; 3,072 samples, 2,560 to train); MLP 4-128-128-1 with dropout 0.2, Adam, batch 512."""
+    from sklearn.datasets import make_friedman2
+
+    x, y = make_friedman2(3072, random_state=seed)
+    target = _standardised(_tensor(y).unsqueeze(1))
+    target = target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(seed))
+    train, val = _split(_standardised(_tensor(x)), target, 2560)
+
+    def make(lr: float) -> phalanx.Module:
+        return Supervised(_mlp(4, 128, 128, 1, dropout=0.2), nn.functional.mse_loss, "adam", lr)
+
+    return Problem("Friedman 2 regression MLP + dropout, Adam", make, train, val, batch_size=512)
+
+
+class _Factorisation(nn.Module):
+    """Ratings as user . item + user bias + item bias + a global offset, from (user, item) index pairs."""
+
+    def __init__(self, users: int, items: int, rank: int = 8) -> None:
+        super().__init__()
+        self.user, self.item = nn.Embedding(users, rank), nn.Embedding(items, rank)
+        self.user_bias, self.item_bias = nn.Embedding(users, 1), nn.Embedding(items, 1)
+        self.offset = nn.Parameter(torch.zeros(1))
+        # Small factors, so that the first predictions are near the offset rather than of spread sqrt(rank).
+        for table in (self.user, self.item, self.user_bias, self.item_bias):
+            nn.init.normal_(table.weight, std=0.1)
+
+    def forward(self, pairs: torch.Tensor) -> torch.Tensor:
+        u, i = pairs[:, 0], pairs[:, 1]
+        out: torch.Tensor = ((self.user(u) * self.item(i)).sum(1, keepdim=True) + self.user_bias(u)
+                             + self.item_bias(i) + self.offset)
+        return out
+
+
+def ratings_adagrad(seed: int) -> Problem:
+    """Ratings of 150 items by 200 users from rank-4 factors and biases plus noise of spread 0.5 (3,072 observed
+    pairs, 2,560 to train); a rank-8 matrix factorisation with biases, Adagrad, batch 256."""
+    g = torch.Generator().manual_seed(seed)
+    users, items, n = 200, 150, 3072
+    u_factors, i_factors = torch.randn(users, 4, generator=g) / 2, torch.randn(items, 4, generator=g) / 2
+    pairs = torch.stack([torch.randint(0, users, (n,), generator=g), torch.randint(0, items, (n,), generator=g)], 1)
+    u, i = pairs[:, 0], pairs[:, 1]
+    rating = ((u_factors[u] * i_factors[i]).sum(1) + 0.5 * torch.randn(users, generator=g)[u]
+              + 0.5 * torch.randn(items, generator=g)[i] + 3 + 0.5 * torch.randn(n, generator=g))
+    train, val = _split(pairs, rating.unsqueeze(1), 2560)
+    return Problem("rating matrix factorisation, Adagrad",
+                   lambda lr: AdagradSupervised(_Factorisation(users, items), nn.functional.mse_loss, lr), train, val,
+                   batch_size=256)
+
+
+# ---------------------------------------------------------------------------------------------- sequences
+class _MotifCNN(nn.Module):
+    """A 1-D CNN over one-hot sequences: a stem, two residual blocks (GroupNorm, ReLU, convolution), average
+    pooling over positions and a linear head."""
+
+    def __init__(self, channels: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(channels, width, 5, padding=2)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(),
+                                                  nn.Conv1d(width, width, 3, padding=1)) for _ in range(2))
+        self.head = nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
+                                  nn.Linear(width, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def motif_count_cnn(seed: int) -> Problem:
+    """One-hot sequences of 48 letters from 4 carrying a random 5-letter motif 0 to 3 times (the class), each
+    planted letter mutated with probability 0.1 (2,048 sequences, 1,536 to train); residual 1-D CNN of width 32
+    with GroupNorm, SGD with momentum 0.9, batch 32."""
+    g = torch.Generator().manual_seed(seed)
+    n, length, k = 2048, 48, 5
+    motif = torch.randint(0, 4, (k,), generator=g)
+    seqs = torch.randint(0, 4, (n, length), generator=g)
+    count = torch.randint(0, 4, (n,), generator=g)
+    for row in range(n):
+        # Non-overlapping slots of 12 letters, so that the planted copies never overwrite each other.
+        for slot in torch.randperm(4, generator=g)[: int(count[row])].tolist():
+            start = 12 * slot + int(torch.randint(0, 12 - k + 1, (1,), generator=g))
+            mutated = torch.where(torch.rand(k, generator=g) < 0.1, torch.randint(0, 4, (k,), generator=g), motif)
+            seqs[row, start:start + k] = mutated
+    x = nn.functional.one_hot(seqs, 4).float().transpose(1, 2)
+    train, val = _split(x, count, 1536)
+    return Problem("motif-count residual 1-D CNN + GroupNorm, momentum",
+                   lambda lr: Supervised(_MotifCNN(4, 32, 4), nn.functional.cross_entropy, "momentum", lr),
+                   train, val)
+
+
+class _MajorityEncoder(nn.Module):
+    """A two-block post-LayerNorm transformer encoder (width 32, 4 heads, dropout 0.1), mean-pooled, classified."""
+
+    def __init__(self, vocab: int, classes: int, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.encoder(self.embed(x)).mean(1))
+        return out
+
+
+def majority_transformer(seed: int) -> Problem:
+    """Sequences of 24 tokens from 6 (tokens 3 to 5 are filler), labelled by which of tokens 0 to 2 occurs most
+    (ties to the lowest), 10 % of labels redrawn (2,048 sequences, 1,536 to train); a two-block transformer
+    encoder, AdamW, batch 128."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 6, (2048, 24), generator=g)
+    counts = nn.functional.one_hot(tokens, 6)[..., :3].sum(1)
+    labels = _flip(counts.argmax(1), 3, 0.1, g)
+    train, val = _split(tokens, labels, 1536)
+    return Problem("majority-token transformer encoder, AdamW",
+                   lambda lr: Supervised(_MajorityEncoder(6, 3), nn.functional.cross_entropy, "adamw", lr),
+                   train, val, batch_size=128)
+
+
+class _LastState(nn.Module):
+    """A GRU over (value, marker) pairs, regressing from its last hidden state."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(2, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, last = self.rnn(x)
@@ -164,137 +306,66 @@ class _LastHidden(nn.Module):
         return out
 
 
-def digits_rows_gru(seed: int) -> Problem:
-    """sklearn digits read as sequences of 8 rows of 8 pixels; a GRU of 64 units classifying from its last
-    state, RMSprop, batch 64."""
-    train, val = (TensorDataset(d.tensors[0].view(-1, 8, 8), d.tensors[1]) for d in _digits())
-    return Problem("digits row-sequence GRU, RMSprop",
-                   lambda lr: RMSpropSupervised(_LastHidden(8, 64, 10), nn.functional.cross_entropy, lr), train, val,
-                   batch_size=64)
-
-
-# ---------------------------------------------------------------------------------------------- regression
-def low_rank_regression(seed: int) -> Problem:
-    """sklearn's make_regression with correlated features (50, effective rank 8, 10 informative; standardised)
-    and noise of 0.4 of the target's spread (2,048 samples, 1,536 to train); MLP 50-64-1, plain SGD, batch
-    64."""
-    from sklearn.datasets import make_regression
-
-    x, y = make_regression(2048, n_features=50, n_informative=10, effective_rank=8, random_state=seed)
-    target = _standardised(_tensor(y).unsqueeze(1))
-    target = target + 0.4 * torch.randn(target.shape, generator=torch.Generator().manual_seed(seed))
-    train, val = _split(_standardised(_tensor(x)), target, 1536)
-
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(50, 64, 1), nn.functional.mse_loss, "sgd", lr)
-
-    return Problem("low-rank make_regression MLP, SGD", make, train, val, batch_size=64)
-
-
-def digits_inpainting(seed: int) -> Problem:
-    """sklearn digits' bottom 4 rows predicted from their top 4 (pixels scaled to unit spread); MLP 32-128-128-32
-    with dropout 0.2, mean squared error, Adam, batch 16."""
-    train, val = _digits()
-    spread = train.tensors[0].std()
-
-    def halves(d: TensorDataset) -> TensorDataset:
-        pixels = (d.tensors[0] - 0.5) / spread
-        return TensorDataset(pixels[:, :32], pixels[:, 32:])
-
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(32, 128, 128, 32, dropout=0.2), nn.functional.mse_loss, "adam", lr)
-
-    return Problem("digits inpainting MLP + dropout, Adam", make, halves(train), halves(val), batch_size=16)
-
-
-def poisson_counts(seed: int) -> Problem:
-    """Counts drawn from a Poisson whose log-rate is a random tanh teacher of 12 Gaussian features (mean count
-    about 3; 2,048 samples, 1,536 to train); MLP 12-64-64-1 with LayerNorm giving the log-rate, Poisson
-    negative log-likelihood, SGD with momentum 0.9, batch 32."""
+def adding_gru(seed: int) -> Problem:
+    """The adding problem: 30 uniform values, two of them marked, the target their sum (standardised) plus noise
+    of spread 0.3 (1,280 sequences, 1,024 to train); a GRU of 32 units, Adam, batch 16."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2048, 12, generator=g)
-    w1, w2 = torch.randn(12, 16, generator=g) / 3, torch.randn(16, 1, generator=g) / 4
-    y = torch.poisson((1.0 + torch.tanh(x @ w1) @ w2).exp(), generator=g)
-    train, val = _split(x, y, 1536)
+    n, length = 1280, 30
+    values = torch.rand(n, length, generator=g)
+    marked = torch.rand(n, length, generator=g).argsort(1)[:, :2]
+    markers = torch.zeros(n, length).scatter_(1, marked, 1.0)
+    target = ((values * markers).sum(1, keepdim=True) - 1) / math.sqrt(1 / 6) + 0.3 * torch.randn(n, 1, generator=g)
+    train, val = _split(torch.stack([values, markers], 2), target, 1024)
+    return Problem("adding-problem GRU, Adam", lambda lr: Supervised(_LastState(), nn.functional.mse_loss, "adam", lr),
+                   train, val, batch_size=16)
 
-    def make(lr: float) -> phalanx.Module:
-        return Supervised(_mlp(12, 64, 64, 1, norm=nn.LayerNorm), _poisson_nll, "momentum", lr)
 
-    return Problem("Poisson count MLP + LayerNorm, momentum", make, train, val)
+def _expression(g: torch.Generator, depth: int = 0) -> str:
+    """An arithmetic expression from a small probabilistic grammar: a digit, a bracketed expression or two joined
+    by an operator, less likely to branch the deeper it is."""
+    r = float(torch.rand(1, generator=g))
+    if depth > 3 or r < 0.4:
+        return str(int(torch.randint(0, 10, (1,), generator=g)))
+    if r < 0.55:
+        return "(" + _expression(g, depth + 1) + ")"
+    op = "+-*"[int(torch.randint(0, 3, (1,), generator=g))]
+    return _expression(g, depth + 1) + op + _expression(g, depth + 1)
 
 
-# ---------------------------------------------------------------------------------------------- sequences
-class TinyCausalTransformer(nn.Module):
-    """A one-block pre-LayerNorm causal transformer LM: width 32, 2 heads, learned positions."""
+class _CausalConvLM(nn.Module):
+    """Embedding 32, three residual causal convolutions (kernel 3, dilations 1, 2, 4, GELU), a linear head."""
 
-    mask: torch.Tensor
-
-    def __init__(self, vocab: int, context: int, d: int = 32) -> None:
+    def __init__(self, vocab: int, d: int = 32) -> None:
         super().__init__()
-        self.embed, self.position = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(context, d))
-        self.block = nn.TransformerEncoderLayer(d, 2, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+        self.embed = nn.Embedding(vocab, d)
+        self.dilations = (1, 2, 4)
+        self.convs = nn.ModuleList(nn.Conv1d(d, d, 3, dilation=k) for k in self.dilations)
+        self.head = nn.Linear(d, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        h = self.block(self.embed(x) + self.position[:t], src_mask=self.mask[:t, :t], is_causal=True)
-        out: torch.Tensor = self.head(self.norm(h))
+        h = self.embed(x).transpose(1, 2)
+        for dilation, conv in zip(self.dilations, self.convs, strict=True):
+            # Left padding only, so that position t sees nothing after t.
+            h = h + nn.functional.gelu(conv(nn.functional.pad(h, (2 * dilation, 0))))
+        out: torch.Tensor = self.head(h.transpose(1, 2))
         return out
 
 
-def hmm_transformer(seed: int) -> Problem:
-    """Sequences of 32 tokens (vocabulary 16) emitted by a random hidden Markov model of 6 sticky states, each
-    with its own peaked emission distribution; a tiny causal transformer LM, Adam, batch 32; 1,024 training
-    and 256 validation sequences."""
+def expression_conv_lm(seed: int) -> Problem:
+    """Arithmetic expressions from a small grammar, ';'-separated into one stream, cut into windows of 32
+    characters (1,024 to train, 256 to validate, from separate stretches); a dilated causal CNN LM, SGD with
+    Nesterov momentum 0.9, batch 32."""
     g = torch.Generator().manual_seed(seed)
-    states, vocab, length, n = 6, 16, 33, 1280
-    transition = 0.75 * torch.eye(states) + 0.25 * torch.rand(states, states, generator=g).softmax(-1)
-    emission = (2.5 * torch.randn(states, vocab, generator=g)).softmax(-1)
-    state = torch.randint(0, states, (n,), generator=g)
-    seqs = torch.empty(n, length, dtype=torch.long)
-    for t in range(length):
-        seqs[:, t] = torch.multinomial(emission[state], 1, generator=g).squeeze(1)
-        state = torch.multinomial(transition[state], 1, generator=g).squeeze(1)
-    train, val = _split(seqs[:, :-1], seqs[:, 1:], 1024)
-    return Problem("HMM tiny causal transformer LM, Adam",
-                   lambda lr: Supervised(TinyCausalTransformer(vocab, length - 1), token_cross_entropy, "adam", lr),
-                   train, val)
+    vocab = "0123456789+-*();"
+    text = ""
+    while len(text) < 33 * 1280:
+        text += _expression(g) + ";"
+    stream = torch.tensor([vocab.index(c) for c in text[:33 * 1280]]).view(1280, 33)
+    train, val = _split(stream[:, :-1], stream[:, 1:], 1024)
+    return Problem("expression-grammar causal CNN LM, Nesterov",
+                   lambda lr: NesterovSupervised(_CausalConvLM(len(vocab)), token_cross_entropy, lr), train, val)
 
 
-class _Forecaster(nn.Module):
-    """An LSTM over a scalar series predicting, at every step, the next value."""
-
-    def __init__(self, hidden: int = 32) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(1, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.rnn(x)
-        out: torch.Tensor = self.head(hidden)
-        return out
-
-
-def oscillator_lstm(seed: int) -> Problem:
-    """Damped noisy oscillators (AR(2), radius 0.95, a frequency of its own per series, observed with noise;
-    standardised), 40 steps each; an LSTM of 32 units forecasting the next value, mean squared error, AdamW,
-    batch 32; 1,024 training and 256 validation series."""
-    g = torch.Generator().manual_seed(seed)
-    n, length, radius = 1280, 41, 0.95
-    omega = 0.2 + 0.8 * torch.rand(n, generator=g)
-    a1, a2 = 2 * radius * torch.cos(omega), -radius**2
-    series = torch.zeros(n, length)
-    series[:, :2] = torch.randn(n, 2, generator=g)
-    for t in range(2, length):
-        series[:, t] = a1 * series[:, t - 1] + a2 * series[:, t - 2] + torch.randn(n, generator=g)
-    series = series / series.std()
-    series = series + 0.3 * torch.randn(n, length, generator=g)
-    train, val = _split(series[:, :-1].unsqueeze(2), series[:, 1:].unsqueeze(2), 1024)
-    return Problem("oscillator LSTM forecaster, AdamW",
-                   lambda lr: Supervised(_Forecaster(), nn.functional.mse_loss, "adamw", lr), train, val)
-
-
-HELD_OUT: list[Family] = [moons_layernorm, circles_sgd, blobs_softmax, make_classification_bn, multilabel_bn,
-                          topics_embedding_bag, digits_rows_gru, low_rank_regression, digits_inpainting,
-                          poisson_counts, hmm_transformer, oscillator_lstm]
+HELD_OUT: list[Family] = [xor_blobs, quantiles_residual, hastie_bn, anisotropic_mixture_bn, heteroscedastic, swiss_roll,
+                       friedman2_dropout, ratings_adagrad, motif_count_cnn, majority_transformer, adding_gru,
+                       expression_conv_lm]
