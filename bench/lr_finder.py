@@ -74,7 +74,7 @@ class Case:
     initial: float
     lrs: dict[str, float | None] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)  # inf where the rule refused or the fit diverged
-    probe_steps: int = 0  # steps of the probe fits this search ran (at most: a diverging one stops early)
+    probe_steps: int = 0  # steps of the probe fits this search ran (a diverging one stops early)
 
     def within_grid(self, rule: str) -> bool:
         loss = self.losses[rule]
@@ -96,7 +96,7 @@ def run(build: Family, seed: int, grid: list[float]) -> list[Case]:
         search = find(problem, seed, n)
         curve = Curve(search.result)
         case = Case(problem.name, seed, n, best_lr, losses[best_lr], initial,
-                    probe_steps=len(search.result.probe_lrs) * probe_steps(n))
+                    probe_steps=sum(len(losses) for losses in search.result.probe_losses))
         for rule_name, rule in RULES.items():
             lr = case.lrs[rule_name] = rule(curve)
             if lr is None:

@@ -23,7 +23,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.tuner import LRFinderResult, Tuner
-from phalanx.tuner.suggest import Suggestion, decide, next_rung, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.tuner.suggest import (
+    Suggestion,
+    decide,
+    fell_against,
+    long_probe,
+    next_rung,
+    probe_ladder,
+    probe_score,
+    probe_steps,
+    suggest,
+)
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 
 
@@ -177,9 +187,11 @@ def test_the_probe_rule() -> None:
     assert probe_score([4.0, 3.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5]) == 0.5  # the mean of the last quarter
     assert probe_score([1.0, 2.0, 3.0, math.nan]) == math.inf  # not finite: out
     assert probe_score([1.0, 0.5, 1.5, 2.0]) == math.inf  # ended above where it started: out
-    assert decide(falling, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).lr == 0.4 and not falling.probed
-    assert decide(falling, [0.1, 0.2, 0.4], [0.3, math.inf, 0.2]).probed
-    refused = decide(falling, [0.1, 0.2, 0.4], [math.inf] * 3)
+    ends = {0.3: [0.5, 0.4, 0.3, 0.3], 0.2: [0.5, 0.4, 0.2, 0.2]}  # probe losses, scored 0.3 and 0.2
+    diverged, rose = [0.5, math.inf], [0.5, 0.6, 0.7, 0.8]
+    chosen = decide(falling, [0.1, 0.2, 0.4], [ends[0.3], diverged, ends[0.2]], [], 4)
+    assert chosen.lr == 0.4 and chosen.probed and not falling.probed
+    refused = decide(falling, [0.1, 0.2, 0.4], [diverged, rose, diverged], [], 4)
     assert refused.lr is None
     assert "every probe fit below the loss curve's edge (0.1, 0.2, 0.4) diverged" in refused.reason
     # One more probe above, only where the curve was still falling and the highest so far did best.
@@ -192,10 +204,25 @@ def test_the_probe_rule() -> None:
     assert next_rung(turned, [turned.lowest / 2], [0.1]) is None  # the curve turned up: the guard is the top
     near = Suggestion(top, lowest=top * 3, still_falling=True, top=top)
     assert next_rung(near, [top], [0.1]) is None  # a third of a decade up would pass the guard (lowest / 2)
-    # A curve that never fell clearly: the best probe must end below ``below``, or the curve's refusal stands.
-    flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=1.0)
-    assert decide(flat, [0.1, 0.25], [0.9, 1.2]).lr == 0.1
-    still = decide(flat, [0.1, 0.25], [1.05, math.inf])
+    # A curve that never fell clearly: a probe must show the fall, below where the curve started (``below``)
+    # or below the search's own loss on the same batches (batch noise cancels step by step).
+    search = [1.0, 1.2, 0.8, 1.1, 0.9, 1.3, 0.7, 1.0]
+    trained = [v * 0.8 for v in search]
+    assert fell_against(trained, search) and not fell_against(search, search)
+    assert not fell_against([v * 0.995 for v in search], search)  # certain, but too small a gain
+    assert not fell_against([v * (0.8 if k % 2 else 1.15) for k, v in enumerate(search)], search)  # noise
+    flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=0.5)
+    assert decide(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8).lr == 0.1  # against the search
+    assert decide(flat, [0.1, 0.25], [[1.0, 0.9, 0.4, 0.4], [1.0, 0.9, 0.45, 0.45]], search, 4).lr == 0.1  # below
+    # Neither: the best runs again, twice as long, and is judged against ``below`` alone.
+    noisy = [v * (1 + 0.3 * (-1) ** k) for k, v in enumerate(search)]
+    assert long_probe(flat, [0.1, 0.25], [noisy, [1.0, math.inf]], search, 8) == 0.1
+    assert long_probe(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8) is None  # one shows the fall
+    assert long_probe(falling, [0.1], [noisy], search, 8) is None  # the curve fell: the probes decide
+    slow = [1.0] * 8 + [0.45] * 8
+    assert long_probe(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8) is None  # ran already
+    assert decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8).lr == 0.1
+    still = decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], [1.0] * 15 + [0.99]], search, 8)
     assert still.lr is None and still.reason == (
         "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of the last learning "
-        "rate or below (0.1, 0.25) fell clearly either.")
+        "rate or below (0.1, 0.25, 0.1; the best again for 2x as many steps) fell clearly either.")

@@ -24,7 +24,17 @@ import torch
 from phalanx.core.module_state import preserved
 from phalanx.core.optimizers import parse_optimizers
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
-from phalanx.tuner.suggest import Suggestion, decide, next_rung, probe_ladder, probe_score, probe_steps, suggest
+from phalanx.tuner.suggest import (
+    LONG_PROBE,
+    Suggestion,
+    decide,
+    long_probe,
+    next_rung,
+    probe_ladder,
+    probe_score,
+    probe_steps,
+    suggest,
+)
 from phalanx.utils.diagnostics import warn
 from phalanx.utils.errors import MisconfigurationError
 from phalanx.utils.tensors import optional_module
@@ -49,7 +59,8 @@ class LRFinderResult:
     """The learning rates tried, the loss of each step (``raw_losses``) and its exponential moving
     average (``losses``, beta=0.98, which the early stop watches, as in Lightning), and the probe fits
     the search ran after it: their learning rates (``probe_lrs``), the loss of each of their steps
-    (``probe_losses``) and their scores (``probe_scores``, ``inf`` for one that diverged or rose)."""
+    (``probe_losses``), their scores (``probe_scores``, ``inf`` for one that diverged or rose) and the
+    steps of each (``probe_length``; a longer one runs where :mod:`phalanx.tuner.suggest` says so)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -58,6 +69,7 @@ class LRFinderResult:
     global_rank: int | None = None  # set by the search: only rank 0 warns (None: this process warns)
     probe_lrs: list[float] = field(default_factory=list)
     probe_losses: list[list[float]] = field(default_factory=list)
+    probe_length: int = 0
     _suggestions: dict[tuple[int, int], Suggestion] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
 
@@ -77,9 +89,9 @@ class LRFinderResult:
         :mod:`phalanx.tuner.suggest`); otherwise, and for other ``skip_begin``/``skip_end`` (points left
         out at the start and the end of the curve), the curve's: where the centred, smoothed log-loss
         falls fastest on its way down to its lowest point, at most that point's learning rate / 2.
-        None, with a warning that says why and what to change, when neither the curve nor the best probe
-        falls clearly below where the curve started, with too few finite points, or when every probe
-        diverged: the first time per result and arguments."""
+        None, with a warning that says why and what to change, when neither the curve nor a probe shows
+        a clear fall, with too few finite points, or when every probe diverged: the first time per
+        result and arguments."""
         return self._suggest(skip_begin, skip_end).lr
 
     def _suggest(self, skip_begin: int, skip_end: int) -> Suggestion:
@@ -90,7 +102,7 @@ class LRFinderResult:
             found = suggest(self.lrs, losses, self.mode, skip_begin, skip_end)
             ladder = probe_ladder(found)
             if ladder and self.probe_lrs[:len(ladder)] == ladder:  # the probes ran for this curve
-                found = decide(found, self.probe_lrs, self.probe_scores)
+                found = decide(found, self.probe_lrs, self.probe_losses, self.raw_losses, self.probe_length)
             self._suggestions[key] = found
             if found.lr is None:
                 warn(found.reason, rank=self.global_rank, stacklevel=3)
@@ -168,7 +180,8 @@ class Tuner:
         initial state at constant learning rates inside the bracket (a third of a decade apart, the
         highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
         3)`` steps each), up to two more above them where the curve was still falling and the highest
-        did best, and the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
+        did best, the best again for twice as many steps where the curve never fell clearly and no probe
+        showed a fall; the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
         With ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
         suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
         curve gives none, a warning says why and what to change, and the attribute stays."""
@@ -258,18 +271,23 @@ class Tuner:
 
     def _run_probes(self, result: LRFinderResult, num_training: int, isolated: Isolated) -> None:
         """A short fit at each learning rate of the curve's probe ladder (none where no probe can help),
-        then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more."""
+        then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more, and the best
+        again, longer, where :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
         steps = probe_steps(num_training)
         found = suggest(result.lrs, result.raw_losses, result.mode)
 
-        def run(lr: float) -> None:
+        result.probe_length = steps
+
+        def run(lr: float, length: int = steps) -> None:
             result.probe_lrs.append(lr)
-            result.probe_losses.append(isolated(functools.partial(self._probe, lr, steps)))
+            result.probe_losses.append(isolated(functools.partial(self._probe, lr, length)))
 
         for lr in probe_ladder(found):
             run(lr)
         while (rung := next_rung(found, result.probe_lrs, result.probe_scores)) is not None:
             run(rung)
+        if (again := long_probe(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
+            run(again, LONG_PROBE * steps)
 
     def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:
         """The losses of ``steps`` optimizer steps at ``lr``, up to the first that is not finite."""

@@ -31,8 +31,14 @@ fails:
 * Where the curve was still falling and the top probe did best, the optimum may lie above it: up to
   ``EXTRA_PROBES`` more, a third of a decade higher each, while the newest does best, never above
   the guard (:func:`next_rung`).
-* Where the curve never fell clearly, the best probe is suggested only if it ended
-  ``PROBE_NOISE_MULTIPLE`` standard errors (of the curve's noise) below where the curve started.
+* Where the curve never fell clearly, a probe is suggested only if it shows the fall the curve could
+  not (:func:`shows_fall`): it ended ``PROBE_NOISE_MULTIPLE`` standard errors (of the curve's noise)
+  below where the curve started, or clearly below the search's own loss on the same batches
+  (:func:`fell_against`: the search's first steps run from the same state with the same batches and
+  dropout masks, so batch-to-batch noise cancels in the step-by-step difference). Where none does, the
+  best runs again for ``LONG_PROBE`` times as many steps (:func:`long_probe`): a loss that sits on a
+  plateau for a while, or a learning rate that trains slowly, shows its fall later than a short probe
+  ends.
 * Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
   than the search's): the steepest slope before the lowest point, capped by the guard; none where
   the curve never fell clearly.
@@ -54,6 +60,8 @@ END_GUARD = 4.0  # ... or, on a curve that never fell clearly, at or below the l
 PROBES = 4  # probe fits, a third of a decade apart: together they span a decade below the top
 EXTRA_PROBES = 2  # more above the top, where the curve was still falling and the highest probe did best
 PROBE_NOISE_MULTIPLE = 2.0  # a probe's fall, in standard errors, that stands in for the curve's
+MIN_PROBE_FALL = 0.01  # ... and, against the search on the same batches, at least this (relative) fall
+LONG_PROBE = 2  # where no probe of a curve that never fell clearly shows a fall, the best runs this much longer
 MIN_PROBE_STEPS = 15  # fewer steps are mostly the first steps' transient (momentum has not built up)
 
 
@@ -177,18 +185,62 @@ def probe_score(losses: list[float]) -> float:
     return last if last < first else math.inf
 
 
-def decide(found: Suggestion, lrs: list[float], scores: list[float]) -> Suggestion:
-    """The probe fits' verdict on the curve ``found``: the learning rate of the lowest score; none when
-    every probe diverged or rose, or, where the curve never fell clearly, when the best did not end
-    below ``found.below`` either."""
-    finite = [(score, lr) for lr, score in zip(lrs, scores) if math.isfinite(score)]
+def fell_against(probe: list[float], search: list[float]) -> bool:
+    """Whether the probe fit's losses over the second half of its steps lie clearly below the search's
+    losses on the same steps (the same batches): by ``PROBE_NOISE_MULTIPLE`` standard errors of their
+    step-by-step difference and by at least ``MIN_PROBE_FALL`` (on a log scale where every loss is
+    positive, else relative to the search's mean)."""
+    steps = min(len(probe), len(search))
+    p = torch.tensor(probe[steps // 2:steps], dtype=torch.float64)
+    s = torch.tensor(search[steps // 2:steps], dtype=torch.float64)
+    if len(p) < 2 or not (torch.isfinite(p).all() and torch.isfinite(s).all()):
+        return False
+    if bool((p > 0).all() and (s > 0).all()):
+        fall, least = s.log() - p.log(), MIN_PROBE_FALL
+    else:
+        fall, least = s - p, MIN_PROBE_FALL * float(s.abs().mean())
+    error = float(fall.std()) / math.sqrt(len(fall))
+    return float(fall.mean()) > max(PROBE_NOISE_MULTIPLE * error, least)
+
+
+def shows_fall(found: Suggestion, losses: list[float], search: list[float], steps: int) -> bool:
+    """Whether a probe of the curve ``found`` shows a fall: any finite probe where the curve fell
+    clearly; where it never did, one that ended below ``found.below``, or one of ``steps`` steps whose
+    losses fell clearly below the ``search``'s (a longer one is not compared so: the search's later
+    steps ran at learning rates far from negligible)."""
+    score = probe_score(losses)
+    if found.below is None or not math.isfinite(score):
+        return math.isfinite(score)
+    return score < found.below or (len(losses) <= steps and fell_against(losses, search))
+
+
+def long_probe(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+               steps: int) -> float | None:
+    """The learning rate to probe again for ``LONG_PROBE * steps`` steps, or None: only where the curve
+    never fell clearly, no probe shows a fall, none ran longer yet, and one is finite (the best)."""
+    if found.below is None or any(len(losses) > steps for losses in probes):
+        return None
+    if any(shows_fall(found, losses, search, steps) for losses in probes):
+        return None
+    finite = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if math.isfinite(probe_score(losses))]
+    return min(finite)[1] if finite else None
+
+
+def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+           steps: int) -> Suggestion:
+    """The probe fits' verdict on the curve ``found`` (``probes``: each one's step losses, ``steps`` a
+    probe's length, ``search`` the search's step losses): the learning rate of the lowest score among
+    the probes that show a fall (:func:`shows_fall`; a longer one runs only where none of the others
+    does); none when every probe diverged or rose, or, where the curve never fell clearly, when no
+    probe shows the fall either."""
+    shown = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
     tried = ", ".join(f"{lr:.3g}" for lr in lrs)
-    if found.lr is None and found.below is not None and (not finite or min(finite)[0] >= found.below):
+    if found.below is not None and not shown:
         return dataclasses.replace(found, reason=(
-            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}) fell clearly "
-            "either."))
-    if not finite:
+            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}; the best again "
+            f"for {LONG_PROBE}x as many steps) fell clearly either."))
+    if not shown:
         return dataclasses.replace(found, lr=None, reason=(
             f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged or ended "
             "above where it started. Lower min_lr and max_lr, or run more steps (num_training)."))
-    return dataclasses.replace(found, lr=min(finite)[1], reason="", probed=True)
+    return dataclasses.replace(found, lr=min(shown)[1], reason="", probed=True)
