@@ -1,9 +1,8 @@
 """The second set of LR-finder problem families, ``SECOND_SET`` (12): written on 2026-11-28 before that day's
 change of the suggestion rule and scored once as its held-out half (88 % within the bar); that score then
-decided between two variants of the change, so the set counts as tuning (``bench/lr_finder.py``), and the
-held-out half is ``_lr_held_out.py``. Only plain fits on a learning-rate grid were run on them while they
-were written (to check that each trains, that its best loss is not near 0 and that a fit is cheap); never
-the LR finder.
+decided between two variants of the change, so the set counts as tuning (``bench/lr_finder.py``). Only plain
+fits on a learning-rate grid were run on them while they were written (to check that each trains, that its
+best loss is not near 0 and that a fit is cheap); never the LR finder.
 
 None repeats an earlier family's data, model and optimizer. Between them: Adam (3), AdamW (3), plain SGD (2),
 SGD with momentum 0.9 (3) and RMSprop (1); binary, multi-class and multi-label classification, regression

@@ -1,14 +1,14 @@
-"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 49 families.
+"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 61 families.
 
     .venv/bin/python bench/lr_finder.py                    # both halves, 3 seeds, num_training 30 and 100
     .venv/bin/python bench/lr_finder.py --half tuning      # only the half the rule was tuned on
     .venv/bin/python bench/lr_finder.py --details          # and every case: learning rates and losses
     .venv/bin/python bench/lr_finder.py --quick            # smoke run: 2 families, 1 seed, a coarse grid
 
-The families: the tuning half, ``TUNING`` in ``_lr_families.py`` (25) and ``SECOND_SET`` in
-``_lr_second_set.py`` (12; the rule was chosen and tuned on these 37), and the held-out half,
-``HELD_OUT`` in ``_lr_held_out.py`` (12; written after the rule was chosen, never looked at while
-choosing it). For every family and seed, an LR range test runs once
+The families: the tuning half, ``TUNING`` in ``_lr_families.py`` (25), ``SECOND_SET`` in
+``_lr_second_set.py`` and ``FOURTH_SET`` in ``_lr_fourth_set.py`` (12 each; the rule was chosen and
+tuned on these 49), and the held-out half, ``HELD_OUT`` in ``_lr_held_out.py`` (12; never looked at
+while choosing the rule). For every family and seed, an LR range test runs once
 per ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
 Trainer: ``Tuner(trainer).lr_find``, or for seed 002's script the ``LearningRateFinder`` callback and
 the fit after it, as its user ran it. Every rule in ``_lr_rules.py`` is applied to that same curve:
@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, table
 from _lr_families import TUNING, Family, linear_regression, seed002_script
+from _lr_fourth_set import FOURTH_SET
 from _lr_held_out import HELD_OUT
 from _lr_problems import EPOCHS, GRID, find, fit, initial_loss
 from _lr_rules import RULES, Curve
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--details", action="store_true", help="print every case's suggestions and losses")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    halves = {"tuning": TUNING + SECOND_SET, "held-out": HELD_OUT}
+    halves = {"tuning": TUNING + SECOND_SET + FOURTH_SET, "held-out": HELD_OUT}
     if args.half != "both":
         halves = {args.half: halves[args.half]}
     seeds, grid = range(args.seeds), GRID
