@@ -5,6 +5,7 @@ and, end to end, the terminal of a real 2-rank run with a progress bar, notices,
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import subprocess
@@ -146,8 +147,11 @@ def test_two_ranks_write_whole_lines_and_nothing_is_glued_to_a_bar(tmp_path: Pat
     assert screen.count("Seed set to 3") == 1  # said by the launching process, not again by rank 0 nor the restart
     assert screen.count("Total params") == 1  # the model summary: the first attempt's only
     # The cadence is said once its measurements settle, which on a loaded machine may take longer than this short
-    # run (test_snapshot_cadence.py holds when it is said); never twice in one run, restarts included.
-    assert sum(line.startswith("[phalanx] Snapshots in ") for line in lines) <= 1
+    # run (test_snapshot_cadence.py holds when it is said), and again only when it changes by 4x or more (a load
+    # that comes and goes can do that): never the same cadence twice in one run, restarts included.
+    said = [int(found.group(1)) for line in lines
+            if (found := re.match(r"\[phalanx\] Snapshots in \S+: snapshot every (\d+) steps?:", line))]
+    assert all(max(a, b) >= 4 * min(a, b) for a, b in itertools.pairwise(said)), said
     restart = [line for line in lines if line.startswith("[phalanx] Restart 1 of at most 1: rank 1 was killed by ")]
     assert len(restart) == 1, screen[-3000:]
     assert lines[-2:] == ["[phalanx] job failed: rank 1 was killed by SIGKILL; rank 0 stopped as a consequence.", ""]
