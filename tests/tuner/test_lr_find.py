@@ -226,3 +226,5 @@ def test_the_probe_rule() -> None:
     assert still.lr is None and still.reason == (
         "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of the last learning "
         "rate or below (0.1, 0.25, 0.1; the best again for 2x as many steps) fell clearly either.")
+    out = decide(flat, [0.1, 0.25], [[1.0, math.inf], [1.0, math.inf]], search, 8)  # nothing finite: none longer
+    assert out.lr is None and out.reason.endswith("rate or below (0.1, 0.25) fell clearly either.")

@@ -275,7 +275,6 @@ class Tuner:
         again, longer, where :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
         steps = probe_steps(num_training)
         found = suggest(result.lrs, result.raw_losses, result.mode)
-
         result.probe_length = steps
 
         def run(lr: float, length: int = steps) -> None:

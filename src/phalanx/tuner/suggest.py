@@ -222,7 +222,8 @@ def long_probe(found: Suggestion, lrs: list[float], probes: list[list[float]], s
         return None
     if any(shows_fall(found, losses, search, steps) for losses in probes):
         return None
-    finite = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if math.isfinite(probe_score(losses))]
+    scored = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes)]
+    finite = [(score, lr) for score, lr in scored if math.isfinite(score)]
     return min(finite)[1] if finite else None
 
 
@@ -236,9 +237,10 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
     shown = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
     tried = ", ".join(f"{lr:.3g}" for lr in lrs)
     if found.below is not None and not shown:
+        longer = f"; the best again for {LONG_PROBE}x as many steps" if any(len(p) > steps for p in probes) else ""
         return dataclasses.replace(found, reason=(
-            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}; the best again "
-            f"for {LONG_PROBE}x as many steps) fell clearly either."))
+            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}{longer}) fell "
+            "clearly either."))
     if not shown:
         return dataclasses.replace(found, lr=None, reason=(
             f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged or ended "
