@@ -71,15 +71,12 @@ def xor_blobs(seed: int) -> Problem:
     return Problem("XOR blobs MLP, SGD", make, train, val, batch_size=8)
 
 
-class _ResidualMLP(nn.Module):
-    """A linear stem, ``blocks`` pre-LayerNorm residual blocks (LayerNorm, ReLU, Linear), then LayerNorm and a head."""
+class _Residual(nn.Module):
+    """A stem, residual blocks (each adds its output to its input), then a head."""
 
-    def __init__(self, features: int, width: int, out: int, blocks: int = 2) -> None:
+    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module) -> None:
         super().__init__()
-        self.stem = nn.Linear(features, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.ReLU(), nn.Linear(width, width))
-                                    for _ in range(blocks))
-        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, out))
+        self.stem, self.blocks, self.head = stem, nn.ModuleList(blocks), head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
@@ -87,6 +84,16 @@ class _ResidualMLP(nn.Module):
             h = h + block(h)
         out: torch.Tensor = self.head(h)
         return out
+
+
+class _ResidualMLP(_Residual):
+    """A linear stem, ``blocks`` pre-LayerNorm residual blocks (LayerNorm, ReLU, Linear), then LayerNorm and a head."""
+
+    def __init__(self, features: int, width: int, out: int, blocks: int = 2) -> None:
+        super().__init__(nn.Linear(features, width),
+                         [nn.Sequential(nn.LayerNorm(width), nn.ReLU(), nn.Linear(width, width))
+                          for _ in range(blocks)],
+                         nn.Sequential(nn.LayerNorm(width), nn.Linear(width, out)))
 
 
 def quantiles_residual(seed: int) -> Problem:
@@ -222,24 +229,16 @@ def ratings_adagrad(seed: int) -> Problem:
 
 
 # ---------------------------------------------------------------------------------------------- sequences
-class _MotifCNN(nn.Module):
+class _MotifCNN(_Residual):
     """A 1-D CNN over one-hot sequences: a stem, two residual blocks (GroupNorm, ReLU, convolution), average
     pooling over positions and a linear head."""
 
     def __init__(self, channels: int, width: int, classes: int) -> None:
-        super().__init__()
-        self.stem = nn.Conv1d(channels, width, 5, padding=2)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(),
-                                                  nn.Conv1d(width, width, 3, padding=1)) for _ in range(2))
-        self.head = nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
-                                  nn.Linear(width, classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        for block in self.blocks:
-            h = h + block(h)
-        out: torch.Tensor = self.head(h)
-        return out
+        super().__init__(nn.Conv1d(channels, width, 5, padding=2),
+                         [nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(), nn.Conv1d(width, width, 3, padding=1))
+                          for _ in range(2)],
+                         nn.Sequential(nn.GroupNorm(4, width), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
+                                       nn.Linear(width, classes)))
 
 
 def motif_count_cnn(seed: int) -> Problem:

@@ -22,11 +22,11 @@ the best of 13 learning rates, 1e-4 ... 1 (3 per decade). The bar, per half, for
 within 1.5x of the grid's best at num_training=100 and 3x at 30 on at least 90 % of the half's cases
 (both num_training together; each is also shown alone; a fit that ends below 2 % of the
 initialisation's validation loss counts as within: on a small validation set that a fit separates the
-grid's best underflows to 0, and a ratio to it measures the underflow); on every case, a finite fit that ends below
-the initialisation's validation loss and within 1.5x of the fit at Lightning's suggestion. A refusal
-(None) fails the case. Fits are cached per learning rate, so rules that agree cost one fit. Needs
-scikit-learn (phalanx's test extras) and torchmetrics. Threads: 1 (``OMP_NUM_THREADS=1`` is set
-before torch is imported).
+grid's best underflows to 0, and a ratio to it measures the underflow); on every case, a finite fit
+that ends below the initialisation's validation loss and within 1.5x of the fit at Lightning's
+suggestion. A refusal (None) fails the case. Fits are cached per learning rate, so rules that agree
+cost one fit. Needs scikit-learn (phalanx's test extras) and torchmetrics. Threads: 1
+(``OMP_NUM_THREADS=1`` is set before torch is imported).
 """
 
 from __future__ import annotations
