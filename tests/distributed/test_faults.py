@@ -196,7 +196,7 @@ def _kill_during_save(tmp_path: Path, fmt: str, rng: random.Random) -> tuple[int
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
-        stamps = []
+        stamps: list[float] = []
         while len(stamps) < 2:
             line = proc.stdout.readline()
             assert line, "the save loop died before saving twice"

@@ -268,3 +268,30 @@ def test_sigterm_to_the_launcher_stops_every_group_with_a_checkpoint_a_rerun_res
     assert re.search(rf"Resumed from ckpts/step-{step}\.ckpt at step {step}", rerun.output), rerun.output[-3000:]
     ends = finals(tmp_path)
     assert {e["step"] for e in ends.values()} == {step + 5} and len({e["crc"] for e in ends.values()}) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_group_stops_it_with_a_checkpoint_and_the_others_finish_the_job(tmp_path: Path) -> None:
+    steps = 150
+    run = Running(tmp_path, "--steps", str(steps), "--sleep", "0.1", "--ready-at", "10", "--ckpt", "ckpts", groups=3)
+    run.wait_ready()
+    os.kill(run.pid(1), signal.SIGTERM)  # one node preempted: not the launcher
+    out = run.finish(200)
+    # The job is done: a 75 would make a scheduler requeue it (and a rerun resume from group 1's older checkpoint).
+    assert run.process.returncode == 0, out[-4000:]
+    saved = re.search(r"\[phalanx\] preempted at step (\d+) by SIGTERM on rank 0; checkpoint: (ckpts/step-\d+\.ckpt)",
+                      out)
+    assert saved, out[-4000:]
+    stopped = int(saved[1])
+    assert f"[phalanx] replica group 1 left at step {stopped}; 2 of 3 groups continue" in out, out[-4000:]
+    assert "[phalanx] replica group 1 stopped for a preemption; groups 0, 2 finished the job." in out, out[-4000:]
+    checkpoint = torch.load(tmp_path / saved[2], weights_only=True)
+    assert checkpoint["replica_groups"]["manager"]["step"] == checkpoint["step"] == stopped
+    runs = traces(tmp_path)
+    assert [r["step"] for r in runs[1, 0]] == list(range(1, stopped + 1))  # not restarted: it was preempted
+    for group in (0, 2):  # never stopped, never back
+        assert [r["step"] for r in runs[group, 0]] == list(range(1, steps + 1)), group
+        assert {r["pid"] for r in runs[group, 0]} == {run.pid(group)}
+    ends = finals(tmp_path)
+    assert set(ends) == {(0, 0), (2, 0)} and ends[0, 0]["crc"] == ends[2, 0]["crc"]
+    assert_nothing_left(tmp_path)

@@ -10,7 +10,8 @@ What reaches the terminal: group 0's output as ``phalanx run`` shows it, and eve
 (fault lines, errors); everything each group printed, torchft's own logs included, is in ``<log folder>/group-<g>.log``
 and the lighthouse's in ``lighthouse.log``. Every process the launcher started, the lighthouse included, is ended when
 it returns: on success, on error, on Ctrl-C and on SIGTERM (passed on to every group first, so that their ranks take
-the agreed preemption stop and save).
+the agreed preemption stop and save). A preemption of one group alone (SIGTERM to its processes, as a scheduler
+preempts one node) stops that group with its checkpoint; the others go on, and the job ends with 0 once they finish it.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def run_groups(groups: int, devices: int, max_restarts: int, min_groups: int, sc
                extra_run_args: list[str], settings: LighthouseSettings | None = None,
                terminal: TextIO | None = None) -> int:
     """Run ``script`` as ``groups`` fault-tolerant replica groups of ``devices`` processes each; returns the job's
-    exit code (0 when every group finished; 75 when every group stopped for a preemption; else the first failed
-    group's code)."""
+    exit code: 0 when every group finished, or when the groups that did not stopped for a preemption (the others
+    completed the job without them); 75 when every group stopped for a preemption; else the first failed group's
+    code."""
     if groups < 1 or min_groups < 1 or min_groups > groups:
         raise MisconfigurationError(f"--replica-groups {groups} with --min-replica-groups {min_groups}: give "
                                     "1 <= min <= groups.")
@@ -224,7 +226,16 @@ def run_groups(groups: int, devices: int, max_restarts: int, min_groups: int, sc
     if not failed:
         return 0
     if all(c == EXIT_PREEMPTED for c in failed.values()):
-        return EXIT_PREEMPTED
+        if len(failed) == len(codes):
+            return EXIT_PREEMPTED
+        # A preempted group left; the others completed the job. Exit 75 would tell a scheduler to requeue a job
+        # that is done (and a rerun would resume from the preempted group's older checkpoint).
+        finished = sorted(set(codes) - set(failed))
+        terminal.write(f"[phalanx] replica group{'s' if len(failed) > 1 else ''} {', '.join(map(str, sorted(failed)))} "
+                       f"stopped for a preemption; group{'s' if len(finished) > 1 else ''} "
+                       f"{', '.join(map(str, finished))} finished the job.\n")
+        terminal.flush()
+        return 0
     where = shown_path(str(folder))
     terminal.write(f"[phalanx] replica groups {sorted(failed)} ended with exit codes {sorted(set(failed.values()))} "
                    f"({len(codes) - len(failed)} of {len(codes)} finished). Logs: {where}\n")
