@@ -1,14 +1,16 @@
-"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 61 families.
+"""Does the LR finder's suggestion train well out of sample? Rules against a grid, on two halves of 73 families.
 
     .venv/bin/python bench/lr_finder.py                    # both halves, 3 seeds, num_training 30 and 100
     .venv/bin/python bench/lr_finder.py --half tuning      # only the half the rule was tuned on
+    .venv/bin/python bench/lr_finder.py --set sixth        # only one set (families, second, fourth, fifth, sixth)
     .venv/bin/python bench/lr_finder.py --details          # and every case: learning rates and losses
     .venv/bin/python bench/lr_finder.py --quick            # smoke run: 2 families, 1 seed, a coarse grid
 
 The families: the tuning half, ``TUNING`` in ``_lr_families.py`` (25), ``SECOND_SET`` in
 ``_lr_second_set.py`` and ``FOURTH_SET`` in ``_lr_fourth_set.py`` (12 each; the rule was chosen and
-tuned on these 49), and the held-out half, ``HELD_OUT`` in ``_lr_held_out.py`` (12; never looked at
-while choosing the rule). For every family and seed, an LR range test runs once
+tuned on these 49), and the held-out half, ``HELD_OUT`` in ``_lr_held_out.py`` (the fifth set) and
+``SIXTH_SET`` in ``_lr_sixth_set.py`` (12 each; both written after the rule was chosen and never looked at
+while choosing it). For every family and seed, an LR range test runs once
 per ``num_training`` (30 and the default 100; every other argument at its default) on a real phalanx
 Trainer: ``Tuner(trainer).lr_find``, or for seed 002's script the ``LearningRateFinder`` callback and
 the fit after it, as its user ran it. Every rule in ``_lr_rules.py`` is applied to that same curve:
@@ -52,6 +54,7 @@ from _lr_held_out import HELD_OUT
 from _lr_problems import EPOCHS, GRID, find, fit, initial_loss
 from _lr_rules import RULES, Curve
 from _lr_second_set import SECOND_SET
+from _lr_sixth_set import SIXTH_SET
 
 from phalanx.tuner.suggest import probe_steps
 
@@ -61,6 +64,8 @@ NOW = "phalanx now"
 SHARE = 0.9  # of a half's cases within TOLERANCE of the grid's best
 SEPARATED = 0.02  # of the initial loss: a fit that ends below it is within TOLERANCE, whatever the grid's best
 VERSUS_LIGHTNING = 1.5
+SETS = {"families": TUNING, "second": SECOND_SET, "fourth": FOURTH_SET, "fifth": HELD_OUT, "sixth": SIXTH_SET}
+HALVES = {"tuning": ["families", "second", "fourth"], "held-out": ["fifth", "sixth"]}
 
 
 @dataclass
@@ -158,14 +163,18 @@ def details(cases: list[Case]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--half", choices=["tuning", "held-out", "both"], default="both")
+    parser.add_argument("--set", choices=list(SETS), help="only this set of families (in its half)")
     parser.add_argument("--quick", action="store_true", help="2 tuning families, 1 seed, every other grid point")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--details", action="store_true", help="print every case's suggestions and losses")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    halves = {"tuning": TUNING + SECOND_SET + FOURTH_SET, "held-out": HELD_OUT}
+    halves = {half: [family for name in names for family in SETS[name]] for half, names in HALVES.items()}
     if args.half != "both":
         halves = {args.half: halves[args.half]}
+    if args.set:
+        half = next(h for h, names in HALVES.items() if args.set in names)
+        halves = {half: SETS[args.set]}
     seeds, grid = range(args.seeds), GRID
     if args.quick:
         halves, seeds, grid = {"tuning": [seed002_script, linear_regression]}, range(1), GRID[::2]
