@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/lr_finder.py                    # both halves, 3 seeds, num_training 30 and 100
     .venv/bin/python bench/lr_finder.py --half tuning      # only the half the rule was tuned on
-    .venv/bin/python bench/lr_finder.py --set sixth        # only one set (families, second, fourth, fifth, sixth)
+    .venv/bin/python bench/lr_finder.py --set seventh      # only one set (families, second ... seventh)
     .venv/bin/python bench/lr_finder.py --details          # and every case: learning rates and losses
     .venv/bin/python bench/lr_finder.py --quick            # smoke run: 2 families, 1 seed, a coarse grid
 
@@ -54,6 +54,7 @@ from _lr_held_out import HELD_OUT
 from _lr_problems import EPOCHS, GRID, find, fit, initial_loss
 from _lr_rules import RULES, Curve
 from _lr_second_set import SECOND_SET
+from _lr_seventh_set import SEVENTH_SET
 from _lr_sixth_set import SIXTH_SET
 
 from phalanx.tuner.suggest import probe_steps
@@ -64,8 +65,9 @@ NOW = "phalanx now"
 SHARE = 0.9  # of a half's cases within TOLERANCE of the grid's best
 SEPARATED = 0.02  # of the initial loss: a fit that ends below it is within TOLERANCE, whatever the grid's best
 VERSUS_LIGHTNING = 1.5
-SETS = {"families": TUNING, "second": SECOND_SET, "fourth": FOURTH_SET, "fifth": HELD_OUT, "sixth": SIXTH_SET}
-HALVES = {"tuning": ["families", "second", "fourth"], "held-out": ["fifth", "sixth"]}
+SETS = {"families": TUNING, "second": SECOND_SET, "fourth": FOURTH_SET, "fifth": HELD_OUT, "sixth": SIXTH_SET,
+        "seventh": SEVENTH_SET}
+HALVES = {"tuning": ["families", "second", "fourth", "fifth", "sixth"], "held-out": ["seventh"]}
 
 
 @dataclass

@@ -28,6 +28,7 @@ from phalanx.tuner.suggest import (
     decide,
     fell_against,
     long_probe,
+    lower_rungs,
     next_rung,
     probe_ladder,
     probe_score,
@@ -214,8 +215,17 @@ def test_the_probe_rule() -> None:
     flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=0.5)
     assert decide(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8).lr == 0.1  # against the search
     assert decide(flat, [0.1, 0.25], [[1.0, 0.9, 0.4, 0.4], [1.0, 0.9, 0.45, 0.45]], search, 4).lr == 0.1  # below
-    # Neither: the best runs again, twice as long, and is judged against ``below`` alone.
+    # Neither: the ladder goes on a decade lower, once; then the best runs again, twice as long, and is judged
+    # against ``below`` alone.
     noisy = [v * (1 + 0.3 * (-1) ** k) for k, v in enumerate(search)]
+    ladder = probe_ladder(flat)
+    assert lower_rungs(flat, ladder, [noisy] * 4, search, 8) == pytest.approx(
+        [flat.top * 10 ** (-k / 3) for k in range(4, 8)])
+    assert lower_rungs(flat, ladder, [noisy, trained, noisy, noisy], search, 8) == []  # one shows the fall
+    assert lower_rungs(falling, probe_ladder(falling), [noisy] * 4, search, 8) == []  # the curve fell
+    deeper = ladder + lower_rungs(flat, ladder, [noisy] * 4, search, 8)
+    assert lower_rungs(flat, deeper, [noisy] * 8, search, 8) == []  # a decade lower once
+    assert decide(flat, deeper, [noisy] * 7 + [trained], search, 8).lr == deeper[-1]  # shown a decade lower
     assert long_probe(flat, [0.1, 0.25], [noisy, [1.0, math.inf]], search, 8) == 0.1
     assert long_probe(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8) is None  # one shows the fall
     assert long_probe(falling, [0.1], [noisy], search, 8) is None  # the curve fell: the probes decide

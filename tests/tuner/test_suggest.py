@@ -155,7 +155,9 @@ def test_without_a_suggestion_lr_find_and_the_callback_keep_the_learning_rate() 
         result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 8), min_lr=1e-8, max_lr=1e-6,
                                         num_training=24)
     assert result.suggestion() is None and model.lr == 0.05
-    assert len(result.probe_lrs) == 4  # the probe fits below the range's end fell no more than the curve
+    # The probe fits below the range's end, and a decade lower, fell no more than the curve.
+    assert len(result.probe_lrs) == 8 and result.probe_lrs[4:] == pytest.approx(
+        [min(result.probe_lrs[:4]) * 10 ** (-k / 3) for k in range(1, 5)])
     assert len([w for w in caught if issubclass(w.category, PhalanxWarning)]) == 1
 
     finder = LearningRateFinder(min_lr=1e-8, max_lr=1e-6, num_training_steps=24)

@@ -29,6 +29,7 @@ from phalanx.tuner.suggest import (
     Suggestion,
     decide,
     long_probe,
+    lower_rungs,
     next_rung,
     probe_ladder,
     probe_score,
@@ -271,8 +272,9 @@ class Tuner:
 
     def _run_probes(self, result: LRFinderResult, num_training: int, isolated: Isolated) -> None:
         """A short fit at each learning rate of the curve's probe ladder (none where no probe can help),
-        then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more, and the best
-        again, longer, where :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
+        then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more, a decade below it
+        where :func:`~phalanx.tuner.suggest.lower_rungs` asks, and the best again, longer, where
+        :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
         steps = probe_steps(num_training)
         found = suggest(result.lrs, result.raw_losses, result.mode)
         result.probe_length = steps
@@ -285,6 +287,8 @@ class Tuner:
             run(lr)
         while (rung := next_rung(found, result.probe_lrs, result.probe_scores)) is not None:
             run(rung)
+        for lr in lower_rungs(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps):
+            run(lr)
         if (again := long_probe(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
             run(again, LONG_PROBE * steps)
 

@@ -36,9 +36,12 @@ fails:
   below where the curve started, or clearly below the search's own loss on the same batches
   (:func:`fell_against`: the search's first steps run from the same state with the same batches and
   dropout masks, so batch-to-batch noise cancels in the step-by-step difference). Where none does, the
-  best runs again for ``LONG_PROBE`` times as many steps (:func:`long_probe`): a loss that sits on a
-  plateau for a while, or a learning rate that trains slowly, shows its fall later than a short probe
-  ends.
+  ladder goes on a decade lower (:func:`lower_rungs`): a search that never fell clearly often ran to
+  ``max_lr`` without blowing up, and its last decade may lie wholly above where the model learns (a
+  transformer under Adam that sits at chance for tens of steps above 1e-2 and learns at 1e-3). Where
+  none of those shows a fall either, the best runs again for ``LONG_PROBE`` times as many steps
+  (:func:`long_probe`): a loss that sits on a plateau for a while, or a learning rate that trains
+  slowly, shows its fall later than a short probe ends.
 * Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
   than the search's): the steepest slope before the lowest point, capped by the guard; none where
   the curve never fell clearly.
@@ -170,6 +173,18 @@ def next_rung(found: Suggestion, lrs: list[float], scores: list[float]) -> float
     return rung if rung <= found.lowest / GUARD * (1 + 1e-9) else None
 
 
+def lower_rungs(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+                steps: int) -> list[float]:
+    """The learning rates of ``PROBES`` more probes, a decade below the ladder (``lrs``, ``probes``: the
+    probes so far), or none: only where the curve never fell clearly, no probe shows a fall and the
+    ladder has not gone lower yet."""
+    if found.below is None or not lrs or len(lrs) != PROBES:
+        return []
+    if any(shows_fall(found, losses, search, steps) for losses in probes):
+        return []
+    return [min(lrs) * 10 ** (-k / 3) for k in range(1, PROBES + 1)]
+
+
 def probe_steps(num_training: int) -> int:
     """Steps per probe fit: a third of the search's, at least ``MIN_PROBE_STEPS``."""
     return max(MIN_PROBE_STEPS, num_training // 3)
@@ -217,7 +232,8 @@ def shows_fall(found: Suggestion, losses: list[float], search: list[float], step
 def long_probe(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
                steps: int) -> float | None:
     """The learning rate to probe again for ``LONG_PROBE * steps`` steps, or None: only where the curve
-    never fell clearly, no probe shows a fall, none ran longer yet, and one is finite (the best)."""
+    never fell clearly, no probe shows a fall (those a decade lower included), none ran longer yet, and one
+    is finite (the best)."""
     if found.below is None or any(len(losses) > steps for losses in probes):
         return None
     if any(shows_fall(found, losses, search, steps) for losses in probes):
