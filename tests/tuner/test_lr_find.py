@@ -194,7 +194,11 @@ def test_the_probe_rule() -> None:
     assert chosen.lr == 0.4 and chosen.probed and not falling.probed
     refused = decide(falling, [0.1, 0.2, 0.4], [diverged, rose, diverged], [], 4)
     assert refused.lr is None
-    assert "every probe fit below the loss curve's edge (0.1, 0.2, 0.4) diverged" in refused.reason
+    assert "no probe fit below the loss curve's edge (0.1, 0.2, 0.4) ended below where it started (2 of 3 " \
+        "diverged); the curve's steepest stretch, where they ran, was noise." in refused.reason
+    gone = decide(falling, [0.1, 0.2], [diverged, diverged], [], 4)
+    assert gone.lr is None and "every probe fit below the loss curve's edge (0.1, 0.2) diverged. Lower min_lr" \
+        in gone.reason
     # One more probe above, only where the curve was still falling and the highest so far did best.
     top = 0.01
     wide = Suggestion(top, lowest=1.0, still_falling=True, top=top)

@@ -258,7 +258,16 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
             f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}{longer}) fell "
             "clearly either."))
     if not shown:
+        diverged = sum(not all(math.isfinite(v) for v in losses) for losses in probes)
+        if diverged == len(probes):
+            return dataclasses.replace(found, lr=None, reason=(
+                f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged. "
+                "Lower min_lr and max_lr, or run more steps (num_training)."))
+        # The probes did not move: the curve's fall below them was noise (a few outlier batches make a
+        # steep stretch of a short curve), not where this model learns.
         return dataclasses.replace(found, lr=None, reason=(
-            f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged or ended "
-            "above where it started. Lower min_lr and max_lr, or run more steps (num_training)."))
+            f"No learning rate suggested: no probe fit below the loss curve's edge ({tried}) ended below where it "
+            f"started ({diverged} of {len(probes)} diverged); the curve's steepest stretch, where they ran, was "
+            "noise. Run more steps (num_training) so that each learning rate is averaged over more batches, or "
+            "raise min_lr towards where the loss starts to fall."))
     return dataclasses.replace(found, lr=min(shown)[1], reason="", probed=True)
