@@ -1,10 +1,10 @@
-"""The held-out half of the LR-finder problem families, ``HELD_OUT`` (12), beside the tuning families of
-``_lr_families.py``, ``_lr_second_set.py`` and ``_lr_fourth_set.py``: written on 2026-11-28/29, after the
-fourth set had been scored, by someone who never ran the LR finder on them nor saw its results; the rule's
-last change was chosen on the tuning families alone (it was committed while these were being written).
-Only plain fits on a learning-rate grid were run on them while they were written (to check that each
-trains, that its best loss is well above 0 and its best learning rate inside the grid, and that a fit is
-cheap); never the LR finder.
+"""The fifth set of LR-finder problem families, ``HELD_OUT`` (12): the held-out half of issue 41's second stop, in
+the tuning half since the sixth set's score chose a change (docs/trainer.md, "The suggestion"); written on
+2026-11-28/29, after the fourth set had been scored, by someone who never ran the LR finder on them nor saw its
+results; the rule's last change was chosen on the tuning families alone (it was committed while these were being
+written). Only plain fits on a learning-rate grid were run on them while they were written (to check that each
+trains, that its best loss is well above 0 and its best learning rate inside the grid, and that a fit is cheap);
+never the LR finder.
 
 None repeats an earlier family's data, model and optimizer. Between them: Adam (2), AdamW (3), plain SGD (2),
 SGD with momentum 0.9 (2), NAdam (1), Adamax (1) and RAdam (1); binary and multi-class classification (a

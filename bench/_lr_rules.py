@@ -129,7 +129,7 @@ def phalanx_now(curve: Curve) -> float | None:
     the curve was still falling, and then up to 2 more above while the highest does best, within half
     the lowest point's; a quarter of the last learning rate where it never fell clearly, a probe
     suggested there only if it fell below where the curve started or below the search on the same
-    batches, else the best again for twice as many steps)."""
+    batches, else 4 more a decade lower, else the best again for twice as many steps)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a refusal is counted, its message is for users
         return curve.result.suggestion()

@@ -1,8 +1,8 @@
-"""The seventh set of LR-finder problem families, ``SEVENTH_SET`` (12), meant to be held out for a later rule:
-written on 2026-11-29, after the sixth set, by someone who never ran the LR finder on them nor saw any of its
-results or logs. Only plain fits on the learning-rate grid (and the initial loss) were run on them while they were
-written, to check that each trains, that its best loss stays well above 0, that its best learning rate lies inside
-the grid for most seeds and that a fit is cheap; never the LR finder.
+"""The seventh set of LR-finder problem families, ``SEVENTH_SET`` (12), the held-out half: written on 2026-11-29,
+after the sixth set, by someone who never ran the LR finder on them nor saw any of its results or logs. Only plain
+fits on the learning-rate grid (and the initial loss) were run on them while they were written, to check that each
+trains, that its best loss stays well above 0, that its best learning rate lies inside the grid for most seeds and
+that a fit is cheap; never the LR finder.
 
 None repeats an earlier family's data, model and optimizer. Between them: Adam (1), Adam with AMSGrad (1), AdamW
 (1), plain SGD (2), SGD with momentum 0.9 (1, and 1 more with weight decay), SGD with Nesterov momentum 0.9 (1),

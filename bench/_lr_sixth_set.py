@@ -1,9 +1,9 @@
-"""The sixth set of LR-finder problem families, ``SIXTH_SET`` (12), in the held-out half beside the fifth
-(``_lr_held_out.py``): written on 2026-11-29, after the suggestion rule was last changed, by someone who never ran
-the LR finder on them nor saw any of its results or logs. Only plain fits on the learning-rate grid (and the
-initial loss) were run on them while they were written, to check that each trains, that its best loss stays well
-above 0, that its best learning rate lies inside the grid for most seeds and that a fit is cheap; never the LR
-finder.
+"""The sixth set of LR-finder problem families, ``SIXTH_SET`` (12), in the tuning half since its first score chose a
+change of the rule (the decade lower); written on 2026-11-29, after the suggestion rule was last changed, by
+someone who never ran the LR finder on them nor saw any of its results or logs. Only plain fits on the
+learning-rate grid (and the initial loss) were run on them while they were written, to check that each trains,
+that its best loss stays well above 0, that its best learning rate lies inside the grid for most seeds and that a
+fit is cheap; never the LR finder.
 
 None repeats an earlier family's data, model and optimizer. Between them: AdamW (2), Adam (1), plain SGD (2),
 SGD with momentum 0.9 and weight decay (1), SGD with Nesterov momentum 0.9 (1), RMSprop (1), Adagrad (1),
