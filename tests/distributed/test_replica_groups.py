@@ -283,6 +283,8 @@ def test_sigterm_to_one_group_stops_it_with_a_checkpoint_and_the_others_finish_t
                       out)
     assert saved, out[-4000:]
     stopped = int(saved[1])
+    assert "Replica groups that were not preempted go on without this one; once every group has stopped, run the " \
+        "same command again to resume from it." in out, out[-4000:]
     assert f"[phalanx] replica group 1 left at step {stopped}; 2 of 3 groups continue" in out, out[-4000:]
     assert "[phalanx] replica group 1 stopped for a preemption; groups 0, 2 finished the job." in out, out[-4000:]
     checkpoint = torch.load(tmp_path / saved[2], weights_only=True)

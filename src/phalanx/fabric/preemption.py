@@ -75,8 +75,11 @@ class Preemption:
                            "fabric.save returned before exit_preempted)")
             elif self._strategy.global_rank == 0:
                 resume += self._record(PreemptedRun.now(checkpoint_path, step, cause))
-        message = (f"preempted{where} by {cause}; {saved}{took}. Run the same command again{resume}."
-                   + restarts.logs_named())
+        # A replica group cannot know whether the others were preempted too: those that were not go on.
+        after = ("Replica groups that were not preempted go on without this one; once every group has stopped, run "
+                 "the same command again" if self._strategy.replica_groups is not None else
+                 "Run the same command again")
+        message = f"preempted{where} by {cause}; {saved}{took}. {after}{resume}." + restarts.logs_named()
         error = Preempted(message)
         record_failure(error)  # what torch's launcher (and phalanx's) quotes for this rank
         if self._strategy.global_rank == 0:
