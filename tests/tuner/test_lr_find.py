@@ -195,7 +195,7 @@ def test_the_probe_rule() -> None:
     refused = decide(falling, [0.1, 0.2, 0.4], [diverged, rose, diverged], [], 4)
     assert refused.lr is None
     assert "no probe fit below the loss curve's edge (0.1, 0.2, 0.4) ended below where it started (2 of 3 " \
-        "diverged); the curve's steepest stretch, where they ran, was noise." in refused.reason
+        "diverged): where they ran, the loss does not fall at a constant learning rate." in refused.reason
     gone = decide(falling, [0.1, 0.2], [diverged, diverged], [], 4)
     assert gone.lr is None and "every probe fit below the loss curve's edge (0.1, 0.2) diverged. Lower min_lr" \
         in gone.reason

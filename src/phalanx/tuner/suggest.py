@@ -263,11 +263,11 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
             return dataclasses.replace(found, lr=None, reason=(
                 f"No learning rate suggested: every probe fit below the loss curve's edge ({tried}) diverged. "
                 "Lower min_lr and max_lr, or run more steps (num_training)."))
-        # The probes did not move: the curve's fall below them was noise (a few outlier batches make a
-        # steep stretch of a short curve), not where this model learns.
+        # Where a few outlier batches made a short curve look steep, the probes ran where the loss does not move.
         return dataclasses.replace(found, lr=None, reason=(
             f"No learning rate suggested: no probe fit below the loss curve's edge ({tried}) ended below where it "
-            f"started ({diverged} of {len(probes)} diverged); the curve's steepest stretch, where they ran, was "
-            "noise. Run more steps (num_training) so that each learning rate is averaged over more batches, or "
-            "raise min_lr towards where the loss starts to fall."))
+            f"started ({diverged} of {len(probes)} diverged): where they ran, the loss does not fall at a constant "
+            "learning rate. Run more steps (num_training) so that each learning rate is averaged over more batches "
+            "(a few outlier batches make a short curve look steep where it is not), or narrow the range (min_lr, "
+            "max_lr) towards where the loss starts to fall."))
     return dataclasses.replace(found, lr=min(shown)[1], reason="", probed=True)
