@@ -1,6 +1,5 @@
 """The first problem families the suggestion rule of ``bench/lr_finder.py`` was chosen and tuned on
-(``TUNING``, 25; ``_lr_second_set.py`` and ``_lr_fourth_set.py`` hold 12 more each); the half it never saw is
-in ``_lr_held_out.py``.
+(``TUNING``, 25; the other sets, and which of them is held out, are listed in ``bench/lr_finder.py``).
 
 The first 13: seed 002's script, five problems issue 33's rule saw (one of them now with BatchNorm and
 momentum), then issue 33's other problems and variants. The next 12 were the first held-out half: six

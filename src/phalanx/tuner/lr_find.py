@@ -181,11 +181,12 @@ class Tuner:
         initial state at constant learning rates inside the bracket (a third of a decade apart, the
         highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
         3)`` steps each), up to two more above them where the curve was still falling and the highest
-        did best, the best again for twice as many steps where the curve never fell clearly and no probe
-        showed a fall; the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`).
-        With ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the
-        suggestion and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the
-        curve gives none, a warning says why and what to change, and the attribute stays."""
+        did best; where the curve never fell clearly and no probe showed a fall, four more a decade lower
+        and then the best again for twice as many steps; the suggestion is the one whose loss ends lowest
+        (:mod:`phalanx.tuner.suggest`). With ``update_attr=True`` sets ``model.lr``/``model.learning_rate``
+        (or ``attr_name``) to the suggestion and, inside a fit, rebuilds the optimizer from
+        ``configure_optimizers``; when the curve gives none, a warning says why and what to change, and
+        the attribute stays."""
         if method != "fit":
             raise MisconfigurationError(f"lr_find(method={method!r}): the LR range test trains; use method='fit'.")
         if dataloaders is not None:

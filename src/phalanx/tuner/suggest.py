@@ -178,9 +178,7 @@ def lower_rungs(found: Suggestion, lrs: list[float], probes: list[list[float]], 
     """The learning rates of ``PROBES`` more probes, a decade below the ladder (``lrs``, ``probes``: the
     probes so far), or none: only where the curve never fell clearly, no probe shows a fall and the
     ladder has not gone lower yet."""
-    if found.below is None or not lrs or len(lrs) != PROBES:
-        return []
-    if any(shows_fall(found, losses, search, steps) for losses in probes):
+    if len(lrs) != PROBES or not none_shown(found, probes, search, steps):
         return []
     return [min(lrs) * 10 ** (-k / 3) for k in range(1, PROBES + 1)]
 
@@ -229,14 +227,18 @@ def shows_fall(found: Suggestion, losses: list[float], search: list[float], step
     return score < found.below or (len(losses) <= steps and fell_against(losses, search))
 
 
+def none_shown(found: Suggestion, probes: list[list[float]], search: list[float], steps: int) -> bool:
+    """Whether the curve ``found`` never fell clearly and none of ``probes`` shows a fall either: where the
+    probes look further (:func:`lower_rungs`, :func:`long_probe`)."""
+    return found.below is not None and not any(shows_fall(found, losses, search, steps) for losses in probes)
+
+
 def long_probe(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
                steps: int) -> float | None:
     """The learning rate to probe again for ``LONG_PROBE * steps`` steps, or None: only where the curve
     never fell clearly, no probe shows a fall (those a decade lower included), none ran longer yet, and one
     is finite (the best)."""
-    if found.below is None or any(len(losses) > steps for losses in probes):
-        return None
-    if any(shows_fall(found, losses, search, steps) for losses in probes):
+    if any(len(losses) > steps for losses in probes) or not none_shown(found, probes, search, steps):
         return None
     scored = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes)]
     finite = [(score, lr) for score, lr in scored if math.isfinite(score)]
