@@ -127,7 +127,8 @@ def phalanx_now(curve: Curve) -> float | None:
     search ran inside the curve's bracket (4, a third of a decade apart, max(15, num_training // 3)
     steps each, the highest at half the lowest point's learning rate, or at the steepest point where
     the curve was still falling, and then up to 2 more above while the highest does best, within half
-    the lowest point's; a quarter of the last learning rate where it never fell clearly, a probe
+    the lowest point's, or below while the lowest does best clearly; a quarter of where the curve rose
+    clearly after its lowest point, or of the last learning rate, where it never fell clearly, a probe
     suggested there only if it fell below where the curve started or below the search on the same
     batches, else 4 more a decade lower, else the best again for twice as many steps)."""
     with warnings.catch_warnings():

@@ -33,6 +33,7 @@ from phalanx.tuner.suggest import (
     probe_ladder,
     probe_score,
     probe_steps,
+    rung_below,
     suggest,
 )
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
@@ -176,6 +177,19 @@ def test_probes_leave_no_trace_a_fit_afterwards_is_the_fit_without_the_search() 
     assert torch.equal(searched, fit(Linear(lr=0.3), 0))
 
 
+def test_the_steepest_point_lies_in_the_fall_into_the_lowest_point_not_in_a_dip_of_outlier_batches() -> None:
+    """A few outlier batches early in a heavy-tailed search make a dip steeper than the true fall, which comes
+    decades later; the curve climbs back above where it started in between, so the dip is noise."""
+    lrs = [10 ** (-6 + k / 8) for k in range(49)]
+    losses = [2.0] * 49
+    losses[8:14] = [1.0, 0.8, 0.8, 0.8, 0.8, 1.0]  # the dip: steeper than the fall, two decades below it
+    losses[14:17] = [2.3, 2.2, 2.1]
+    losses[30:41] = [2.0 - 0.15 * k for k in range(11)]  # the fall into the lowest point
+    losses[41:] = [0.6 + 0.4 * k for k in range(8)]
+    found = suggest(lrs, losses, "exponential")
+    assert found.steepest is not None and lrs[30] <= found.steepest <= lrs[40]
+
+
 def test_the_probe_rule() -> None:
     assert probe_ladder(Suggestion(0.1, top=0.1)) == pytest.approx([0.1 / 10 ** (k / 3) for k in (3, 2, 1, 0)])
     assert probe_ladder(Suggestion(None)) == []  # too few points: no probe can help
@@ -209,6 +223,18 @@ def test_the_probe_rule() -> None:
     assert next_rung(turned, [turned.lowest / 2], [0.1]) is None  # the curve turned up: the guard is the top
     near = Suggestion(top, lowest=top * 3, still_falling=True, top=top)
     assert next_rung(near, [top], [0.1]) is None  # a third of a decade up would pass the guard (lowest / 2)
+    # One more below, only where the lowest did best, and clearly, on the same batches, than the rung above it.
+    ladder = probe_ladder(falling)
+    fast, slow_ = [1.0, 0.8, 0.6, 0.5, 0.45, 0.4, 0.38, 0.35], [1.0, 0.9, 0.8, 0.75, 0.7, 0.66, 0.63, 0.6]
+    assert rung_below(falling, ladder, [fast, slow_, slow_, slow_], [], 8) == pytest.approx(ladder[0] * 10 ** (-1 / 3))
+    assert rung_below(falling, ladder, [fast, diverged, diverged, diverged], [], 8) == pytest.approx(
+        ladder[0] * 10 ** (-1 / 3))  # the one above diverged: as clear as it gets
+    assert rung_below(falling, ladder, [slow_, fast, slow_, slow_], [], 8) is None  # the lowest did not do best
+    jitter = [v * (1 + 0.02 * (-1) ** k) for k, v in enumerate(fast)]
+    assert rung_below(falling, ladder, [[v * 0.999 for v in fast], jitter, slow_, slow_], [], 8) is None  # noise
+    two_down = [ladder[0] * 10 ** (-k / 3) for k in (2, 1)] + ladder
+    assert rung_below(falling, two_down[1:], [fast, slow_, slow_, slow_, slow_], [], 8) == pytest.approx(two_down[0])
+    assert rung_below(falling, two_down, [fast] + [slow_] * 5, [], 8) is None  # 2 extra at most
     # A curve that never fell clearly: a probe must show the fall, below where the curve started (``below``)
     # or below the search's own loss on the same batches (batch noise cancels step by step).
     search = [1.0, 1.2, 0.8, 1.1, 0.9, 1.3, 0.7, 1.0]
@@ -230,6 +256,12 @@ def test_the_probe_rule() -> None:
     deeper = ladder + lower_rungs(flat, ladder, [noisy] * 4, search, 8)
     assert lower_rungs(flat, deeper, [noisy] * 8, search, 8) == []  # a decade lower once
     assert decide(flat, deeper, [noisy] * 7 + [trained], search, 8).lr == deeper[-1]  # shown a decade lower
+    assert rung_below(flat, deeper, [noisy] * 7 + [trained], search, 8) is None  # ahead of noisy only by noise
+    untrained = [v * 1.1 for v in search]
+    assert rung_below(flat, deeper, [noisy] * 6 + [untrained, trained], search, 8) == pytest.approx(
+        deeper[-1] * 10 ** (-1 / 3))
+    lowest_two = deeper + [deeper[-1] * 10 ** (-k / 3) for k in (1, 2)]  # the decade lower's 4 are not extra ones
+    assert rung_below(flat, lowest_two, [noisy] * 8 + [untrained, trained], search, 8) is None
     assert long_probe(flat, [0.1, 0.25], [noisy, [1.0, math.inf]], search, 8) == 0.1
     assert long_probe(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8) is None  # one shows the fall
     assert long_probe(falling, [0.1], [noisy], search, 8) is None  # the curve fell: the probes decide
@@ -238,7 +270,7 @@ def test_the_probe_rule() -> None:
     assert decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8).lr == 0.1
     still = decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], [1.0] * 15 + [0.99]], search, 8)
     assert still.lr is None and still.reason == (
-        "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of the last learning "
-        "rate or below (0.1, 0.25, 0.1; the best again for 2x as many steps) fell clearly either.")
+        "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of where the loss rose "
+        "or the search ended, or below (0.1, 0.25, 0.1; the best again for 2x as many steps), fell clearly either.")
     out = decide(flat, [0.1, 0.25], [[1.0, math.inf], [1.0, math.inf]], search, 8)  # nothing finite: none longer
-    assert out.lr is None and out.reason.endswith("rate or below (0.1, 0.25) fell clearly either.")
+    assert out.lr is None and out.reason.endswith("or below (0.1, 0.25), fell clearly either.")

@@ -146,6 +146,18 @@ def test_a_curve_that_never_descends_gets_no_suggestion_and_says_what_to_do(tmp_
         assert rising.suggestion(skip_begin=10, skip_end=3) is None
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_curve_that_never_fell_but_blew_up_is_probed_below_where_it_rose_not_where_the_search_ended(
+        seed: int) -> None:
+    """Flat and noisy until it blows up past 10**-1.5, and the 30-step search ran on to max_lr (its early stop
+    watches a moving average that trails the blow-up): the probes' top is a quarter of where the curve first
+    rose clearly, not a quarter of 1."""
+    blown = range_test(30, noise=0.1, seed=seed, centre=0.0, edge=-1.5, descent=False)
+    found = suggest(blown.lrs, blown.raw_losses, blown.mode)
+    assert found.lr is None and found.top is not None and blown.lrs[-1] == 1.0
+    assert 10**-1.5 <= 4 * found.top <= 10**-1  # the first lr 4 standard errors above the start
+
+
 def test_without_a_suggestion_lr_find_and_the_callback_keep_the_learning_rate() -> None:
     """A range far below where this model learns: nothing to suggest, said once, and the fit goes on
     with the learning rate the model had."""

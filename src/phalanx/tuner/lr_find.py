@@ -34,6 +34,7 @@ from phalanx.tuner.suggest import (
     probe_ladder,
     probe_score,
     probe_steps,
+    rung_below,
     suggest,
 )
 from phalanx.utils.diagnostics import warn
@@ -181,8 +182,9 @@ class Tuner:
         initial state at constant learning rates inside the bracket (a third of a decade apart, the
         highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
         3)`` steps each), up to two more above them where the curve was still falling and the highest
-        did best; where the curve never fell clearly and no probe showed a fall, four more a decade lower
-        and then the best again for twice as many steps; the suggestion is the one whose loss ends lowest
+        did best, or below them where the lowest did best clearly; where the curve never fell clearly and
+        no probe showed a fall, four more a decade lower and then the best again for twice as many steps;
+        the suggestion is the one whose loss ends lowest
         (:mod:`phalanx.tuner.suggest`). With ``update_attr=True`` sets ``model.lr``/``model.learning_rate``
         (or ``attr_name``) to the suggestion and, inside a fit, rebuilds the optimizer from
         ``configure_optimizers``; when the curve gives none, a warning says why and what to change, and
@@ -274,7 +276,8 @@ class Tuner:
     def _run_probes(self, result: LRFinderResult, num_training: int, isolated: Isolated) -> None:
         """A short fit at each learning rate of the curve's probe ladder (none where no probe can help),
         then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more, a decade below it
-        where :func:`~phalanx.tuner.suggest.lower_rungs` asks, and the best again, longer, where
+        where :func:`~phalanx.tuner.suggest.lower_rungs` asks, below it while
+        :func:`~phalanx.tuner.suggest.rung_below` asks for one more, and the best again, longer, where
         :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
         steps = probe_steps(num_training)
         found = suggest(result.lrs, result.raw_losses, result.mode)
@@ -290,6 +293,8 @@ class Tuner:
             run(rung)
         for lr in lower_rungs(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps):
             run(lr)
+        while (below := rung_below(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
+            run(below)
         if (again := long_probe(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
             run(again, LONG_PROBE * steps)
 

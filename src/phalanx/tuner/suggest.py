@@ -26,11 +26,17 @@ fails:
   The top: the guard where the curve turned up; the steepest point, if lower, where it was still
   falling at its end (such a search never reached the edge, and a short probe above its steepest
   point favours a learning rate that momentum later makes unstable); and where the curve never fell
-  clearly (a noisy loss, or one that stays flat until it blows up), a ``END_GUARD``-th of the last
-  learning rate the search reached.
+  clearly (a noisy loss, or one that stays flat until it blows up), a ``END_GUARD``-th of where it
+  first rose ``NOISE_MULTIPLE`` standard errors above its start after its lowest point (the moving
+  average the early stop watches trails a blow-up), or of the last learning rate the search reached
+  where it never did.
+* The steepest point is looked for in the fall into the lowest point (:func:`final_descent`): a dip
+  that climbs back above where the curve started is a few outlier batches, however steep.
 * Where the curve was still falling and the top probe did best, the optimum may lie above it: up to
   ``EXTRA_PROBES`` more, a third of a decade higher each, while the newest does best, never above
-  the guard (:func:`next_rung`).
+  the guard (:func:`next_rung`). Where the lowest probe did best, and clearly so against the rung above
+  it on the same batches, the optimum may lie below it: as many more, a third of a decade lower each
+  (:func:`rung_below`).
 * Where the curve never fell clearly, a probe is suggested only if it shows the fall the curve could
   not (:func:`shows_fall`): it ended ``PROBE_NOISE_MULTIPLE`` standard errors (of the curve's noise)
   below where the curve started, or clearly below the search's own loss on the same batches
@@ -43,8 +49,8 @@ fails:
   (:func:`long_probe`): a loss that sits on a plateau for a while, or a learning rate that trains
   slowly, shows its fall later than a short probe ends.
 * Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
-  than the search's): the steepest slope before the lowest point, capped by the guard; none where
-  the curve never fell clearly.
+  than the search's): the steepest slope of the fall into the lowest point, capped by the guard; none
+  where the curve never fell clearly.
 """
 
 from __future__ import annotations
@@ -59,9 +65,9 @@ MIN_POINTS = 8  # fewer finite losses leave no starting level and noise to measu
 NOISE_MULTIPLE = 4.0  # how many standard errors below the start the lowest point must lie
 WIDTH_FRACTION = 1 / 30  # the smoothing kernel's standard deviation, as a fraction of the points
 GUARD = 2.0  # a suggestion lies at or below the lowest point's learning rate divided by this
-END_GUARD = 4.0  # ... or, on a curve that never fell clearly, at or below the last learning rate / this
+END_GUARD = 4.0  # ... or, on a curve that never fell clearly, at or below its edge (where it rose, or ended) / this
 PROBES = 4  # probe fits, a third of a decade apart: together they span a decade below the top
-EXTRA_PROBES = 2  # more above the top, where the curve was still falling and the highest probe did best
+EXTRA_PROBES = 2  # more past an end of the ladder whose probe did best: above (a still-falling curve), or below
 PROBE_NOISE_MULTIPLE = 2.0  # a probe's fall, in standard errors, that stands in for the curve's
 MIN_PROBE_FALL = 0.01  # ... and, against the search on the same batches, at least this (relative) fall
 LONG_PROBE = 2  # where no probe of a curve that never fell clearly shows a fall, the best runs this much longer
@@ -135,21 +141,38 @@ def suggest(lrs: list[float], losses: list[float], mode: str, skip_begin: int = 
             return f"{100 * (1 - math.exp(-max(v, 0.0))):.1f}%" if log_scale else f"{max(v, 0.0):.3g}"
 
         below = start - PROBE_NOISE_MULTIPLE * error
+        # The search's early stop watches a moving average that trails the curve, so a short search runs on
+        # past where its loss blew up: the edge is where the curve first rose clearly above its start after
+        # its lowest point, and only where it never did, the last learning rate the search reached.
+        risen = (curve[low:] >= start + NOISE_MULTIPLE * error).nonzero()
+        edge = looked_at[low + int(risen[0])] if len(risen) else looked_at[-1]
         return Suggestion(None, (
             f"No learning rate suggested: the loss never fell clearly below where it started (it fell at most "
             f"{amount(fall if low > 0 else 0.0)}; with this much noise a fall takes {amount(NOISE_MULTIPLE * error)}). "
             "Widen the range (lower min_lr if the loss was already falling at the start, higher max_lr if it never "
             f"started to fall) or run more steps (num_training; this search ran {len(lrs)}), so that each learning "
             "rate is averaged over more batches."), looked_at, smoothed,
-            top=looked_at[-1] / END_GUARD, below=math.exp(below) if log_scale else below)
+            top=edge / END_GUARD, below=math.exp(below) if log_scale else below)
     spacing = x[:low + 1].log() if mode == "exponential" else x[:low + 1]
     slope = torch.gradient(curve[:low + 1], spacing=(spacing,))[0]
     # The last two smoothing widths: within them the centred curve has no turn it could still show.
     still_falling = low >= len(y) - max(2, round(2 * width))
-    steepest, lowest = looked_at[int(slope.argmin())], looked_at[low]
+    descent = final_descent(curve[:low + 1], start)
+    steepest, lowest = looked_at[descent + int(slope[descent:].argmin())], looked_at[low]
     lr = min(steepest, lowest / GUARD)
     return Suggestion(lr, "", looked_at, smoothed, steepest, lowest, still_falling,
                       top=lr if still_falling else lowest / GUARD)
+
+
+def final_descent(curve: torch.Tensor, start: float) -> int:
+    """Where the fall into the lowest point (the last of ``curve``) begins: the last point at or above the
+    starting level ``start`` that the curve rose into, or 0. A dip that climbs back above where the curve
+    started is noise (a few outlier batches), not the fall: its slope can be the steepest of the curve
+    while the loss only falls decades later. A curve that falls from its first point rises into none, and
+    its steepest point may lie anywhere."""
+    rose = torch.cat([torch.tensor([False]), curve[1:-1] >= curve[:-2]])
+    above = ((curve[:-1] >= start) & rose).nonzero()
+    return int(above[-1]) if len(above) else 0
 
 
 def probe_ladder(found: Suggestion) -> list[float]:
@@ -171,6 +194,29 @@ def next_rung(found: Suggestion, lrs: list[float], scores: list[float]) -> float
         return None
     rung = max(lrs) * 10 ** (1 / 3)
     return rung if rung <= found.lowest / GUARD * (1 + 1e-9) else None
+
+
+def rung_below(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+               steps: int) -> float | None:
+    """The learning rate of one more probe below those tried (``lrs``, ``probes``), or None: only where the
+    lowest probe shows a fall, ended lowest of those that do and clearly below the probe a rung above it on
+    the same batches (:func:`fell_against`; or that one diverged), and fewer than ``EXTRA_PROBES`` were added
+    below the ladder (the decade lower apart: :func:`lower_rungs`). The mirror of :func:`next_rung`: the
+    ladder spans a decade below the curve's bracket, and where its lowest rung does best the fit's optimum may
+    lie further down (an autoencoder or a transformer under Adam whose short curve shows no clear edge). A
+    lead within the batches' noise is no trend: on a plateau the short probes all end alike."""
+    shown = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
+    if len(lrs) < 2 or not shown or min(shown)[1] != min(lrs):
+        return None
+    order = sorted(range(len(lrs)), key=lambda k: lrs[k])
+    lowest, above = probes[order[0]], probes[order[1]]
+    if all(math.isfinite(v) for v in above) and not fell_against(lowest, above):
+        return None
+    bottom = min(probe_ladder(found)) * (1 - 1e-9)
+    added = sum(lr < bottom for lr in lrs)
+    if added >= PROBES:  # the decade lower ran: its rungs are the ladder's, not extra ones
+        added -= PROBES
+    return min(lrs) * 10 ** (-1 / 3) if added < EXTRA_PROBES else None
 
 
 def lower_rungs(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
@@ -257,8 +303,8 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
     if found.below is not None and not shown:
         longer = f"; the best again for {LONG_PROBE}x as many steps" if any(len(p) > steps for p in probes) else ""
         return dataclasses.replace(found, reason=(
-            f"{found.reason} No probe fit at a quarter of the last learning rate or below ({tried}{longer}) fell "
-            "clearly either."))
+            f"{found.reason} No probe fit at a quarter of where the loss rose or the search ended, or below "
+            f"({tried}{longer}), fell clearly either."))
     if not shown:
         diverged = sum(not all(math.isfinite(v) for v in losses) for losses in probes)
         if diverged == len(probes):
