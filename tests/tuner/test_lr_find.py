@@ -122,6 +122,42 @@ def test_a_curve_that_turned_up_is_probed_below_half_its_lowest_point() -> None:
     assert result.suggestion() == result.probe_lrs[result.probe_scores.index(min(result.probe_scores))]
 
 
+HOOKS: list[str] = []  # outside the module: the search puts the module's own attributes back
+
+
+class Frozen(Linear):
+    """Linear whose configure_gradient_clipping zeroes every gradient (and whose other step hooks are counted):
+    trained the way its hooks say, it never moves."""
+
+    def on_after_backward(self) -> None:
+        HOOKS.append("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        HOOKS.append("on_before_optimizer_step")
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        HOOKS.append("configure_gradient_clipping")
+        for p in self.parameters():
+            assert p.grad is not None
+            p.grad.zero_()
+
+
+def test_the_search_steps_the_way_the_modules_hooks_say_as_the_fit_does() -> None:
+    """Lightning's place for custom clipping is the Module's configure_gradient_clipping: a search that skipped
+    it would measure another training than the fit's. Every batch here is the same sample, so the loss moves
+    only if the weights do."""
+    x, y = torch.ones(64, 16), torch.ones(64, 1)
+    HOOKS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data loader's worker hint; the flat curve's refusal
+        result = Tuner(trainer(max_epochs=1)).lr_find(
+            Frozen(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32), num_training=10,
+            probe=False, update_attr=False)
+    assert len(result.raw_losses) == 10 and len(set(result.raw_losses)) == 1  # the weights never moved
+    assert HOOKS == ["on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"] * 10
+
+
 class TanhRegressor(Linear):
     """A tanh MLP 8-32-32-1 on y = sin(x.a) + cos(x.b) / 2, plain SGD: in batches of 32 its loss varies so much from
     batch to batch that a 30-step search never shows a clear fall, until the last points."""

@@ -23,6 +23,7 @@ Trainer's :class:`~phalanx.trainer.logger_connector.LoggerConnector`, which the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from itertools import count, repeat
@@ -111,35 +112,45 @@ def start_epoch(fabric: Any, loader: Any, epoch: int) -> Iterator[Any]:
 def micro_batch(
     trainer: TrainerAttributes, batch: Any, batch_idx: int, window_size: int, boundary: bool, step: Any = None
 ) -> tuple[Any, Any]:
-    """Forward and backward of one micro-batch; returns training_step's output and its loss. ``step``:
-    ``trainer.model.training_step`` looked up once by the caller (it is a redirect through the strategy's
-    forward that finds the method at each call)."""
+    """Forward and backward of one micro-batch (the tuners' steps), with the Module's own
+    ``on_before_backward``/``on_after_backward`` and no callback's; returns training_step's output and its
+    loss. ``step``: ``trainer.model.training_step`` looked up once by the caller (it is a redirect through
+    the strategy's forward that finds the method at each call)."""
     fabric, model = trainer.fabric, trainer.model
     if step is None:
         step = model.training_step
-    if boundary:  # the common case (no accumulation): no sync-control context at all
+    with contextlib.nullcontext() if boundary else fabric.no_backward_sync(model, enabled=True):
         output = step(batch, batch_idx)
         loss = loss_of(output)
-        fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
-        return output, loss
-    with fabric.no_backward_sync(model, enabled=True):
-        output = step(batch, batch_idx)
-        loss = loss_of(output)
-        fabric.backward(loss / window_size if window_size > 1 else loss, model=model)
+        scaled = loss / window_size if window_size > 1 else loss
+        _module_hook(trainer, "on_before_backward", scaled)
+        fabric.backward(scaled, model=model)
+        _module_hook(trainer, "on_after_backward")
     return output, loss
 
 
 def optimizer_step(trainer: TrainerAttributes, optimizer: Any) -> None:
-    """One real step without hooks (the tuners' steps): clipping, the optimizer's step, zero_grad. The
-    Trainer's own steps, with Lightning's hooks, are :func:`phalanx.trainer.stepping.train_batch`."""
+    """One real step without callbacks or counting (the tuners' steps): the Module's own
+    ``on_before_optimizer_step`` and ``configure_gradient_clipping`` (with the Trainer's clipping settings),
+    the optimizer's step, zero_grad. A Module's hooks shape the update a fit makes (clipping, a gradient
+    edited after backward), so a search without them would measure another training; callbacks observe
+    and are left out. The Trainer's own steps, with Lightning's whole hook protocol, are
+    :func:`phalanx.trainer.stepping.train_batch`."""
+    module = trainer.module
+    _module_hook(trainer, "on_before_optimizer_step", optimizer)
     value, algorithm = trainer.settings.gradient_clip_val, trainer.settings.gradient_clip_algorithm
-    if value is not None:
-        if algorithm == "norm":
-            trainer.fabric.clip_gradients(trainer.model, optimizer, max_norm=value, error_if_nonfinite=False)
-        else:
-            trainer.fabric.clip_gradients(trainer.model, optimizer, clip_val=value)
+    if value or overrides(module, "configure_gradient_clipping") or overrides(module, "clip_gradients"):
+        module.configure_gradient_clipping(optimizer, value, algorithm)
     optimizer.step()
+    _module_hook(trainer, "on_before_zero_grad", optimizer)
     optimizer.zero_grad(set_to_none=True)
+
+
+def _module_hook(trainer: TrainerAttributes, name: str, *args: Any) -> None:
+    """The Module's ``name(*args)`` where it overrides it (the defaults do nothing)."""
+    module = trainer.module
+    if overrides(module, name):
+        getattr(module, name)(*args)
 
 
 def _takes_dataloader_idx(method: Any) -> bool:

@@ -367,7 +367,7 @@ def as_outputs(output: Any) -> Any:
 def _forward_backward(plan: StepPlan, batch: Any, batch_idx: int, window_size: int) -> tuple[Any, torch.Tensor]:
     """Forward and backward of one micro-batch with Lightning's hooks around the module's (overridable)
     ``backward``; returns training_step's output and its loss. (The LR finder uses
-    ``loops.micro_batch``, which calls no hooks.)"""
+    ``loops.micro_batch``, which calls the Module's hooks and no callback's.)"""
     output = plan.training_step(batch, batch_idx)
     # (The usual return, a scalar loss tensor, without a call: this runs for every micro-batch.)
     loss = output if type(output) is torch.Tensor and output.numel() == 1 else loss_of(output)

@@ -371,11 +371,13 @@ class Trainer(TrainerAttributes):
 
     def training_micro_batch(self, batch: Any, batch_idx: int, window_size: int, boundary: bool) -> tuple[Any, Any]:
         """Forward and backward of one training micro-batch through the set-up model (gradient sync skipped
-        inside a window), without hooks; returns ``training_step``'s output and its loss."""
+        inside a window), with the Module's own backward hooks and no callback's; returns ``training_step``'s
+        output and its loss."""
         return loops.micro_batch(self, batch, batch_idx, window_size, boundary)
 
-    def optimizer_step_without_hooks(self, optimizer: Any) -> None:
-        """One real optimizer step without hooks or counting: the Trainer's clipping, ``step``, ``zero_grad``."""
+    def optimizer_step_without_callbacks(self, optimizer: Any) -> None:
+        """One real optimizer step without callbacks or counting: the Module's own ``on_before_optimizer_step``
+        and ``configure_gradient_clipping`` (the Trainer's clipping settings), ``step``, ``zero_grad``."""
         loops.optimizer_step(self, optimizer)
 
     def run_evaluation(self, stage: str, loaders: list[Any], limit: int | float) -> list[dict[str, float]]:

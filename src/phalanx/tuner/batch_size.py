@@ -89,7 +89,7 @@ def _trial(trainer: TunedTrainer, method: str, steps: int) -> None:
         for batch_idx, batch, size, boundary in t.training_windows(0):
             t.training_micro_batch(batch, batch_idx, size, boundary)
             if boundary:
-                t.optimizer_step_without_hooks(optimizer)
+                t.optimizer_step_without_callbacks(optimizer)
                 done += 1
                 if done >= steps:
                     break

@@ -363,7 +363,7 @@ class Tuner:
                 window_losses.append(loss.detach().reshape(()).float())
                 if not boundary:
                     continue
-                t.optimizer_step_without_hooks(optimizer)
+                t.optimizer_step_without_callbacks(optimizer)
                 mean = float(t.fabric.all_reduce(torch.stack(window_losses).mean(), reduce_op="mean"))
                 window_losses = []
                 step += 1
