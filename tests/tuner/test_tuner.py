@@ -47,6 +47,23 @@ def test_early_stop_on_divergence_and_linear_mode() -> None:
     assert linear.lrs == pytest.approx([0.01, 0.0325, 0.055, 0.0775, 0.1])
 
 
+def test_batch_noise_does_not_stop_the_search_before_the_rule_has_its_points() -> None:
+    """Batches of 2 where one sample in 16 has a target of 30 and the rest 0, the second batch among them: a
+    batch's loss is 0.1 or 440, so the moving average, one batch at first, crosses 4x its lowest at lr 1e-8 on
+    noise alone. The early stop waits for the 8 losses the suggestion needs; a real blow-up still ends it."""
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.where(torch.arange(64) % 16 == 2, 30.0, 0.0).double().unsqueeze(1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    trainer = phalanx.Trainer(max_epochs=1, **quiet())
+    result = Tuner(trainer).lr_find(Regressor(optimizer="sgd"), train_dataloaders=data, min_lr=1e-8, max_lr=1e-6,
+                                    num_training=30, update_attr=False, probe=False)
+    assert result.losses[1] > 4 * result.losses[0]  # where the search stopped before
+    assert len(result.lrs) == 30  # nothing diverges at 1e-8 ... 1e-6
+    blown = Tuner(trainer).lr_find(Regressor(optimizer="sgd"), train_dataloaders=data, min_lr=1e-3, max_lr=1e6,
+                                   num_training=60, update_attr=False, probe=False)
+    assert 8 <= len(blown.lrs) < 60
+
+
 def test_lr_find_errors() -> None:
     trainer = phalanx.Trainer(max_epochs=1, **quiet())
     tuner = Tuner(trainer)

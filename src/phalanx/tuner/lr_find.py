@@ -26,6 +26,7 @@ from phalanx.core.optimizers import parse_optimizers
 from phalanx.tuner.preconditions import refuse_without_separate_optimizers
 from phalanx.tuner.suggest import (
     LONG_PROBE,
+    MIN_POINTS,
     Suggestion,
     decide,
     long_probe,
@@ -177,7 +178,8 @@ class Tuner:
     ) -> LRFinderResult:
         """Train ``num_training`` optimizer steps with the learning rate rising from ``min_lr`` to
         ``max_lr`` and record the loss (averaged over ranks, exponentially smoothed). Stops early when
-        the loss exceeds ``early_stop_threshold`` times the best seen, or is not finite. The curve
+        the loss exceeds ``early_stop_threshold`` times the best seen (from the 8th step, the fewest the
+        suggestion needs: before that the average is a few batches' noise), or is not finite. The curve
         brackets the learning rate; with ``probe`` the search then trains four short fits from the
         initial state at constant learning rates inside the bracket (a third of a decade apart, the
         highest at most half the learning rate of the curve's lowest point; ``max(15, num_training //
@@ -337,7 +339,14 @@ class Tuner:
             result.lrs.append(lr_at(step))
             result.losses.append(value)
             result.raw_losses.append(loss)
-            if not math.isfinite(value) or (threshold is not None and value > threshold * best):
+            if not math.isfinite(value):
+                break
+            # Over its first steps the moving average is a batch or a few: where batch losses vary by more than
+            # the threshold (small batches of a heavy-tailed loss) it crosses threshold x its lowest on noise
+            # alone, and a stop before the rule has its MIN_POINTS losses can only end in a refusal.
+            if step + 1 < MIN_POINTS:
+                continue
+            if threshold is not None and value > threshold * best:
                 break
             best = min(best, value)
         return result

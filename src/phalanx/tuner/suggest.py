@@ -116,15 +116,10 @@ def suggest(lrs: list[float], losses: list[float], mode: str, skip_begin: int = 
     end = len(losses) - skip_end
     pairs = [(lr, loss) for lr, loss in zip(lrs[skip_begin:end], losses[skip_begin:end]) if math.isfinite(loss)]
     if len(pairs) < MIN_POINTS and skip_begin == skip_end == 0 and all(math.isfinite(v) for v in losses):
-        # Nothing blew up, so the search ended on its early stop (or num_training was that small): a moving
-        # average that starts from a batch or two crosses early_stop_threshold x its lowest on batch noise alone
-        # where batch losses vary that much (batches of a few samples of a heavy-tailed loss).
+        # Nothing blew up and the early stop waits for MIN_POINTS steps: the search was that short.
         return Suggestion(None, (
-            f"No learning rate suggested: the search stopped after {len(losses)} steps (the rule needs {MIN_POINTS}) "
-            f"with every loss finite, at lr {lrs[-1]:.3g}. Unless num_training was that small, its early stop fired: "
-            "the moving average rose above early_stop_threshold times the lowest it had seen, and batch losses "
-            f"that range from {min(losses):.3g} to {max(losses):.3g} over those steps cross it on noise alone. Pass "
-            "early_stop_threshold=None (or a larger one), or use larger batches."))
+            f"No learning rate suggested: the search ran {len(losses)} steps, every loss finite, and the rule needs "
+            f"{MIN_POINTS}. Raise num_training."))
     if len(pairs) < MIN_POINTS:
         return Suggestion(None, (
             f"No learning rate suggested: {len(pairs)} finite losses remain after skip_begin={skip_begin} and "
