@@ -80,6 +80,11 @@ class HookDispatcher:
         ``name(*args)``, whose return value is returned."""
         if self.callback_methods(name):
             self.call(name, *args)
+        return self.run_module(name, *args)
+
+    def run_module(self, name: str, *args: Any) -> Any:
+        """The module's ``name(*args)`` alone (the tuners' steps: the Module's hooks shape the update, the
+        callbacks only observe it), as :meth:`run` calls it."""
         module = self.trainer.module
         if overrides(module, name):
             self._sync_metrics()

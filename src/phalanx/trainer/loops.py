@@ -35,7 +35,7 @@ from phalanx.core.module import overrides
 from phalanx.core.optimizers import step_schedulers
 from phalanx.trainer.loaders import empty_loader_error, num_batches
 from phalanx.trainer.loss_check import LossCheck
-from phalanx.trainer.stepping import StepPlan, as_outputs, loss_of, train_batch
+from phalanx.trainer.stepping import StepPlan, as_outputs, clips, loss_of, train_batch
 from phalanx.utils import diagnostics
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 from phalanx.utils.tensors import move_to_device
@@ -123,9 +123,9 @@ def micro_batch(
         output = step(batch, batch_idx)
         loss = loss_of(output)
         scaled = loss / window_size if window_size > 1 else loss
-        _module_hook(trainer, "on_before_backward", scaled)
+        trainer.hooks.run_module("on_before_backward", scaled)
         fabric.backward(scaled, model=model)
-        _module_hook(trainer, "on_after_backward")
+        trainer.hooks.run_module("on_after_backward")
     return output, loss
 
 
@@ -136,21 +136,14 @@ def optimizer_step(trainer: TrainerAttributes, optimizer: Any) -> None:
     edited after backward), so a search without them would measure another training; callbacks observe
     and are left out. The Trainer's own steps, with Lightning's whole hook protocol, are
     :func:`phalanx.trainer.stepping.train_batch`."""
-    module = trainer.module
-    _module_hook(trainer, "on_before_optimizer_step", optimizer)
+    module, hooks = trainer.module, trainer.hooks
+    hooks.run_module("on_before_optimizer_step", optimizer)
     value, algorithm = trainer.settings.gradient_clip_val, trainer.settings.gradient_clip_algorithm
-    if value or overrides(module, "configure_gradient_clipping") or overrides(module, "clip_gradients"):
+    if clips(module, value):
         module.configure_gradient_clipping(optimizer, value, algorithm)
     optimizer.step()
-    _module_hook(trainer, "on_before_zero_grad", optimizer)
+    hooks.run_module("on_before_zero_grad", optimizer)
     optimizer.zero_grad(set_to_none=True)
-
-
-def _module_hook(trainer: TrainerAttributes, name: str, *args: Any) -> None:
-    """The Module's ``name(*args)`` where it overrides it (the defaults do nothing)."""
-    module = trainer.module
-    if overrides(module, name):
-        getattr(module, name)(*args)
 
 
 def _takes_dataloader_idx(method: Any) -> bool:

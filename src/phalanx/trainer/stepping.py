@@ -224,8 +224,7 @@ class StepPlan:
         self.metrics, self.sync_metrics = metrics, sync_metrics
         self.live = frozenset(name for name in STEP_HOOKS if hooks.does_something(name))
         self.clip_val, self.clip_algorithm = settings.gradient_clip_val, settings.gradient_clip_algorithm
-        self.clip = bool(self.clip_val) or overrides(module, "configure_gradient_clipping") \
-            or overrides(module, "clip_gradients")
+        self.clip = clips(module, self.clip_val)
         self.custom_zero_grad = overrides(module, "optimizer_zero_grad")
         self.custom_step = overrides(module, "optimizer_step")
         profiler = hooks.profiler
@@ -237,6 +236,12 @@ class StepPlan:
                               else functools.partial(fabric.backward, model=model))
         self.run_boundary = timed(profiler, "run_training_batch", _forward_backward)
         self.run_accumulating = timed(profiler, "run_training_batch", _forward_backward_no_sync)
+
+
+def clips(module: Module, clip_val: float | None) -> bool:
+    """Whether a step calls ``configure_gradient_clipping``: a clipping value is set, or the Module clips
+    its own way."""
+    return bool(clip_val) or overrides(module, "configure_gradient_clipping") or overrides(module, "clip_gradients")
 
 
 def profiling(profiler: Profiler) -> bool:

@@ -186,11 +186,10 @@ class Tuner:
         3)`` steps each), up to two more above them where the curve was still falling and the highest
         did best, or below them where the lowest did best clearly; where the curve never fell clearly and
         no probe showed a fall, four more a decade lower and then the best again for twice as many steps;
-        the suggestion is the one whose loss ends lowest
-        (:mod:`phalanx.tuner.suggest`). With ``update_attr=True`` sets ``model.lr``/``model.learning_rate``
-        (or ``attr_name``) to the suggestion and, inside a fit, rebuilds the optimizer from
-        ``configure_optimizers``; when the curve gives none, a warning says why and what to change, and
-        the attribute stays."""
+        the suggestion is the one whose loss ends lowest (:mod:`phalanx.tuner.suggest`). With
+        ``update_attr=True`` sets ``model.lr``/``model.learning_rate`` (or ``attr_name``) to the suggestion
+        and, inside a fit, rebuilds the optimizer from ``configure_optimizers``; when the curve gives none, a
+        warning says why and what to change, and the attribute stays."""
         if method != "fit":
             raise MisconfigurationError(f"lr_find(method={method!r}): the LR range test trains; use method='fit'.")
         if dataloaders is not None:

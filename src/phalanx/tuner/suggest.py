@@ -210,7 +210,7 @@ def rung_below(found: Suggestion, lrs: list[float], probes: list[list[float]], s
     ladder spans a decade below the curve's bracket, and where its lowest rung does best the fit's optimum may
     lie further down (an autoencoder or a transformer under Adam whose short curve shows no clear edge). A
     lead within the batches' noise is no trend: on a plateau the short probes all end alike."""
-    shown = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
+    shown = shown_scores(found, lrs, probes, search, steps)
     if len(lrs) < 2 or not shown or min(shown)[1] != min(lrs):
         return None
     order = sorted(range(len(lrs)), key=lambda k: lrs[k])
@@ -278,6 +278,12 @@ def shows_fall(found: Suggestion, losses: list[float], search: list[float], step
     return score < found.below or (len(losses) <= steps and fell_against(losses, search))
 
 
+def shown_scores(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+                 steps: int) -> list[tuple[float, float]]:
+    """``(score, lr)`` of each probe that shows a fall (:func:`shows_fall`): those a suggestion may come from."""
+    return [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
+
+
 def none_shown(found: Suggestion, probes: list[list[float]], search: list[float], steps: int) -> bool:
     """Whether the curve ``found`` never fell clearly and none of ``probes`` shows a fall either: where the
     probes look further (:func:`lower_rungs`, :func:`long_probe`)."""
@@ -303,7 +309,7 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
     the probes that show a fall (:func:`shows_fall`; a longer one runs only where none of the others
     does); none when every probe diverged or rose, or, where the curve never fell clearly, when no
     probe shows the fall either."""
-    shown = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes) if shows_fall(found, losses, search, steps)]
+    shown = shown_scores(found, lrs, probes, search, steps)
     tried = ", ".join(f"{lr:.3g}" for lr in lrs)
     if found.below is not None and not shown:
         longer = f"; the best again for {LONG_PROBE}x as many steps" if any(len(p) > steps for p in probes) else ""
