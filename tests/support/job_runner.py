@@ -126,7 +126,11 @@ def report(fabric: Any = None, /, **values: Any) -> None:
     out = Path(os.environ["PHALANX_TEST_OUT"]) / f"rank{rank}.json"
     current = json.loads(out.read_text()) if out.exists() else {}
     current.update({k: _plain(v) for k, v in values.items()})
-    out.write_text(json.dumps(current))
+    # Whole or not at all: a rank can be ended mid-write (the launcher stops the others once one fails), and a
+    # truncated report would fail the runner's read instead of the test's assertions.
+    partial = out.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(current))
+    os.replace(partial, out)
 
 
 def _plain(value: Any) -> Any:
