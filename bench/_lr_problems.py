@@ -22,6 +22,9 @@ from phalanx.callbacks import LearningRateFinder
 from phalanx.tuner import LRFinderResult, Tuner
 
 GRID = [10 ** (-4 + k / 3) for k in range(13)]
+# Every problem's module is built with this learning rate for the search, so it is the one a run keeps where
+# the finder gives none: Tuner.lr_find leaves it, and LearningRateFinder's fit trains at it. On the grid.
+KEPT_LR = 1e-3
 EPOCHS = 3
 TRAINER_ARGS: dict[str, Any] = {
     "accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": False, "logger": False,
@@ -123,7 +126,7 @@ def fit(problem: Problem, seed: int, lr: float, record: bool = False) -> Fit:
 def initial_loss(problem: Problem, seed: int) -> float:
     """The validation loss of the seed's initialisation, before any training."""
     phalanx.seed_everything(seed, verbose=False)
-    module = problem.make(1e-3)
+    module = problem.make(KEPT_LR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _val_loss(phalanx.Trainer(**TRAINER_ARGS), module, loaders(problem)[1])
@@ -133,7 +136,7 @@ def find(problem: Problem, seed: int, num_training: int) -> Search:
     """One LR range test from the same state as the fits, its arguments the defaults but ``num_training``:
     ``Tuner.lr_find``, or the ``LearningRateFinder`` callback and the fit after it (``problem.callback``)."""
     phalanx.seed_everything(seed, verbose=False)
-    module = problem.make(1e-3)
+    module = problem.make(KEPT_LR)
     train, val = loaders(problem)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a refusal is counted; its message is for users

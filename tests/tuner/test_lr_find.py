@@ -24,10 +24,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import phalanx
 from phalanx.tuner import LRFinderResult, Tuner
 from phalanx.tuner.suggest import (
+    LONG_PROBE,
+    PROBES,
     Suggestion,
     decide,
     fell_against,
-    long_probe,
+    long_probes,
     lower_rungs,
     next_rung,
     probe_ladder,
@@ -36,6 +38,7 @@ from phalanx.tuner.suggest import (
     rung_below,
     suggest,
 )
+from phalanx.utils.errors import PhalanxWarning
 from phalanx.utils.seed import capture_rng_state, restore_rng_state
 
 
@@ -156,6 +159,29 @@ def test_the_search_steps_the_way_the_modules_hooks_say_as_the_fit_does() -> Non
             probe=False, update_attr=False)
     assert len(result.raw_losses) == 10 and len(set(result.raw_losses)) == 1  # the weights never moved
     assert HOOKS == ["on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"] * 10
+
+
+def test_where_nothing_falls_the_highest_finite_probe_and_the_best_run_again_longer() -> None:
+    """A model that never moves (its clipping hook zeroes the gradients) on noisy batches: the curve never falls,
+    no probe does, nor a decade lower; then the highest probe (a plateau is left sooner at a larger step) and the
+    best run again for LONG_PROBE times as long, and none of them falls either."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g)
+    phalanx.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data loader's worker hint
+        result = Tuner(trainer(max_epochs=1)).lr_find(
+            Frozen(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
+            num_training=30, update_attr=False)
+    steps = result.probe_length
+    short = [len(losses) for losses in result.probe_losses[:2 * PROBES]]
+    assert short == [steps] * 2 * PROBES  # the ladder and the decade lower
+    again = result.probe_lrs[2 * PROBES:]
+    best = min((score, lr) for score, lr in zip(result.probe_scores[:2 * PROBES], result.probe_lrs))
+    assert again == list(dict.fromkeys([max(result.probe_lrs[:2 * PROBES])] + [best[1]] * math.isfinite(best[0])))
+    assert [len(losses) for losses in result.probe_losses[2 * PROBES:]] == [LONG_PROBE * steps] * len(again)
+    with pytest.warns(PhalanxWarning, match=f"again for {LONG_PROBE}x as many steps"):
+        assert result.suggestion() is None
 
 
 class TanhRegressor(Linear):
@@ -281,7 +307,8 @@ def test_the_probe_rule() -> None:
     flat = Suggestion(None, "No learning rate suggested: the loss never fell clearly.", top=0.25, below=0.5)
     assert decide(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8).lr == 0.1  # against the search
     assert decide(flat, [0.1, 0.25], [[1.0, 0.9, 0.4, 0.4], [1.0, 0.9, 0.45, 0.45]], search, 4).lr == 0.1  # below
-    # Neither: the ladder goes on a decade lower, once; then the best runs again, twice as long, and is judged
+    # Neither: the ladder goes on a decade lower, once; then the highest that stayed finite and the best run again,
+    # 4x as long, and are judged
     # against ``below`` alone.
     noisy = [v * (1 + 0.3 * (-1) ** k) for k, v in enumerate(search)]
     ladder = probe_ladder(flat)
@@ -298,15 +325,17 @@ def test_the_probe_rule() -> None:
         deeper[-1] * 10 ** (-1 / 3))
     lowest_two = deeper + [deeper[-1] * 10 ** (-k / 3) for k in (1, 2)]  # the decade lower's 4 are not extra ones
     assert rung_below(flat, lowest_two, [noisy] * 8 + [untrained, trained], search, 8) is None
-    assert long_probe(flat, [0.1, 0.25], [noisy, [1.0, math.inf]], search, 8) == 0.1
-    assert long_probe(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8) is None  # one shows the fall
-    assert long_probe(falling, [0.1], [noisy], search, 8) is None  # the curve fell: the probes decide
+    assert long_probes(flat, [0.1, 0.25], [noisy, [1.0, math.inf]], search, 8) == [0.1]  # the highest finite, the best
+    assert long_probes(flat, [0.1, 0.25], [trained, [1.0, math.inf]], search, 8) == []  # one shows the fall
+    assert long_probes(falling, [0.1], [noisy], search, 8) == []  # the curve fell: the probes decide
+    plateau = [1.0] * 4 + [1.05] * 4  # finite, ended above where it started on noise: out, but a plateau is left sooner
+    assert long_probes(flat, [0.1, 0.25, 0.4], [noisy, plateau, [1.0, math.inf]], search, 8) == [0.25, 0.1]
     slow = [1.0] * 8 + [0.45] * 8
-    assert long_probe(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8) is None  # ran already
+    assert long_probes(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8) == []  # ran already
     assert decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], slow], search, 8).lr == 0.1
     still = decide(flat, [0.1, 0.25, 0.1], [noisy, [1.0, math.inf], [1.0] * 15 + [0.99]], search, 8)
     assert still.lr is None and still.reason == (
         "No learning rate suggested: the loss never fell clearly. No probe fit at a quarter of where the loss rose "
-        "or the search ended, or below (0.1, 0.25, 0.1; the best again for 2x as many steps), fell clearly either.")
+        "or the search ended, or below (0.1, 0.25, 0.1; 0.1 again for 4x as many steps), fell clearly either.")
     out = decide(flat, [0.1, 0.25], [[1.0, math.inf], [1.0, math.inf]], search, 8)  # nothing finite: none longer
     assert out.lr is None and out.reason.endswith("or below (0.1, 0.25), fell clearly either.")

@@ -24,7 +24,7 @@ from trainer_support import Regressor, loader, quiet
 import phalanx
 from phalanx.callbacks import LearningRateFinder
 from phalanx.tuner import LRFinderResult, Tuner
-from phalanx.tuner.suggest import suggest
+from phalanx.tuner.suggest import LONG_PROBE, suggest
 from phalanx.utils.errors import PhalanxWarning
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -178,9 +178,12 @@ def test_without_a_suggestion_lr_find_and_the_callback_keep_the_learning_rate() 
         result = Tuner(trainer).lr_find(model, train_dataloaders=loader(64, 8), min_lr=1e-8, max_lr=1e-6,
                                         num_training=24)
     assert result.suggestion() is None and model.lr == 0.05
-    # The probe fits below the range's end, and a decade lower, fell no more than the curve.
-    assert len(result.probe_lrs) == 8 and result.probe_lrs[4:] == pytest.approx(
+    # The probe fits below the range's end, and a decade lower, fell no more than the curve; nor did the highest
+    # again, 4x as long (every short probe ended above where it started: none is the best).
+    assert len(result.probe_lrs) == 9 and result.probe_lrs[4:8] == pytest.approx(
         [min(result.probe_lrs[:4]) * 10 ** (-k / 3) for k in range(1, 5)])
+    assert result.probe_lrs[8] == max(result.probe_lrs[:8])
+    assert len(result.probe_losses[8]) == LONG_PROBE * result.probe_length
     assert len([w for w in caught if issubclass(w.category, PhalanxWarning)]) == 1
 
     finder = LearningRateFinder(min_lr=1e-8, max_lr=1e-6, num_training_steps=24)

@@ -29,7 +29,7 @@ from phalanx.tuner.suggest import (
     MIN_POINTS,
     Suggestion,
     decide,
-    long_probe,
+    long_probes,
     lower_rungs,
     next_rung,
     probe_ladder,
@@ -278,8 +278,8 @@ class Tuner:
         """A short fit at each learning rate of the curve's probe ladder (none where no probe can help),
         then above it while :func:`~phalanx.tuner.suggest.next_rung` asks for one more, a decade below it
         where :func:`~phalanx.tuner.suggest.lower_rungs` asks, below it while
-        :func:`~phalanx.tuner.suggest.rung_below` asks for one more, and the best again, longer, where
-        :func:`~phalanx.tuner.suggest.long_probe` asks for it."""
+        :func:`~phalanx.tuner.suggest.rung_below` asks for one more, and two again, longer, where
+        :func:`~phalanx.tuner.suggest.long_probes` asks for them."""
         steps = probe_steps(num_training)
         found = suggest(result.lrs, result.raw_losses, result.mode)
         result.probe_length = steps
@@ -296,7 +296,7 @@ class Tuner:
             run(lr)
         while (below := rung_below(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
             run(below)
-        if (again := long_probe(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps)) is not None:
+        for again in long_probes(found, result.probe_lrs, result.probe_losses, result.raw_losses, steps):
             run(again, LONG_PROBE * steps)
 
     def _probe(self, lr: float, steps: int, optimizer: Any) -> list[float]:

@@ -45,9 +45,11 @@ fails:
   ladder goes on a decade lower (:func:`lower_rungs`): a search that never fell clearly often ran to
   ``max_lr`` without blowing up, and its last decade may lie wholly above where the model learns (a
   transformer under Adam that sits at chance for tens of steps above 1e-2 and learns at 1e-3). Where
-  none of those shows a fall either, the best runs again for ``LONG_PROBE`` times as many steps
-  (:func:`long_probe`): a loss that sits on a plateau for a while, or a learning rate that trains
-  slowly, shows its fall later than a short probe ends.
+  none of those shows a fall either, two run again for ``LONG_PROBE`` times as many steps
+  (:func:`long_probes`): a loss that sits on a plateau shows its fall later than a short probe ends,
+  and leaves it sooner at a larger step (the highest probe that stayed finite: an LSTM timing
+  intervals sits at chance for 30 to 50 steps at its best learning rate); a learning rate that trains
+  slowly is the best probe's.
 * Without probe fits (``probe=False``, or a suggestion asked with other ``skip_begin``/``skip_end``
   than the search's): the steepest slope of the fall into the lowest point, capped by the guard; none
   where the curve never fell clearly.
@@ -70,7 +72,7 @@ PROBES = 4  # probe fits, a third of a decade apart: together they span a decade
 EXTRA_PROBES = 2  # more past an end of the ladder whose probe did best: above (a still-falling curve), or below
 PROBE_NOISE_MULTIPLE = 2.0  # a probe's fall, in standard errors, that stands in for the curve's
 MIN_PROBE_FALL = 0.01  # ... and, against the search on the same batches, at least this (relative) fall
-LONG_PROBE = 2  # where no probe of a curve that never fell clearly shows a fall, the best runs this much longer
+LONG_PROBE = 4  # where no probe of a curve that never fell clearly shows a fall, two run this much longer
 MIN_PROBE_STEPS = 15  # fewer steps are mostly the first steps' transient (momentum has not built up)
 
 
@@ -290,16 +292,20 @@ def none_shown(found: Suggestion, probes: list[list[float]], search: list[float]
     return found.below is not None and not any(shows_fall(found, losses, search, steps) for losses in probes)
 
 
-def long_probe(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
-               steps: int) -> float | None:
-    """The learning rate to probe again for ``LONG_PROBE * steps`` steps, or None: only where the curve
-    never fell clearly, no probe shows a fall (those a decade lower included), none ran longer yet, and one
-    is finite (the best)."""
+def long_probes(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
+                steps: int) -> list[float]:
+    """The learning rates to probe again for ``LONG_PROBE * steps`` steps, or none: only where the curve
+    never fell clearly, no probe shows a fall (those a decade lower included) and none ran longer yet. The
+    highest whose losses all stayed finite (a plateau is left sooner at a larger step; its short probe may
+    have ended above where it started on noise alone) and the best (the lowest score: one that trains
+    slowly), once where they are the same."""
     if any(len(losses) > steps for losses in probes) or not none_shown(found, probes, search, steps):
-        return None
+        return []
+    stable = [lr for lr, losses in zip(lrs, probes) if losses and all(math.isfinite(v) for v in losses)]
     scored = [(probe_score(losses), lr) for lr, losses in zip(lrs, probes)]
     finite = [(score, lr) for score, lr in scored if math.isfinite(score)]
-    return min(finite)[1] if finite else None
+    picks = ([max(stable)] if stable else []) + ([min(finite)[1]] if finite else [])
+    return list(dict.fromkeys(picks))
 
 
 def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], search: list[float],
@@ -312,7 +318,8 @@ def decide(found: Suggestion, lrs: list[float], probes: list[list[float]], searc
     shown = shown_scores(found, lrs, probes, search, steps)
     tried = ", ".join(f"{lr:.3g}" for lr in lrs)
     if found.below is not None and not shown:
-        longer = f"; the best again for {LONG_PROBE}x as many steps" if any(len(p) > steps for p in probes) else ""
+        again = ", ".join(f"{lr:.3g}" for lr, losses in zip(lrs, probes) if len(losses) > steps)
+        longer = f"; {again} again for {LONG_PROBE}x as many steps" if again else ""
         return dataclasses.replace(found, reason=(
             f"{found.reason} No probe fit at a quarter of where the loss rose or the search ended, or below "
             f"({tried}{longer}), fell clearly either."))
