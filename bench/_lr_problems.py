@@ -7,7 +7,10 @@ same order (phalanx's sampler orders them by seed and epoch).
 
 from __future__ import annotations
 
+import atexit
 import math
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,9 +29,13 @@ GRID = [10 ** (-4 + k / 3) for k in range(13)]
 # the finder gives none: Tuner.lr_find leaves it, and LearningRateFinder's fit trains at it. On the grid.
 KEPT_LR = 1e-3
 EPOCHS = 3
+# A fit claims its folder for as long as it runs: two benches started in one folder would refuse each other.
+ROOT = tempfile.mkdtemp(prefix="phalanx-lr-bench-")
+atexit.register(shutil.rmtree, ROOT, True)
 TRAINER_ARGS: dict[str, Any] = {
     "accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": False, "logger": False,
     "num_sanity_val_steps": 0, "enable_model_summary": False,
+    "default_root_dir": ROOT,
 }
 
 
