@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,17 @@ def search(seed: int, scaled: bool, max_lr: float = 1.0, probe: bool = True) -> 
         result = Tuner(trainer(max_epochs=1)).lr_find(model, train_dataloaders=regression(seed, scaled),
                                                       num_training=30, max_lr=max_lr, probe=probe, update_attr=False)
     return result, model
+
+
+def search_on(make: Callable[[], phalanx.Module], x: torch.Tensor, y: torch.Tensor, seed: int) -> LRFinderResult:
+    """A 30-step search of a module made after seeding on (x, y) in shuffled batches of 32, the probes at their
+    defaults."""
+    phalanx.seed_everything(seed, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data loader's worker hint
+        return Tuner(trainer(max_epochs=1)).lr_find(
+            make(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
+            num_training=30, update_attr=False)
 
 
 def curve_only(result: LRFinderResult) -> Any:
@@ -167,12 +179,7 @@ def test_where_nothing_falls_the_highest_finite_probe_and_the_best_run_again_lon
     best run again for LONG_PROBE times as long, and none of them falls either."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g)
-    phalanx.seed_everything(0, verbose=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the data loader's worker hint
-        result = Tuner(trainer(max_epochs=1)).lr_find(
-            Frozen(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
-            num_training=30, update_attr=False)
+    result = search_on(Frozen, x, y, seed=0)
     steps = result.probe_length
     short = [len(losses) for losses in result.probe_losses[:2 * PROBES]]
     assert short == [steps] * 2 * PROBES  # the ladder and the decade lower
@@ -197,12 +204,7 @@ def test_a_curve_that_never_fell_clearly_is_probed_below_a_quarter_of_where_the_
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1024, 8, generator=g)
     y = torch.sin(x @ torch.randn(8, 1, generator=g) / 2) + torch.cos(x @ torch.randn(8, 1, generator=g) / 2) / 2
-    phalanx.seed_everything(1, verbose=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the data loader's worker hint
-        result = Tuner(trainer(max_epochs=1)).lr_find(
-            TanhRegressor(), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
-            num_training=30, update_attr=False)
+    result = search_on(TanhRegressor, x, y, seed=1)
     found = curve_only(result)
     assert found.lr is None and "never fell clearly" in found.reason and found.below is not None
     assert result.probe_lrs == pytest.approx([result.lrs[-1] / 4 / 10 ** (k / 3) for k in (3, 2, 1, 0)])
